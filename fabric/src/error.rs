@@ -1,0 +1,43 @@
+//! Errors of the fabric. One enum for every backend, so that callers (KN shards, the DPM's
+//! tests) handle "access revoked" or "connection lost" the same way whatever carries the bytes.
+
+use std::io;
+
+/// What went wrong with a posted operation or a region.
+#[derive(Debug, thiserror::Error)]
+pub enum FabricError {
+    /// The access key was revoked (the caller was fenced) or never granted.
+    #[error("access denied: the key for grant slot {slot} is not valid (revoked or never granted)")]
+    AccessDenied { slot: u32 },
+    /// An operation addressed bytes outside the registered region.
+    #[error("out of bounds: offset {offset} + len {len} exceeds the region of {region_len} bytes")]
+    OutOfBounds { offset: u64, len: u64, region_len: u64 },
+    /// Atomic operations need an 8-byte aligned address.
+    #[error("misaligned atomic at offset {offset}: CAS and FAA need 8-byte alignment")]
+    Misaligned { offset: u64 },
+    /// The transport failed; operations of this post may or may not have been applied.
+    #[error("transport failed: {0}")]
+    Transport(String),
+    /// The peer answered with bytes that do not parse.
+    #[error("protocol error: {0}")]
+    Protocol(String),
+    /// Injected by a fault plan (tests only).
+    #[error("injected fault: {0}")]
+    Injected(&'static str),
+    /// Mapping or persisting a region failed.
+    #[error("region I/O on {path}: {source}")]
+    Region { path: String, source: io::Error },
+    /// A configuration value is not usable.
+    #[error("invalid fabric configuration: {0}")]
+    Config(String),
+}
+
+impl FabricError {
+    /// True when retrying on the same connection cannot help (the caller was fenced or made a
+    /// programming error); false for transport trouble.
+    pub fn is_permanent(&self) -> bool {
+        !matches!(self, FabricError::Transport(_) | FabricError::Injected(_))
+    }
+}
+
+pub type Result<T, E = FabricError> = std::result::Result<T, E>;

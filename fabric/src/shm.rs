@@ -1,0 +1,61 @@
+//! The shm backend: the caller maps the pool file itself (MAP_SHARED) and performs the loads,
+//! stores, atomics and persists with its own CPU. Truly one-sided: the memory node's CPU does
+//! nothing. Access is checked against the grant table (also mapped) before every post.
+
+use std::path::Path;
+use std::sync::Arc;
+
+use async_trait::async_trait;
+
+use crate::error::Result;
+use crate::exec;
+use crate::grants::GrantTable;
+use crate::op::{AccessKey, Completion, Op};
+use crate::pm::{DurabilityRequest, PmRegion};
+use crate::stats::FabricStats;
+use crate::Fabric;
+
+/// A caller's shm handle.
+#[derive(Debug)]
+pub struct ShmFabric {
+    region: Arc<PmRegion>,
+    grants: Arc<GrantTable>,
+    key: AccessKey,
+    stats: FabricStats,
+}
+
+impl ShmFabric {
+    /// Maps the pool at `pool` and its grant table, as a KN in another process does.
+    pub fn connect(pool: &Path, key: AccessKey, durability: DurabilityRequest) -> Result<Self> {
+        let region = Arc::new(PmRegion::open(pool, durability)?);
+        let grants = Arc::new(GrantTable::open(&GrantTable::path_for(pool))?);
+        grants.check(key)?;
+        Ok(Self::from_parts(region, grants, key))
+    }
+
+    /// A handle on mappings this process already has (tests, tools in the DPM process).
+    pub fn from_parts(region: Arc<PmRegion>, grants: Arc<GrantTable>, key: AccessKey) -> Self {
+        ShmFabric { region, grants, key, stats: FabricStats::default() }
+    }
+
+    pub fn region(&self) -> &Arc<PmRegion> {
+        &self.region
+    }
+}
+
+#[async_trait]
+impl Fabric for ShmFabric {
+    async fn post(&self, ops: &[Op]) -> Result<Vec<Completion>> {
+        self.grants.check(self.key)?;
+        self.stats.record_post(ops);
+        exec::apply(&self.region, ops)
+    }
+
+    fn stats(&self) -> &FabricStats {
+        &self.stats
+    }
+
+    fn backend(&self) -> &'static str {
+        "shm"
+    }
+}
