@@ -22,7 +22,7 @@ pub fn validate(region: &PmRegion, ops: &[Op]) -> Result<()> {
             Op::Write { offset, data } => region.check(*offset, data.len() as u64)?,
             Op::Cas { offset, .. } | Op::Faa { offset, .. } => {
                 region.check(*offset, 8)?;
-                if offset % 8 != 0 {
+                if !offset.is_multiple_of(8) {
                     return Err(FabricError::Misaligned { offset: *offset });
                 }
             }

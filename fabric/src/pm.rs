@@ -200,7 +200,7 @@ impl PmRegion {
         // SAFETY: bounds checked above; the mapping lives as long as self.
         unsafe {
             let src = self.base.as_ptr().add(offset as usize);
-            if offset % 8 == 0 && out.len() % 8 == 0 && out.len() <= 4096 {
+            if offset.is_multiple_of(8) && out.len().is_multiple_of(8) && out.len() <= 4096 {
                 for (i, chunk) in out.chunks_exact_mut(8).enumerate() {
                     let w = AtomicU64::from_ptr(src.add(i * 8).cast()).load(Ordering::Acquire);
                     chunk.copy_from_slice(&w.to_le_bytes());
@@ -219,7 +219,7 @@ impl PmRegion {
         // SAFETY: bounds checked above.
         unsafe {
             let dst = self.base.as_ptr().add(offset as usize);
-            if offset % 8 == 0 && data.len() % 8 == 0 && data.len() <= 4096 {
+            if offset.is_multiple_of(8) && data.len().is_multiple_of(8) && data.len() <= 4096 {
                 for (i, chunk) in data.chunks_exact(8).enumerate() {
                     let w = u64::from_le_bytes(chunk.try_into().expect("8 bytes"));
                     AtomicU64::from_ptr(dst.add(i * 8).cast()).store(w, Ordering::Release);
@@ -241,7 +241,7 @@ impl PmRegion {
     /// The 8-byte word at `offset` as an atomic.
     pub fn word(&self, offset: u64) -> Result<&AtomicU64> {
         self.check(offset, 8)?;
-        if offset % 8 != 0 {
+        if !offset.is_multiple_of(8) {
             return Err(FabricError::Misaligned { offset });
         }
         // SAFETY: in bounds, aligned, and the mapping outlives the returned borrow.

@@ -487,15 +487,15 @@ mod tests {
 
     #[test]
     fn response_roundtrip_and_errors() {
-        let ok = Ok(vec![
+        let cs = vec![
             Completion::Read(Bytes::from_static(b"xy")),
             Completion::Written,
             Completion::Cas { old: 4 },
             Completion::Faa { old: 9 },
-        ]);
-        let (id, r) = decode_response(encode_response(5, &ok).slice(4..)).unwrap();
+        ];
+        let (id, r) = decode_response(encode_response(5, &Ok(cs.clone())).slice(4..)).unwrap();
         assert_eq!(id, 5);
-        assert_eq!(r.unwrap(), ok.unwrap());
+        assert_eq!(r.unwrap(), cs);
         for e in [
             FabricError::AccessDenied { slot: 2 },
             FabricError::OutOfBounds { offset: 1, len: 2, region_len: 3 },

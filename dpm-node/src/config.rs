@@ -1,0 +1,197 @@
+//! Configuration of the dpm-node, in two stages: [`DpmConfigFile`] is what the TOML file and
+//! flags say (every field documented, every field defaulted), [`DpmConfig`] is the validated
+//! runtime form. config/dpm-node.toml is a commented example parsed by a test.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use dinomo_fabric::DurabilityRequest;
+use serde::Deserialize;
+
+use crate::error::{DpmError, Result};
+use crate::pool::FormatOptions;
+
+/// The dpm-node's configuration file.
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DpmConfigFile {
+    /// Path of the PM pool file. On a DAX filesystem (mounted with `-o dax`) it is real
+    /// persistent memory; elsewhere it is an ordinary file (see `durability`).
+    pub pool_path: PathBuf,
+    /// Size of a new pool, e.g. "1GiB". Used only when the pool is created.
+    pub pool_size: String,
+    /// Size of a log segment, a power of two >= 64KiB, e.g. "8MiB". Used only at creation.
+    pub segment_size: String,
+    /// Share of the pool, after fixed areas, given to the index heap (0.01..=0.9).
+    pub index_fraction: f64,
+    /// Size of the cluster-metadata area, e.g. "1MiB". Used only at creation.
+    pub metadata_size: String,
+    /// Create (format) the pool when the file does not exist. An existing file is never
+    /// reformatted.
+    pub create: bool,
+    /// How stores become durable: "auto" (DAX when MAP_SYNC works, else process-crash),
+    /// "dax" (fail unless DAX), "msync" (survives power loss on ordinary files, slow),
+    /// "process-crash" (survives crashes of any process, not of the machine).
+    pub durability: String,
+    /// Threads that merge KN logs into the index.
+    pub merge_workers: usize,
+    /// Buckets of the first index table (rounded up to a power of two).
+    pub initial_index_buckets: u64,
+    /// Milliseconds between garbage-collection passes.
+    pub gc_interval_ms: u64,
+    /// Clean a merged segment when its live bytes fall below this share of its written bytes
+    /// (0 disables cleaning; dead segments are still freed).
+    pub clean_threshold: f64,
+    /// Address of the gRPC control service (DpmService).
+    pub listen: String,
+    /// Fabric offered to KNs: "shm" (same host; KNs map the pool) or "tcp" (emulated NIC).
+    pub fabric: String,
+    /// Address of the tcp fabric NIC (used when `fabric = "tcp"`; also started for "shm" so
+    /// that remote tools can attach).
+    pub fabric_listen: String,
+    /// Address of the Prometheus /metrics endpoint; empty to disable.
+    pub metrics_listen: String,
+    /// Grant slots in the fabric grant table (concurrent KN registrations).
+    pub max_grants: u32,
+}
+
+impl Default for DpmConfigFile {
+    fn default() -> Self {
+        DpmConfigFile {
+            pool_path: PathBuf::from("dinomo.pool"),
+            pool_size: "1GiB".into(),
+            segment_size: "8MiB".into(),
+            index_fraction: 0.125,
+            metadata_size: "1MiB".into(),
+            create: true,
+            durability: "auto".into(),
+            merge_workers: 2,
+            initial_index_buckets: 16384,
+            gc_interval_ms: 200,
+            clean_threshold: 0.25,
+            listen: "127.0.0.1:7700".into(),
+            fabric: "shm".into(),
+            fabric_listen: "127.0.0.1:7701".into(),
+            metrics_listen: "127.0.0.1:9700".into(),
+            max_grants: 256,
+        }
+    }
+}
+
+/// Which fabric KNs are told to use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FabricKind {
+    Shm,
+    Tcp,
+}
+
+/// The validated configuration.
+#[derive(Debug, Clone)]
+pub struct DpmConfig {
+    pub pool_path: PathBuf,
+    pub format: FormatOptions,
+    pub create: bool,
+    pub durability: DurabilityRequest,
+    pub merge_workers: usize,
+    pub initial_index_buckets: u64,
+    pub gc_interval_ms: u64,
+    pub clean_threshold: f64,
+    pub listen: SocketAddr,
+    pub fabric: FabricKind,
+    pub fabric_listen: SocketAddr,
+    pub metrics_listen: Option<SocketAddr>,
+    pub max_grants: u32,
+}
+
+/// Parses "64KiB", "8MiB", "1GiB", "512" (bytes), "2TB"-style sizes.
+pub fn parse_size(s: &str) -> Result<u64> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num.parse().map_err(|_| DpmError::Config(format!("size {s:?}: expected a number with an optional unit like 8MiB")))?;
+    let mult: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" | "K" | "KB" => 1 << 10,
+        "MiB" | "M" | "MB" => 1 << 20,
+        "GiB" | "G" | "GB" => 1 << 30,
+        "TiB" | "T" | "TB" => 1 << 40,
+        u => return Err(DpmError::Config(format!("size {s:?}: unknown unit {u:?} (use B, KiB, MiB, GiB, TiB)"))),
+    };
+    n.checked_mul(mult).ok_or_else(|| DpmError::Config(format!("size {s:?} overflows")))
+}
+
+fn addr(field: &str, s: &str) -> Result<SocketAddr> {
+    s.parse().map_err(|e| DpmError::Config(format!("{field} = {s:?}: not a socket address like 127.0.0.1:7700 ({e})")))
+}
+
+impl DpmConfigFile {
+    pub fn from_toml(text: &str) -> Result<Self> {
+        toml::from_str(text).map_err(|e| DpmError::Config(e.to_string()))
+    }
+
+    pub fn validate(self) -> Result<DpmConfig> {
+        let format = FormatOptions {
+            pool_len: parse_size(&self.pool_size)?,
+            segment_size: parse_size(&self.segment_size)?,
+            metadata_len: parse_size(&self.metadata_size)?,
+            index_fraction: self.index_fraction,
+        };
+        dinomo_layout::superblock::Superblock::plan(format.pool_len, format.segment_size, format.metadata_len, format.index_fraction)
+            .map_err(|e| DpmError::Config(format!("pool_size/segment_size/index_fraction: {e}")))?;
+        if self.merge_workers == 0 || self.merge_workers > 64 {
+            return Err(DpmError::Config(format!("merge_workers = {}: must be 1..=64", self.merge_workers)));
+        }
+        if !(0.0..1.0).contains(&self.clean_threshold) {
+            return Err(DpmError::Config(format!("clean_threshold = {}: must be in [0, 1)", self.clean_threshold)));
+        }
+        let fabric = match self.fabric.as_str() {
+            "shm" => FabricKind::Shm,
+            "tcp" => FabricKind::Tcp,
+            other => return Err(DpmError::Config(format!("fabric = {other:?}: expected \"shm\" or \"tcp\""))),
+        };
+        Ok(DpmConfig {
+            pool_path: self.pool_path,
+            format,
+            create: self.create,
+            durability: self.durability.parse().map_err(|e: dinomo_fabric::FabricError| DpmError::Config(e.to_string()))?,
+            merge_workers: self.merge_workers,
+            initial_index_buckets: self.initial_index_buckets.max(64),
+            gc_interval_ms: self.gc_interval_ms.max(1),
+            clean_threshold: self.clean_threshold,
+            listen: addr("listen", &self.listen)?,
+            fabric,
+            fabric_listen: addr("fabric_listen", &self.fabric_listen)?,
+            metrics_listen: if self.metrics_listen.is_empty() { None } else { Some(addr("metrics_listen", &self.metrics_listen)?) },
+            max_grants: self.max_grants.max(1),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn sizes() {
+        assert_eq!(parse_size("8MiB").unwrap(), 8 << 20);
+        assert_eq!(parse_size("512").unwrap(), 512);
+        assert!(parse_size("8 parsecs").is_err());
+        assert!(parse_size("").is_err());
+    }
+
+    #[test]
+    fn example_config_parses_and_validates() {
+        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../config/dpm-node.toml")).unwrap();
+        let cfg = DpmConfigFile::from_toml(&text).unwrap().validate().unwrap();
+        assert_eq!(cfg.format.segment_size, 8 << 20);
+    }
+
+    #[test]
+    fn unknown_fields_and_bad_values_are_refused() {
+        assert!(DpmConfigFile::from_toml("pool_sise = \"1GiB\"").is_err());
+        let bad = DpmConfigFile { merge_workers: 0, ..Default::default() };
+        assert!(bad.validate().unwrap_err().to_string().contains("merge_workers"));
+        let bad = DpmConfigFile { fabric: "carrier-pigeon".into(), ..Default::default() };
+        assert!(bad.validate().is_err());
+    }
+}

@@ -1,0 +1,370 @@
+//! The DPM as a library: opens (or formats) the pool, rebuilds DRAM state, runs the merge
+//! workers and the garbage collector, and offers the control operations the gRPC service
+//! exposes. It never serves client requests; KNs reach the pool with one-sided operations.
+//!
+//! KN identity and fencing: each registration of a KN id gets a new epoch (from a persistent
+//! counter) and a fresh fabric grant; the previous incarnation's grant is revoked and its epoch
+//! refused from then on. The fence table lives in the pool's roots, so a restarted DPM still
+//! refuses a fenced KN.
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use dinomo_fabric::grants::GrantTable;
+use dinomo_fabric::AccessKey;
+use dinomo_layout::index::EntryPtr;
+use dinomo_layout::log::{decode_entry, LogOp};
+use dinomo_layout::meta::Roots;
+use dinomo_layout::segment::SegState;
+use parking_lot::Mutex;
+
+use crate::config::DpmConfig;
+use crate::error::{DpmError, Result};
+use crate::gc::Gc;
+use crate::index::{heap_alloc, Index};
+use crate::merge::{MergeMode, MergeReport, Merger};
+use crate::metastore::MetaStore;
+use crate::pool::Pool;
+use crate::segments::{SegmentGrant, Segments, CLEANER_KN};
+
+/// What a KN learns when it registers.
+#[derive(Debug, Clone)]
+pub struct Registration {
+    pub kn_id: u32,
+    pub epoch: u64,
+    pub key: AccessKey,
+    pub pool_len: u64,
+    pub segment_size: u64,
+    /// Pool offset of the root word holding the current index table header's offset.
+    pub index_root: u64,
+}
+
+/// A value read through the index (tests and tools).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Found {
+    pub ptr: EntryPtr,
+    pub version: u64,
+    pub value: Vec<u8>,
+}
+
+/// Counters for the Stats RPC and /metrics.
+#[derive(Debug, Clone, Default)]
+pub struct DpmStats {
+    pub segments_total: u64,
+    pub segments_free: u64,
+    pub index_items: u64,
+    pub index_buckets: u64,
+    pub index_resizes: u64,
+    pub entries_merged: u64,
+    pub pending_segments: HashMap<u32, u64>,
+}
+
+#[derive(Debug)]
+struct KnSession {
+    epoch: u64,
+    key: AccessKey,
+}
+
+#[derive(Debug)]
+pub struct Dpm {
+    pub config: DpmConfig,
+    pool: Arc<Pool>,
+    index: Arc<Index>,
+    segments: Arc<Segments>,
+    merger: Arc<Merger>,
+    gc: Arc<Gc>,
+    meta: MetaStore,
+    grants: Arc<GrantTable>,
+    sessions: Mutex<HashMap<u32, KnSession>>,
+    stop: Arc<AtomicBool>,
+    threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
+}
+
+impl Dpm {
+    /// Opens the pool (formatting it when absent and allowed) and starts the background
+    /// threads.
+    pub fn open(config: DpmConfig) -> Result<Arc<Self>> {
+        let path = &config.pool_path;
+        let pool = if path.exists() {
+            Pool::open(path, config.durability)?
+        } else if config.create {
+            tracing::info!(path = %path.display(), size = config.format.pool_len, "formatting a new pool");
+            Pool::format(path, &config.format, config.durability)?
+        } else {
+            return Err(DpmError::BadPool {
+                path: path.display().to_string(),
+                detail: "does not exist (and create = false)".into(),
+            });
+        };
+        let pool = Arc::new(pool);
+        tracing::info!(
+            path = %path.display(),
+            durability = %pool.durability(),
+            segments = pool.superblock().segment_count,
+            segment_size = pool.superblock().segment_size,
+            "pool open"
+        );
+        let index = Arc::new(Index::open(pool.clone(), config.initial_index_buckets)?);
+        let segments = Arc::new(Segments::open(pool.clone())?);
+        // The cleaner's open segment of a previous run is finished as it is.
+        if let Some((_, chain)) = segments.chains().into_iter().find(|(k, _)| *k == CLEANER_KN) {
+            let mut c = chain.lock();
+            for (_, id) in std::mem::take(&mut c.pending) {
+                segments.set_state(id, CLEANER_KN, SegState::Merged)?;
+            }
+        }
+        let mut rebuild = Ok(());
+        index.for_each(|_, p| {
+            if rebuild.is_ok() {
+                rebuild = segments.add_live(p, 1);
+            }
+        })?;
+        rebuild?;
+        let merger = Arc::new(Merger::new(pool.clone(), index.clone(), segments.clone()));
+        let gc = Arc::new(Gc::new(pool.clone(), index.clone(), segments.clone(), config.clean_threshold));
+        let meta = MetaStore::open(pool.clone())?;
+        // Grants do not survive a restart: KNs re-register (and get new epochs).
+        let grants = Arc::new(GrantTable::create(&GrantTable::path_for(path), config.max_grants)?);
+        let stop = Arc::new(AtomicBool::new(false));
+        let mut threads = merger.spawn_workers(config.merge_workers, stop.clone());
+        {
+            let (gc, stop, every) = (gc.clone(), stop.clone(), Duration::from_millis(config.gc_interval_ms));
+            threads.push(
+                std::thread::Builder::new()
+                    .name("gc".into())
+                    .spawn(move || {
+                        let mut last = std::time::Instant::now();
+                        while !stop.load(Ordering::Acquire) {
+                            // Short naps so that shutdown is prompt whatever the interval.
+                            std::thread::sleep(every.min(Duration::from_millis(20)));
+                            if last.elapsed() < every {
+                                continue;
+                            }
+                            last = std::time::Instant::now();
+                            if let Err(e) = gc.run_once() {
+                                tracing::error!(error = %e, "garbage collection pass failed");
+                            }
+                        }
+                    })
+                    .expect("spawning the gc thread"),
+            );
+        }
+        tracing::info!(items = index.items(), free_segments = segments.free_count(), "DPM ready");
+        Ok(Arc::new(Dpm {
+            config,
+            pool,
+            index,
+            segments,
+            merger,
+            gc,
+            meta,
+            grants,
+            sessions: Mutex::new(HashMap::new()),
+            stop,
+            threads: Mutex::new(threads),
+        }))
+    }
+
+    pub fn pool(&self) -> &Arc<Pool> {
+        &self.pool
+    }
+
+    pub fn grants(&self) -> &Arc<GrantTable> {
+        &self.grants
+    }
+
+    pub fn index(&self) -> &Arc<Index> {
+        &self.index
+    }
+
+    pub fn gc(&self) -> &Arc<Gc> {
+        &self.gc
+    }
+
+    fn fence_word(&self, kn: u32) -> Result<&std::sync::atomic::AtomicU64> {
+        if kn >= Roots::MAX_KNS {
+            return Err(DpmError::KnOutOfRange { kn, max: Roots::MAX_KNS });
+        }
+        Ok(self.pool.root(Roots::KN_FENCE + 8 * u64::from(kn)))
+    }
+
+    /// Registers a KN (a new incarnation of `kn_id`, or the lowest unused id), fencing any
+    /// previous incarnation.
+    pub fn register_kn(&self, kn_id: Option<u32>, endpoint: &str) -> Result<Registration> {
+        let mut sessions = self.sessions.lock();
+        let kn = match kn_id {
+            Some(k) => k,
+            None => (0..Roots::MAX_KNS)
+                .find(|k| !sessions.contains_key(k) && self.meta.get(&format!("dpm/kn/{k}")).is_none())
+                .ok_or(DpmError::KnOutOfRange { kn: Roots::MAX_KNS, max: Roots::MAX_KNS })?,
+        };
+        let fence = self.fence_word(kn)?;
+        let epoch = self.pool.root(Roots::KN_EPOCH).fetch_add(1, Ordering::AcqRel) + 1;
+        self.pool.persist_root(Roots::KN_EPOCH);
+        fence.store(epoch, Ordering::Release);
+        self.pool.persist_root(Roots::KN_FENCE + 8 * u64::from(kn));
+        if let Some(old) = sessions.remove(&kn) {
+            self.grants.revoke(old.key)?;
+        }
+        let key = self.grants.grant()?;
+        self.meta.update(&[(&format!("dpm/kn/{kn}"), Some(endpoint.as_bytes()))])?;
+        sessions.insert(kn, KnSession { epoch, key });
+        metrics::counter!("dinomo_dpm_kn_registrations_total").increment(1);
+        tracing::info!(kn, epoch, endpoint, "KN registered");
+        let sb = self.pool.superblock();
+        Ok(Registration {
+            kn_id: kn,
+            epoch,
+            key,
+            pool_len: sb.pool_len,
+            segment_size: sb.segment_size,
+            index_root: sb.roots_off + Roots::INDEX_TABLE,
+        })
+    }
+
+    /// Refuses a KN epoch that has been fenced.
+    pub fn check_epoch(&self, kn: u32, epoch: u64) -> Result<()> {
+        let fence = self.fence_word(kn)?.load(Ordering::Acquire);
+        if fence == 0 {
+            return Err(DpmError::UnknownKn { kn });
+        }
+        if epoch < fence {
+            return Err(DpmError::Fenced { kn, epoch, fence });
+        }
+        Ok(())
+    }
+
+    /// Fences a KN: its fabric access is revoked and its epoch refused. Its logs stay; call
+    /// [`Dpm::merge_all`] to make them readable by others.
+    pub fn fence_kn(&self, kn: u32) -> Result<()> {
+        let fence = self.fence_word(kn)?;
+        let next = self.pool.root(Roots::KN_EPOCH).fetch_add(1, Ordering::AcqRel) + 1;
+        self.pool.persist_root(Roots::KN_EPOCH);
+        fence.store(next, Ordering::Release);
+        self.pool.persist_root(Roots::KN_FENCE + 8 * u64::from(kn));
+        if let Some(s) = self.sessions.lock().remove(&kn) {
+            self.grants.revoke(s.key)?;
+            tracing::info!(kn, epoch = s.epoch, "KN fenced");
+        }
+        metrics::counter!("dinomo_dpm_kn_fenced_total").increment(1);
+        Ok(())
+    }
+
+    pub fn allocate_segment(&self, kn: u32, epoch: u64) -> Result<SegmentGrant> {
+        self.check_epoch(kn, epoch)?;
+        self.segments.allocate(kn, epoch)
+    }
+
+    /// Marks a segment sealed and wakes the merge workers; returns how many segments of this
+    /// KN are still unmerged.
+    pub fn seal_segment(&self, kn: u32, epoch: u64, segment: u64) -> Result<u64> {
+        self.check_epoch(kn, epoch)?;
+        self.segments.seal(kn, segment)?;
+        self.merger.notify();
+        Ok(self.pending_segments(kn))
+    }
+
+    /// Segments of `kn` not yet fully merged (open ones included).
+    pub fn pending_segments(&self, kn: u32) -> u64 {
+        self.segments.chain(kn).lock().pending.len() as u64
+    }
+
+    /// Merges every pending log entry of `kn` into the index before returning. `seal_open`
+    /// also seals its open segments (the KN is dead or fenced).
+    pub fn merge_all(&self, kn: u32, seal_open: bool) -> Result<MergeReport> {
+        let mode = if seal_open { MergeMode::AllAndSeal } else { MergeMode::All };
+        let r = self.merger.merge_all(kn, mode)?;
+        tracing::info!(kn, seal_open, segments = r.segments, entries = r.entries, dropped = r.dropped_batches, "MergeAll done");
+        Ok(r)
+    }
+
+    /// The current value of `key` according to the index (merged data only).
+    pub fn lookup(&self, key: &[u8]) -> Result<Option<Found>> {
+        let Some(ptr) = self.index.lookup(key, dinomo_layout::key_hash(key))? else {
+            return Ok(None);
+        };
+        let len = self.segments.entry_len(ptr)?;
+        let bytes = self.pool.view(ptr.offset, len)?;
+        let (e, _) = decode_entry(bytes).map_err(|source| DpmError::Layout { path: self.pool.path(), source })?;
+        debug_assert_eq!(e.op, LogOp::Put);
+        Ok(Some(Found { ptr, version: e.version, value: e.value.to_vec() }))
+    }
+
+    /// Creates (or returns) the indirect cell of a replicated key: an 8-byte word, in its own
+    /// cache line of the index heap, holding an entry pointer that the key's owners CAS.
+    pub fn install_cell(&self, key: &[u8]) -> Result<u64> {
+        let name = format!("cell/{}", hex(key));
+        if let Some(v) = self.meta.get(&name) {
+            return Ok(u64::from_le_bytes(v.try_into().map_err(|_| DpmError::InvalidArgument("corrupt cell record".into()))?));
+        }
+        let off = heap_alloc(&self.pool, 64)?;
+        let current = self.index.lookup(key, dinomo_layout::key_hash(key))?.map_or(0, |p| p.to_word());
+        self.pool.region().word(off)?.store(current, Ordering::Release);
+        self.pool.region().persist(off, 8)?;
+        self.meta.update(&[(&name, Some(&off.to_le_bytes()))])?;
+        Ok(off)
+    }
+
+    /// Forgets a key's indirect cell (its 64 bytes of heap are not reused).
+    pub fn remove_cell(&self, key: &[u8]) -> Result<bool> {
+        let name = format!("cell/{}", hex(key));
+        let had = self.meta.get(&name).is_some();
+        if had {
+            self.meta.update(&[(&name, None)])?;
+        }
+        Ok(had)
+    }
+
+    pub fn put_metadata(&self, name: &str, value: Option<&[u8]>) -> Result<()> {
+        if name.is_empty() || name.starts_with("dpm/") || name.starts_with("cell/") {
+            return Err(DpmError::InvalidArgument(format!("metadata name {name:?} is empty or reserved (dpm/, cell/)")));
+        }
+        self.meta.update(&[(name, value)])
+    }
+
+    pub fn get_metadata(&self, name: &str) -> Option<Vec<u8>> {
+        self.meta.get(name)
+    }
+
+    pub fn stats(&self) -> DpmStats {
+        DpmStats {
+            segments_total: self.segments.count(),
+            segments_free: self.segments.free_count() as u64,
+            index_items: self.index.items(),
+            index_buckets: self.index.bucket_count(),
+            index_resizes: self.index.resizes(),
+            entries_merged: self.merger.entries_merged(),
+            pending_segments: self
+                .segments
+                .chains()
+                .into_iter()
+                .filter(|(k, _)| *k != CLEANER_KN)
+                .map(|(k, c)| (k, c.lock().pending.len() as u64))
+                .collect(),
+        }
+    }
+
+    /// Stops the background threads (the pool stays consistent whether or not this runs).
+    pub fn shutdown(&self) {
+        self.stop.store(true, Ordering::Release);
+        self.merger.notify();
+        for t in self.threads.lock().drain(..) {
+            let _ = t.join();
+        }
+        if let Err(e) = self.gc.close() {
+            tracing::warn!(error = %e, "closing the cleaner segment");
+        }
+    }
+}
+
+impl Drop for Dpm {
+    fn drop(&mut self) {
+        self.shutdown();
+    }
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}

@@ -1,0 +1,170 @@
+//! Garbage collection of log segments.
+//!
+//! - A merged segment with no live byte (no index slot points into it) is freed.
+//! - A merged segment whose live bytes are below `clean_threshold` of its written bytes is
+//!   cleaned: its live entries are copied, as one checksummed batch, into a segment the cleaner
+//!   owns, and each index slot is moved from the old copy to the new one only if it still points
+//!   at the old copy (a merge may have replaced it meanwhile). The old segment then has no live
+//!   byte and is freed by a later pass.
+//!
+//! Crash safety: the copy is persisted before any slot points at it; a crash mid-clean leaves
+//! unreferenced copies (dead bytes in the cleaner's segment) and the old entries still indexed.
+//! At open, the cleaner's open segment is marked merged (see Dpm::open).
+
+use std::sync::Arc;
+
+use dinomo_layout::index::EntryPtr;
+use dinomo_layout::log::{entry_len, scan, BatchBuilder, LogOp};
+use dinomo_layout::segment::{SegState, HEADER_SIZE};
+use parking_lot::Mutex;
+
+use crate::error::Result;
+use crate::index::Index;
+use crate::pool::Pool;
+use crate::segments::{Progress, SegmentGrant, Segments, CLEANER_KN};
+
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct GcReport {
+    pub freed: u64,
+    pub cleaned: u64,
+    pub moved_entries: u64,
+}
+
+#[derive(Debug)]
+struct Target {
+    grant: SegmentGrant,
+    pos: u64,
+    chain: u32,
+}
+
+#[derive(Debug)]
+pub struct Gc {
+    pool: Arc<Pool>,
+    index: Arc<Index>,
+    segments: Arc<Segments>,
+    /// Clean merged segments whose live bytes are below this fraction of their written bytes.
+    clean_threshold: f64,
+    target: Mutex<Option<Target>>,
+}
+
+impl Gc {
+    pub fn new(pool: Arc<Pool>, index: Arc<Index>, segments: Arc<Segments>, clean_threshold: f64) -> Self {
+        Gc { pool, index, segments, clean_threshold, target: Mutex::new(None) }
+    }
+
+    /// One pass over the segment table.
+    pub fn run_once(&self) -> Result<GcReport> {
+        let mut report = GcReport::default();
+        let current_target = self.target.lock().as_ref().map(|t| t.grant.segment_id);
+        for id in 0..self.segments.count() {
+            if Some(id) == current_target {
+                continue;
+            }
+            let e = self.pool.read_table_entry(id)?;
+            if e.state != SegState::Merged {
+                continue;
+            }
+            let live = self.segments.live_bytes(id);
+            if live == 0 {
+                self.segments.free(id)?;
+                report.freed += 1;
+                continue;
+            }
+            let written = u64::from(Progress::from_word(e.merged_upto).offset).saturating_sub(HEADER_SIZE as u64);
+            if self.clean_threshold > 0.0 && (live as f64) < written as f64 * self.clean_threshold {
+                report.moved_entries += self.clean(id)?;
+                report.cleaned += 1;
+            }
+        }
+        metrics::counter!("dinomo_dpm_gc_freed_segments_total").increment(report.freed);
+        metrics::counter!("dinomo_dpm_gc_cleaned_segments_total").increment(report.cleaned);
+        Ok(report)
+    }
+
+    /// Copies the live entries of merged segment `id` to the cleaner's segment.
+    fn clean(&self, id: u64) -> Result<u64> {
+        let e = self.pool.read_table_entry(id)?;
+        let sb = self.pool.superblock();
+        let seg_off = sb.segment_offset(id);
+        let view = self.pool.view(seg_off, sb.segment_size)?;
+        let seed = dinomo_layout::segment::SegmentHeader::decode(&view[..HEADER_SIZE])
+            .map(|h| h.chain_seed())
+            .map_err(|err| crate::error::DpmError::BadSegment { segment: id, detail: err.to_string() })?;
+        let end = Progress::from_word(e.merged_upto).offset as usize;
+        // Live entries: the index still points at them.
+        let mut live = Vec::new();
+        for batch in scan(&view[..end], HEADER_SIZE, seed) {
+            for (at, entry) in batch.entries {
+                if entry.op != LogOp::Put {
+                    continue;
+                }
+                let ptr = EntryPtr::new(seg_off + at as u64, entry_len(entry.key.len(), entry.value.len()));
+                let hash = dinomo_layout::key_hash(entry.key);
+                if self.index.lookup(entry.key, hash)? == Some(ptr) {
+                    live.push((ptr, hash, entry));
+                }
+            }
+        }
+        // Copy in batches of at most a quarter segment, so every batch fits a fresh segment.
+        let mut chunks: Vec<&[(EntryPtr, u64, dinomo_layout::log::EntryRef<'_>)]> = Vec::new();
+        let (mut start, mut bytes) = (0, 0u64);
+        for (i, (p, _, _)) in live.iter().enumerate() {
+            if i > start && bytes + u64::from(p.len) > sb.segment_size / 4 {
+                chunks.push(&live[start..i]);
+                (start, bytes) = (i, 0);
+            }
+            bytes += u64::from(p.len);
+        }
+        if start < live.len() {
+            chunks.push(&live[start..]);
+        }
+        let mut moved = 0;
+        for chunk in chunks {
+            let mut b = BatchBuilder::new();
+            let offsets: Vec<usize> = chunk.iter().map(|(_, _, en)| b.push(LogOp::Put, en.version, en.key, en.value)).collect();
+            let need = b.encoded_len() as u64;
+            let mut guard = self.target.lock();
+            let target = self.target_with_room(&mut guard, need)?;
+            let (bytes, chain) = b.finish(target.chain);
+            let base = target.grant.offset + target.pos;
+            self.pool.region().write_durable(base, &bytes)?;
+            target.pos += bytes.len() as u64;
+            target.chain = chain;
+            self.segments.set_progress(target.grant.segment_id, Progress { offset: target.pos as u32, chain })?;
+            drop(guard);
+            for ((old, hash, _), off) in chunk.iter().zip(offsets) {
+                let new = EntryPtr::new(base + off as u64, old.len as usize);
+                if self.index.replace_if(*hash, *old, new)? {
+                    self.segments.add_live(new, 1)?;
+                    self.segments.add_live(*old, -1)?;
+                    moved += 1;
+                }
+            }
+        }
+        Ok(moved)
+    }
+
+    fn target_with_room<'a>(&self, guard: &'a mut Option<Target>, need: u64) -> Result<&'a mut Target> {
+        let full = guard.as_ref().is_some_and(|t| t.pos + need > t.grant.len);
+        if full {
+            let t = guard.take().expect("checked");
+            self.segments.set_state(t.grant.segment_id, CLEANER_KN, SegState::Merged)?;
+            let chain = self.segments.chain(CLEANER_KN);
+            chain.lock().pending.remove(&t.grant.chain_seq);
+        }
+        if guard.is_none() {
+            let grant = self.segments.allocate(CLEANER_KN, 0)?;
+            *guard = Some(Target { grant, pos: grant.first_batch, chain: grant.chain_seed });
+        }
+        Ok(guard.as_mut().expect("set above"))
+    }
+
+    /// Marks the cleaner's current segment merged (shutdown).
+    pub fn close(&self) -> Result<()> {
+        if let Some(t) = self.target.lock().take() {
+            self.segments.set_state(t.grant.segment_id, CLEANER_KN, SegState::Merged)?;
+            self.segments.chain(CLEANER_KN).lock().pending.remove(&t.grant.chain_seq);
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,21 @@
+//! dinomo-dpm-node: the disaggregated-PM node. It owns the pool (a mapped file, real PM on a
+//! DAX filesystem), merges the log segments KV nodes write into a persistent hash index,
+//! collects garbage, and keeps cluster metadata. Its CPU stays off the request path.
+//!
+//! Modules: [`pool`] (the file and its areas), [`index`] (P-CLHT-like table), [`segments`]
+//! (allocator, log chains, live bytes), [`merge`] (log -> index), [`gc`], [`metastore`],
+//! [`dpm`] (the whole node as a library), [`service`] (gRPC), [`config`], [`server`] (runs it).
+
+pub mod config;
+pub mod dpm;
+pub mod error;
+pub mod gc;
+pub mod index;
+pub mod merge;
+pub mod metastore;
+pub mod pool;
+pub mod segments;
+pub mod testkit;
+
+pub use dpm::{Dpm, Registration};
+pub use error::{DpmError, Result};

@@ -1,0 +1,230 @@
+//! Merging KN logs into the index, in log order.
+//!
+//! A KN's log is a chain of segments; each is merged from its persisted progress (offset and
+//! chain value of the next batch) to its valid end, found by the batch checksum chain, so a torn
+//! last batch is never indexed. Every entry's CRC is checked by the scan before anything is
+//! indexed. Progress is persisted after each batch; re-merging a batch after a crash is
+//! idempotent (the same keys get the same pointers).
+//!
+//! Parallelism: logs of different KNs are merged at the same time by the worker pool; one log is
+//! merged by one worker at a time (its chain lock), which keeps each KN's entries in order.
+//! Ownership partitioning means two KNs never log the same key, so order across logs does not
+//! matter.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use dinomo_layout::index::EntryPtr;
+use dinomo_layout::log::{entry_len, scan, LogOp};
+use dinomo_layout::segment::{SegState, SegmentHeader, HEADER_SIZE};
+use parking_lot::{Condvar, Mutex};
+
+use crate::error::{DpmError, Result};
+use crate::index::Index;
+use crate::pool::Pool;
+use crate::segments::{Chain, Progress, Segments};
+
+/// Which segments of a chain a merge covers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MergeMode {
+    /// Sealed segments only, stopping at the first open one (background workers).
+    Sealed,
+    /// Everything written so far, open segments included, which stay open (reconfiguration:
+    /// the KN lives on).
+    All,
+    /// Everything, sealing open segments first (the KN is dead or fenced).
+    AllAndSeal,
+}
+
+/// Totals of one merge call.
+#[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
+pub struct MergeReport {
+    pub segments: u64,
+    pub batches: u64,
+    pub entries: u64,
+    /// Batches found torn or corrupt at a log's end and dropped.
+    pub dropped_batches: u64,
+}
+
+impl MergeReport {
+    fn add(&mut self, o: MergeReport) {
+        self.segments += o.segments;
+        self.batches += o.batches;
+        self.entries += o.entries;
+        self.dropped_batches += o.dropped_batches;
+    }
+}
+
+#[derive(Debug)]
+pub struct Merger {
+    pool: Arc<Pool>,
+    index: Arc<Index>,
+    segments: Arc<Segments>,
+    entries_total: AtomicU64,
+    wake: (Mutex<bool>, Condvar),
+}
+
+impl Merger {
+    pub fn new(pool: Arc<Pool>, index: Arc<Index>, segments: Arc<Segments>) -> Self {
+        Merger { pool, index, segments, entries_total: AtomicU64::new(0), wake: (Mutex::new(false), Condvar::new()) }
+    }
+
+    pub fn entries_merged(&self) -> u64 {
+        self.entries_total.load(Ordering::Relaxed)
+    }
+
+    /// Wakes the workers (a segment was sealed).
+    pub fn notify(&self) {
+        *self.wake.0.lock() = true;
+        self.wake.1.notify_all();
+    }
+
+    /// Merges segment `id` of `kn` from its progress to its valid end. Returns the report and
+    /// whether the scan reached a clean end (false: it stopped at a torn or corrupt batch).
+    pub fn merge_segment(&self, kn: u32, id: u64) -> Result<(MergeReport, bool)> {
+        let entry = self.segments.entry_of(kn, id)?;
+        let sb = self.pool.superblock();
+        let seg_off = sb.segment_offset(id);
+        let view = self.pool.view(seg_off, sb.segment_size)?;
+        let header = SegmentHeader::decode(&view[..HEADER_SIZE]).map_err(|e| DpmError::BadSegment {
+            segment: id,
+            detail: format!("header unreadable: {e}"),
+        })?;
+        if header.segment_id != id || header.generation != entry.generation || header.kn_id != kn {
+            return Err(DpmError::BadSegment {
+                segment: id,
+                detail: format!(
+                    "header says segment {} generation {} of KN {}, table says generation {} of KN {kn}",
+                    header.segment_id, header.generation, header.kn_id, entry.generation
+                ),
+            });
+        }
+        let progress = Progress::from_word(entry.merged_upto);
+        let mut s = scan(view, progress.offset as usize, progress.chain);
+        let mut report = MergeReport::default();
+        for batch in s.by_ref() {
+            for (at, e) in &batch.entries {
+                let ptr = EntryPtr::new(seg_off + *at as u64, entry_len(e.key.len(), e.value.len()));
+                let hash = dinomo_layout::key_hash(e.key);
+                let old = match e.op {
+                    LogOp::Put => {
+                        let old = self.index.upsert(e.key, hash, ptr)?;
+                        self.segments.add_live(ptr, 1)?;
+                        old
+                    }
+                    LogOp::Delete => self.index.remove(e.key, hash)?,
+                };
+                if let Some(old) = old {
+                    self.segments.add_live(old, -1)?;
+                }
+            }
+            report.batches += 1;
+            report.entries += batch.entries.len() as u64;
+            self.segments.set_progress(id, Progress { offset: (batch.offset + batch.len) as u32, chain: batch.chain })?;
+        }
+        let clean = s.stop_reason().is_none();
+        if let Some(why) = s.stop_reason() {
+            report.dropped_batches += 1;
+            tracing::debug!(segment = id, kn, at = s.end(), %why, "log scan stopped before a torn or corrupt batch");
+        }
+        self.entries_total.fetch_add(report.entries, Ordering::Relaxed);
+        metrics::counter!("dinomo_dpm_merged_entries_total").increment(report.entries);
+        metrics::counter!("dinomo_dpm_merged_batches_total").increment(report.batches);
+        Ok((report, clean))
+    }
+
+    /// Merges the chain of `kn` (whose lock the caller holds) according to `mode`.
+    pub fn merge_chain(&self, kn: u32, chain: &mut Chain, mode: MergeMode) -> Result<MergeReport> {
+        let mut report = MergeReport::default();
+        let pending: Vec<(u64, u64)> = chain.pending.iter().map(|(s, id)| (*s, *id)).collect();
+        for (seq, id) in pending {
+            let state = self.pool.read_table_entry(id)?.state;
+            let sealed = match (state, mode) {
+                (SegState::Sealed, _) => true,
+                (SegState::Open, MergeMode::Sealed) => break,
+                (SegState::Open, MergeMode::All) => false,
+                (SegState::Open, MergeMode::AllAndSeal) => {
+                    self.segments.set_state(id, kn, SegState::Sealed)?;
+                    true
+                }
+                (other, _) => {
+                    // Merged or free: stale DRAM entry; drop it.
+                    tracing::warn!(segment = id, ?other, "unexpected state of a pending segment");
+                    chain.pending.remove(&seq);
+                    continue;
+                }
+            };
+            let (r, _) = self.merge_segment(kn, id)?;
+            report.add(r);
+            if sealed {
+                self.segments.set_state(id, kn, SegState::Merged)?;
+                chain.pending.remove(&seq);
+                report.segments += 1;
+                metrics::counter!("dinomo_dpm_merged_segments_total").increment(1);
+            } else {
+                break; // an open segment is the end of the written log
+            }
+        }
+        Ok(report)
+    }
+
+    /// Synchronous MergeAll for one KN.
+    pub fn merge_all(&self, kn: u32, mode: MergeMode) -> Result<MergeReport> {
+        let chain = self.segments.chain(kn);
+        let mut chain = chain.lock();
+        self.merge_chain(kn, &mut chain, mode)
+    }
+
+    /// One pass of a background worker over every chain with sealed work; returns the entries
+    /// merged.
+    fn work_once(&self, worker: usize) -> u64 {
+        let mut chains = self.segments.chains();
+        if chains.is_empty() {
+            return 0;
+        }
+        let n = chains.len();
+        chains.rotate_left(worker % n);
+        let mut merged = 0;
+        for (kn, chain) in chains {
+            let Some(mut c) = chain.try_lock() else { continue };
+            let Some(&first) = c.pending.values().next() else { continue };
+            match self.pool.read_table_entry(first) {
+                Ok(e) if e.state == SegState::Sealed => {}
+                _ => continue,
+            }
+            match self.merge_chain(kn, &mut c, MergeMode::Sealed) {
+                Ok(r) => merged += r.entries.max(r.segments),
+                Err(e) => {
+                    metrics::counter!("dinomo_dpm_merge_errors_total").increment(1);
+                    tracing::error!(kn, error = %e, "merging a KN log failed; will retry");
+                }
+            }
+        }
+        merged
+    }
+
+    /// Starts `n` merge worker threads; they stop when `stop` is set (and notified).
+    pub fn spawn_workers(self: &Arc<Self>, n: usize, stop: Arc<AtomicBool>) -> Vec<std::thread::JoinHandle<()>> {
+        (0..n)
+            .map(|w| {
+                let me = self.clone();
+                let stop = stop.clone();
+                std::thread::Builder::new()
+                    .name(format!("merge-{w}"))
+                    .spawn(move || {
+                        while !stop.load(Ordering::Acquire) {
+                            if me.work_once(w) == 0 {
+                                let mut woken = me.wake.0.lock();
+                                if !*woken {
+                                    me.wake.1.wait_for(&mut woken, Duration::from_millis(20));
+                                }
+                                *woken = false;
+                            }
+                        }
+                    })
+                    .expect("spawning a merge worker")
+            })
+            .collect()
+    }
+}

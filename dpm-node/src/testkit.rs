@@ -1,0 +1,105 @@
+//! A minimal KN-side log writer over any fabric, used by this crate's tests, the crash test and
+//! the merge benchmark to produce logs exactly as a KN does: one checksummed batch per WRITE,
+//! at most one WRITE in flight, a new segment (and a seal of the old one) when a batch does not
+//! fit. The kv-node has its own writer with group commit and caching.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use dinomo_fabric::{Fabric, FabricExt};
+use dinomo_layout::index::EntryPtr;
+use dinomo_layout::log::{entry_len, BatchBuilder, LogOp};
+
+use crate::dpm::Dpm;
+use crate::error::{DpmError, Result};
+use crate::segments::SegmentGrant;
+
+/// Where a writer gets segments and tells about sealing them.
+#[async_trait]
+pub trait SegmentSource: Send + Sync {
+    async fn allocate(&self) -> Result<SegmentGrant>;
+    async fn seal(&self, segment: u64) -> Result<u64>;
+}
+
+/// In-process source: a KN registered with a local [`Dpm`].
+#[derive(Debug)]
+pub struct LocalSource {
+    pub dpm: Arc<Dpm>,
+    pub kn: u32,
+    pub epoch: u64,
+}
+
+#[async_trait]
+impl SegmentSource for LocalSource {
+    async fn allocate(&self) -> Result<SegmentGrant> {
+        self.dpm.allocate_segment(self.kn, self.epoch)
+    }
+    async fn seal(&self, segment: u64) -> Result<u64> {
+        self.dpm.seal_segment(self.kn, self.epoch, segment)
+    }
+}
+
+/// One entry to log.
+#[derive(Debug, Clone)]
+pub struct LogRecord {
+    pub op: LogOp,
+    pub version: u64,
+    pub key: Vec<u8>,
+    pub value: Vec<u8>,
+}
+
+#[derive(Debug)]
+pub struct LogWriter<F, S> {
+    fabric: F,
+    source: S,
+    current: Option<(SegmentGrant, u64, u32)>,
+}
+
+impl<F: Fabric, S: SegmentSource> LogWriter<F, S> {
+    pub fn new(fabric: F, source: S) -> Self {
+        LogWriter { fabric, source, current: None }
+    }
+
+    pub fn fabric(&self) -> &F {
+        &self.fabric
+    }
+
+    /// Writes `records` as one batch (one WRITE); returns where each entry landed. When this
+    /// returns Ok the batch is durable at the DPM.
+    pub async fn append(&mut self, records: &[LogRecord]) -> Result<Vec<EntryPtr>> {
+        let mut b = BatchBuilder::new();
+        let offs: Vec<usize> = records.iter().map(|r| b.push(r.op, r.version, &r.key, &r.value)).collect();
+        let need = b.encoded_len() as u64;
+        let fits = self.current.as_ref().is_some_and(|(g, pos, _)| pos + need <= g.len);
+        if !fits {
+            if let Some((g, _, _)) = self.current.take() {
+                self.source.seal(g.segment_id).await?;
+            }
+            let g = self.source.allocate().await?;
+            if g.first_batch + need > g.len {
+                return Err(DpmError::InvalidArgument(format!("a batch of {need} bytes does not fit a segment of {}", g.len)));
+            }
+            self.current = Some((g, g.first_batch, g.chain_seed));
+        }
+        let (g, pos, chain) = self.current.as_mut().expect("set above");
+        let (bytes, next_chain) = b.finish(*chain);
+        let base = g.offset + *pos;
+        self.fabric.write(base, Bytes::from(bytes)).await?;
+        *pos += need;
+        *chain = next_chain;
+        Ok(records
+            .iter()
+            .zip(offs)
+            .map(|(r, o)| EntryPtr::new(base + o as u64, entry_len(r.key.len(), r.value.len())))
+            .collect())
+    }
+
+    /// Seals the current segment, if any.
+    pub async fn seal(&mut self) -> Result<()> {
+        if let Some((g, _, _)) = self.current.take() {
+            self.source.seal(g.segment_id).await?;
+        }
+        Ok(())
+    }
+}
