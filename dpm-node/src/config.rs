@@ -108,20 +108,33 @@ pub fn parse_size(s: &str) -> Result<u64> {
     let t = s.trim();
     let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
     let (num, unit) = t.split_at(split);
-    let n: u64 = num.parse().map_err(|_| DpmError::Config(format!("size {s:?}: expected a number with an optional unit like 8MiB")))?;
+    let n: u64 = num.parse().map_err(|_| {
+        DpmError::Config(format!(
+            "size {s:?}: expected a number with an optional unit like 8MiB"
+        ))
+    })?;
     let mult: u64 = match unit.trim() {
         "" | "B" => 1,
         "KiB" | "K" | "KB" => 1 << 10,
         "MiB" | "M" | "MB" => 1 << 20,
         "GiB" | "G" | "GB" => 1 << 30,
         "TiB" | "T" | "TB" => 1 << 40,
-        u => return Err(DpmError::Config(format!("size {s:?}: unknown unit {u:?} (use B, KiB, MiB, GiB, TiB)"))),
+        u => {
+            return Err(DpmError::Config(format!(
+                "size {s:?}: unknown unit {u:?} (use B, KiB, MiB, GiB, TiB)"
+            )))
+        }
     };
-    n.checked_mul(mult).ok_or_else(|| DpmError::Config(format!("size {s:?} overflows")))
+    n.checked_mul(mult)
+        .ok_or_else(|| DpmError::Config(format!("size {s:?} overflows")))
 }
 
 fn addr(field: &str, s: &str) -> Result<SocketAddr> {
-    s.parse().map_err(|e| DpmError::Config(format!("{field} = {s:?}: not a socket address like 127.0.0.1:7700 ({e})")))
+    s.parse().map_err(|e| {
+        DpmError::Config(format!(
+            "{field} = {s:?}: not a socket address like 127.0.0.1:7700 ({e})"
+        ))
+    })
 }
 
 impl DpmConfigFile {
@@ -136,24 +149,42 @@ impl DpmConfigFile {
             metadata_len: parse_size(&self.metadata_size)?,
             index_fraction: self.index_fraction,
         };
-        dinomo_layout::superblock::Superblock::plan(format.pool_len, format.segment_size, format.metadata_len, format.index_fraction)
-            .map_err(|e| DpmError::Config(format!("pool_size/segment_size/index_fraction: {e}")))?;
+        dinomo_layout::superblock::Superblock::plan(
+            format.pool_len,
+            format.segment_size,
+            format.metadata_len,
+            format.index_fraction,
+        )
+        .map_err(|e| DpmError::Config(format!("pool_size/segment_size/index_fraction: {e}")))?;
         if self.merge_workers == 0 || self.merge_workers > 64 {
-            return Err(DpmError::Config(format!("merge_workers = {}: must be 1..=64", self.merge_workers)));
+            return Err(DpmError::Config(format!(
+                "merge_workers = {}: must be 1..=64",
+                self.merge_workers
+            )));
         }
         if !(0.0..1.0).contains(&self.clean_threshold) {
-            return Err(DpmError::Config(format!("clean_threshold = {}: must be in [0, 1)", self.clean_threshold)));
+            return Err(DpmError::Config(format!(
+                "clean_threshold = {}: must be in [0, 1)",
+                self.clean_threshold
+            )));
         }
         let fabric = match self.fabric.as_str() {
             "shm" => FabricKind::Shm,
             "tcp" => FabricKind::Tcp,
-            other => return Err(DpmError::Config(format!("fabric = {other:?}: expected \"shm\" or \"tcp\""))),
+            other => {
+                return Err(DpmError::Config(format!(
+                    "fabric = {other:?}: expected \"shm\" or \"tcp\""
+                )))
+            }
         };
         Ok(DpmConfig {
             pool_path: self.pool_path,
             format,
             create: self.create,
-            durability: self.durability.parse().map_err(|e: dinomo_fabric::FabricError| DpmError::Config(e.to_string()))?,
+            durability: self
+                .durability
+                .parse()
+                .map_err(|e: dinomo_fabric::FabricError| DpmError::Config(e.to_string()))?,
             merge_workers: self.merge_workers,
             initial_index_buckets: self.initial_index_buckets.max(64),
             gc_interval_ms: self.gc_interval_ms.max(1),
@@ -161,7 +192,11 @@ impl DpmConfigFile {
             listen: addr("listen", &self.listen)?,
             fabric,
             fabric_listen: addr("fabric_listen", &self.fabric_listen)?,
-            metrics_listen: if self.metrics_listen.is_empty() { None } else { Some(addr("metrics_listen", &self.metrics_listen)?) },
+            metrics_listen: if self.metrics_listen.is_empty() {
+                None
+            } else {
+                Some(addr("metrics_listen", &self.metrics_listen)?)
+            },
             max_grants: self.max_grants.max(1),
         })
     }
@@ -181,7 +216,11 @@ mod tests {
 
     #[test]
     fn example_config_parses_and_validates() {
-        let text = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../config/dpm-node.toml")).unwrap();
+        let text = std::fs::read_to_string(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../config/dpm-node.toml"
+        ))
+        .unwrap();
         let cfg = DpmConfigFile::from_toml(&text).unwrap().validate().unwrap();
         assert_eq!(cfg.format.segment_size, 8 << 20);
     }
@@ -189,9 +228,19 @@ mod tests {
     #[test]
     fn unknown_fields_and_bad_values_are_refused() {
         assert!(DpmConfigFile::from_toml("pool_sise = \"1GiB\"").is_err());
-        let bad = DpmConfigFile { merge_workers: 0, ..Default::default() };
-        assert!(bad.validate().unwrap_err().to_string().contains("merge_workers"));
-        let bad = DpmConfigFile { fabric: "carrier-pigeon".into(), ..Default::default() };
+        let bad = DpmConfigFile {
+            merge_workers: 0,
+            ..Default::default()
+        };
+        assert!(bad
+            .validate()
+            .unwrap_err()
+            .to_string()
+            .contains("merge_workers"));
+        let bad = DpmConfigFile {
+            fabric: "carrier-pigeon".into(),
+            ..Default::default()
+        };
         assert!(bad.validate().is_err());
     }
 }

@@ -109,7 +109,11 @@ impl Dpm {
         let index = Arc::new(Index::open(pool.clone(), config.initial_index_buckets)?);
         let segments = Arc::new(Segments::open(pool.clone())?);
         // The cleaner's open segment of a previous run is finished as it is.
-        if let Some((_, chain)) = segments.chains().into_iter().find(|(k, _)| *k == CLEANER_KN) {
+        if let Some((_, chain)) = segments
+            .chains()
+            .into_iter()
+            .find(|(k, _)| *k == CLEANER_KN)
+        {
             let mut c = chain.lock();
             for (_, id) in std::mem::take(&mut c.pending) {
                 segments.set_state(id, CLEANER_KN, SegState::Merged)?;
@@ -123,14 +127,26 @@ impl Dpm {
         })?;
         rebuild?;
         let merger = Arc::new(Merger::new(pool.clone(), index.clone(), segments.clone()));
-        let gc = Arc::new(Gc::new(pool.clone(), index.clone(), segments.clone(), config.clean_threshold));
+        let gc = Arc::new(Gc::new(
+            pool.clone(),
+            index.clone(),
+            segments.clone(),
+            config.clean_threshold,
+        ));
         let meta = MetaStore::open(pool.clone())?;
         // Grants do not survive a restart: KNs re-register (and get new epochs).
-        let grants = Arc::new(GrantTable::create(&GrantTable::path_for(path), config.max_grants)?);
+        let grants = Arc::new(GrantTable::create(
+            &GrantTable::path_for(path),
+            config.max_grants,
+        )?);
         let stop = Arc::new(AtomicBool::new(false));
         let mut threads = merger.spawn_workers(config.merge_workers, stop.clone());
         {
-            let (gc, stop, every) = (gc.clone(), stop.clone(), Duration::from_millis(config.gc_interval_ms));
+            let (gc, stop, every) = (
+                gc.clone(),
+                stop.clone(),
+                Duration::from_millis(config.gc_interval_ms),
+            );
             threads.push(
                 std::thread::Builder::new()
                     .name("gc".into())
@@ -151,7 +167,11 @@ impl Dpm {
                     .expect("spawning the gc thread"),
             );
         }
-        tracing::info!(items = index.items(), free_segments = segments.free_count(), "DPM ready");
+        tracing::info!(
+            items = index.items(),
+            free_segments = segments.free_count(),
+            "DPM ready"
+        );
         Ok(Arc::new(Dpm {
             config,
             pool,
@@ -185,7 +205,10 @@ impl Dpm {
 
     fn fence_word(&self, kn: u32) -> Result<&std::sync::atomic::AtomicU64> {
         if kn >= Roots::MAX_KNS {
-            return Err(DpmError::KnOutOfRange { kn, max: Roots::MAX_KNS });
+            return Err(DpmError::KnOutOfRange {
+                kn,
+                max: Roots::MAX_KNS,
+            });
         }
         Ok(self.pool.root(Roots::KN_FENCE + 8 * u64::from(kn)))
     }
@@ -197,11 +220,20 @@ impl Dpm {
         let kn = match kn_id {
             Some(k) => k,
             None => (0..Roots::MAX_KNS)
-                .find(|k| !sessions.contains_key(k) && self.meta.get(&format!("dpm/kn/{k}")).is_none())
-                .ok_or(DpmError::KnOutOfRange { kn: Roots::MAX_KNS, max: Roots::MAX_KNS })?,
+                .find(|k| {
+                    !sessions.contains_key(k) && self.meta.get(&format!("dpm/kn/{k}")).is_none()
+                })
+                .ok_or(DpmError::KnOutOfRange {
+                    kn: Roots::MAX_KNS,
+                    max: Roots::MAX_KNS,
+                })?,
         };
         let fence = self.fence_word(kn)?;
-        let epoch = self.pool.root(Roots::KN_EPOCH).fetch_add(1, Ordering::AcqRel) + 1;
+        let epoch = self
+            .pool
+            .root(Roots::KN_EPOCH)
+            .fetch_add(1, Ordering::AcqRel)
+            + 1;
         self.pool.persist_root(Roots::KN_EPOCH);
         fence.store(epoch, Ordering::Release);
         self.pool.persist_root(Roots::KN_FENCE + 8 * u64::from(kn));
@@ -209,7 +241,8 @@ impl Dpm {
             self.grants.revoke(old.key)?;
         }
         let key = self.grants.grant()?;
-        self.meta.update(&[(&format!("dpm/kn/{kn}"), Some(endpoint.as_bytes()))])?;
+        self.meta
+            .update(&[(&format!("dpm/kn/{kn}"), Some(endpoint.as_bytes()))])?;
         sessions.insert(kn, KnSession { epoch, key });
         metrics::counter!("dinomo_dpm_kn_registrations_total").increment(1);
         tracing::info!(kn, epoch, endpoint, "KN registered");
@@ -240,7 +273,11 @@ impl Dpm {
     /// [`Dpm::merge_all`] to make them readable by others.
     pub fn fence_kn(&self, kn: u32) -> Result<()> {
         let fence = self.fence_word(kn)?;
-        let next = self.pool.root(Roots::KN_EPOCH).fetch_add(1, Ordering::AcqRel) + 1;
+        let next = self
+            .pool
+            .root(Roots::KN_EPOCH)
+            .fetch_add(1, Ordering::AcqRel)
+            + 1;
         self.pool.persist_root(Roots::KN_EPOCH);
         fence.store(next, Ordering::Release);
         self.pool.persist_root(Roots::KN_FENCE + 8 * u64::from(kn));
@@ -274,9 +311,20 @@ impl Dpm {
     /// Merges every pending log entry of `kn` into the index before returning. `seal_open`
     /// also seals its open segments (the KN is dead or fenced).
     pub fn merge_all(&self, kn: u32, seal_open: bool) -> Result<MergeReport> {
-        let mode = if seal_open { MergeMode::AllAndSeal } else { MergeMode::All };
+        let mode = if seal_open {
+            MergeMode::AllAndSeal
+        } else {
+            MergeMode::All
+        };
         let r = self.merger.merge_all(kn, mode)?;
-        tracing::info!(kn, seal_open, segments = r.segments, entries = r.entries, dropped = r.dropped_batches, "MergeAll done");
+        tracing::info!(
+            kn,
+            seal_open,
+            segments = r.segments,
+            entries = r.entries,
+            invalid_tails = r.invalid_tails,
+            "MergeAll done"
+        );
         Ok(r)
     }
 
@@ -287,9 +335,16 @@ impl Dpm {
         };
         let len = self.segments.entry_len(ptr)?;
         let bytes = self.pool.view(ptr.offset, len)?;
-        let (e, _) = decode_entry(bytes).map_err(|source| DpmError::Layout { path: self.pool.path(), source })?;
+        let (e, _) = decode_entry(bytes).map_err(|source| DpmError::Layout {
+            path: self.pool.path(),
+            source,
+        })?;
         debug_assert_eq!(e.op, LogOp::Put);
-        Ok(Some(Found { ptr, version: e.version, value: e.value.to_vec() }))
+        Ok(Some(Found {
+            ptr,
+            version: e.version,
+            value: e.value.to_vec(),
+        }))
     }
 
     /// Creates (or returns) the indirect cell of a replicated key: an 8-byte word, in its own
@@ -297,11 +352,19 @@ impl Dpm {
     pub fn install_cell(&self, key: &[u8]) -> Result<u64> {
         let name = format!("cell/{}", hex(key));
         if let Some(v) = self.meta.get(&name) {
-            return Ok(u64::from_le_bytes(v.try_into().map_err(|_| DpmError::InvalidArgument("corrupt cell record".into()))?));
+            return Ok(u64::from_le_bytes(v.try_into().map_err(|_| {
+                DpmError::InvalidArgument("corrupt cell record".into())
+            })?));
         }
         let off = heap_alloc(&self.pool, 64)?;
-        let current = self.index.lookup(key, dinomo_layout::key_hash(key))?.map_or(0, |p| p.to_word());
-        self.pool.region().word(off)?.store(current, Ordering::Release);
+        let current = self
+            .index
+            .lookup(key, dinomo_layout::key_hash(key))?
+            .map_or(0, |p| p.to_word());
+        self.pool
+            .region()
+            .word(off)?
+            .store(current, Ordering::Release);
         self.pool.region().persist(off, 8)?;
         self.meta.update(&[(&name, Some(&off.to_le_bytes()))])?;
         Ok(off)
@@ -319,7 +382,9 @@ impl Dpm {
 
     pub fn put_metadata(&self, name: &str, value: Option<&[u8]>) -> Result<()> {
         if name.is_empty() || name.starts_with("dpm/") || name.starts_with("cell/") {
-            return Err(DpmError::InvalidArgument(format!("metadata name {name:?} is empty or reserved (dpm/, cell/)")));
+            return Err(DpmError::InvalidArgument(format!(
+                "metadata name {name:?} is empty or reserved (dpm/, cell/)"
+            )));
         }
         self.meta.update(&[(name, value)])
     }

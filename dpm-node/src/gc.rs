@@ -48,8 +48,19 @@ pub struct Gc {
 }
 
 impl Gc {
-    pub fn new(pool: Arc<Pool>, index: Arc<Index>, segments: Arc<Segments>, clean_threshold: f64) -> Self {
-        Gc { pool, index, segments, clean_threshold, target: Mutex::new(None) }
+    pub fn new(
+        pool: Arc<Pool>,
+        index: Arc<Index>,
+        segments: Arc<Segments>,
+        clean_threshold: f64,
+    ) -> Self {
+        Gc {
+            pool,
+            index,
+            segments,
+            clean_threshold,
+            target: Mutex::new(None),
+        }
     }
 
     /// One pass over the segment table.
@@ -70,7 +81,8 @@ impl Gc {
                 report.freed += 1;
                 continue;
             }
-            let written = u64::from(Progress::from_word(e.merged_upto).offset).saturating_sub(HEADER_SIZE as u64);
+            let written = u64::from(Progress::from_word(e.merged_upto).offset)
+                .saturating_sub(HEADER_SIZE as u64);
             if self.clean_threshold > 0.0 && (live as f64) < written as f64 * self.clean_threshold {
                 report.moved_entries += self.clean(id)?;
                 report.cleaned += 1;
@@ -89,7 +101,10 @@ impl Gc {
         let view = self.pool.view(seg_off, sb.segment_size)?;
         let seed = dinomo_layout::segment::SegmentHeader::decode(&view[..HEADER_SIZE])
             .map(|h| h.chain_seed())
-            .map_err(|err| crate::error::DpmError::BadSegment { segment: id, detail: err.to_string() })?;
+            .map_err(|err| crate::error::DpmError::BadSegment {
+                segment: id,
+                detail: err.to_string(),
+            })?;
         let end = Progress::from_word(e.merged_upto).offset as usize;
         // Live entries: the index still points at them.
         let mut live = Vec::new();
@@ -98,7 +113,10 @@ impl Gc {
                 if entry.op != LogOp::Put {
                     continue;
                 }
-                let ptr = EntryPtr::new(seg_off + at as u64, entry_len(entry.key.len(), entry.value.len()));
+                let ptr = EntryPtr::new(
+                    seg_off + at as u64,
+                    entry_len(entry.key.len(), entry.value.len()),
+                );
                 let hash = dinomo_layout::key_hash(entry.key);
                 if self.index.lookup(entry.key, hash)? == Some(ptr) {
                     live.push((ptr, hash, entry));
@@ -121,7 +139,10 @@ impl Gc {
         let mut moved = 0;
         for chunk in chunks {
             let mut b = BatchBuilder::new();
-            let offsets: Vec<usize> = chunk.iter().map(|(_, _, en)| b.push(LogOp::Put, en.version, en.key, en.value)).collect();
+            let offsets: Vec<usize> = chunk
+                .iter()
+                .map(|(_, _, en)| b.push(LogOp::Put, en.version, en.key, en.value))
+                .collect();
             let need = b.encoded_len() as u64;
             let mut guard = self.target.lock();
             let target = self.target_with_room(&mut guard, need)?;
@@ -130,7 +151,13 @@ impl Gc {
             self.pool.region().write_durable(base, &bytes)?;
             target.pos += bytes.len() as u64;
             target.chain = chain;
-            self.segments.set_progress(target.grant.segment_id, Progress { offset: target.pos as u32, chain })?;
+            self.segments.set_progress(
+                target.grant.segment_id,
+                Progress {
+                    offset: target.pos as u32,
+                    chain,
+                },
+            )?;
             drop(guard);
             for ((old, hash, _), off) in chunk.iter().zip(offsets) {
                 let new = EntryPtr::new(base + off as u64, old.len as usize);
@@ -144,17 +171,26 @@ impl Gc {
         Ok(moved)
     }
 
-    fn target_with_room<'a>(&self, guard: &'a mut Option<Target>, need: u64) -> Result<&'a mut Target> {
+    fn target_with_room<'a>(
+        &self,
+        guard: &'a mut Option<Target>,
+        need: u64,
+    ) -> Result<&'a mut Target> {
         let full = guard.as_ref().is_some_and(|t| t.pos + need > t.grant.len);
         if full {
             let t = guard.take().expect("checked");
-            self.segments.set_state(t.grant.segment_id, CLEANER_KN, SegState::Merged)?;
+            self.segments
+                .set_state(t.grant.segment_id, CLEANER_KN, SegState::Merged)?;
             let chain = self.segments.chain(CLEANER_KN);
             chain.lock().pending.remove(&t.grant.chain_seq);
         }
         if guard.is_none() {
             let grant = self.segments.allocate(CLEANER_KN, 0)?;
-            *guard = Some(Target { grant, pos: grant.first_batch, chain: grant.chain_seed });
+            *guard = Some(Target {
+                grant,
+                pos: grant.first_batch,
+                chain: grant.chain_seed,
+            });
         }
         Ok(guard.as_mut().expect("set above"))
     }
@@ -162,8 +198,13 @@ impl Gc {
     /// Marks the cleaner's current segment merged (shutdown).
     pub fn close(&self) -> Result<()> {
         if let Some(t) = self.target.lock().take() {
-            self.segments.set_state(t.grant.segment_id, CLEANER_KN, SegState::Merged)?;
-            self.segments.chain(CLEANER_KN).lock().pending.remove(&t.grant.chain_seq);
+            self.segments
+                .set_state(t.grant.segment_id, CLEANER_KN, SegState::Merged)?;
+            self.segments
+                .chain(CLEANER_KN)
+                .lock()
+                .pending
+                .remove(&t.grant.chain_seq);
         }
         Ok(())
     }

@@ -13,8 +13,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use dinomo_layout::index::{
-    slot_entry_offset, slot_hash_offset, Bucket, EntryPtr, TableHeader, BUCKET_SIZE, RETIRED, SLOTS,
-    STATE_OFFSET, TABLE_HEADER_SIZE,
+    slot_entry_offset, slot_hash_offset, Bucket, EntryPtr, TableHeader, BUCKET_SIZE, RETIRED,
+    SLOTS, STATE_OFFSET, TABLE_HEADER_SIZE,
 };
 use dinomo_layout::log::ENTRY_HEADER;
 use dinomo_layout::meta::Roots;
@@ -50,7 +50,8 @@ impl Index {
         let root = pool.root(Roots::INDEX_TABLE).load(Ordering::Acquire);
         let table = if root == 0 {
             let t = create_table(&pool, initial_buckets.next_power_of_two().max(64), 0)?;
-            pool.root(Roots::INDEX_TABLE).store(t.header_off, Ordering::Release);
+            pool.root(Roots::INDEX_TABLE)
+                .store(t.header_off, Ordering::Release);
             pool.persist_root(Roots::INDEX_TABLE);
             t
         } else {
@@ -58,9 +59,13 @@ impl Index {
         };
         let prev = pool.root(Roots::INDEX_PREV_TABLE).load(Ordering::Acquire);
         if prev != 0 {
-            tracing::warn!(prev, "finishing the retirement of an index table interrupted by a crash");
+            tracing::warn!(
+                prev,
+                "finishing the retirement of an index table interrupted by a crash"
+            );
             retire_table(&pool, &read_table(&pool, prev)?)?;
-            pool.root(Roots::INDEX_PREV_TABLE).store(0, Ordering::Release);
+            pool.root(Roots::INDEX_PREV_TABLE)
+                .store(0, Ordering::Release);
             pool.persist_root(Roots::INDEX_PREV_TABLE);
         }
         let index = Index {
@@ -105,7 +110,10 @@ impl Index {
         if key_len != key.len() {
             return Ok(false);
         }
-        Ok(self.pool.view(ptr.offset + ENTRY_HEADER as u64, key_len as u64)? == key)
+        Ok(self
+            .pool
+            .view(ptr.offset + ENTRY_HEADER as u64, key_len as u64)?
+            == key)
     }
 
     /// The entry of `key`, if indexed.
@@ -144,7 +152,13 @@ impl Index {
         Ok(replaced)
     }
 
-    fn upsert_locked(&self, t: &Table, key: &[u8], hash: u64, ptr: EntryPtr) -> Result<Option<EntryPtr>> {
+    fn upsert_locked(
+        &self,
+        t: &Table,
+        key: &[u8],
+        hash: u64,
+        ptr: EntryPtr,
+    ) -> Result<Option<EntryPtr>> {
         let mut off = t.header.home_bucket(hash);
         let mut free: Option<(u64, usize)> = None;
         let last = loop {
@@ -168,8 +182,12 @@ impl Index {
         };
         let region = self.pool.region();
         if let Some((boff, i)) = free {
-            region.word(boff + slot_hash_offset(i) as u64)?.store(hash, Ordering::Release);
-            region.word(boff + slot_entry_offset(i) as u64)?.store(ptr.to_word(), Ordering::Release);
+            region
+                .word(boff + slot_hash_offset(i) as u64)?
+                .store(hash, Ordering::Release);
+            region
+                .word(boff + slot_entry_offset(i) as u64)?
+                .store(ptr.to_word(), Ordering::Release);
             region.persist(boff, BUCKET_SIZE as u64)?;
             return Ok(None);
         }
@@ -291,8 +309,12 @@ impl Index {
                 let b = self.bucket(off)?;
                 for (i, &(_, e)) in b.slots.iter().enumerate() {
                     if e == 0 {
-                        region.word(off + slot_hash_offset(i) as u64)?.store(h, Ordering::Relaxed);
-                        region.word(off + slot_entry_offset(i) as u64)?.store(p.to_word(), Ordering::Relaxed);
+                        region
+                            .word(off + slot_hash_offset(i) as u64)?
+                            .store(h, Ordering::Relaxed);
+                        region
+                            .word(off + slot_entry_offset(i) as u64)?
+                            .store(p.to_word(), Ordering::Relaxed);
                         break 'place;
                     }
                 }
@@ -309,13 +331,22 @@ impl Index {
             }
         }
         // Persist the whole new table (overflow buckets were persisted one by one).
-        region.persist(new.header.buckets_off, new.header.bucket_count * BUCKET_SIZE as u64)?;
-        self.pool.root(Roots::INDEX_PREV_TABLE).store(old.header_off, Ordering::Release);
+        region.persist(
+            new.header.buckets_off,
+            new.header.bucket_count * BUCKET_SIZE as u64,
+        )?;
+        self.pool
+            .root(Roots::INDEX_PREV_TABLE)
+            .store(old.header_off, Ordering::Release);
         self.pool.persist_root(Roots::INDEX_PREV_TABLE);
-        self.pool.root(Roots::INDEX_TABLE).store(new.header_off, Ordering::Release);
+        self.pool
+            .root(Roots::INDEX_TABLE)
+            .store(new.header_off, Ordering::Release);
         self.pool.persist_root(Roots::INDEX_TABLE);
         retire_table(&self.pool, &old)?;
-        self.pool.root(Roots::INDEX_PREV_TABLE).store(0, Ordering::Release);
+        self.pool
+            .root(Roots::INDEX_PREV_TABLE)
+            .store(0, Ordering::Release);
         self.pool.persist_root(Roots::INDEX_PREV_TABLE);
         *t = new;
         self.resizes.fetch_add(1, Ordering::Relaxed);
@@ -335,15 +366,25 @@ pub fn heap_alloc(pool: &Pool, len: u64) -> Result<u64> {
     let end = sb.index_heap_off + sb.index_heap_len;
     if at < sb.index_heap_off || at + len > end {
         next.fetch_sub(len, Ordering::AcqRel);
-        return Err(DpmError::IndexHeapFull { used: at - sb.index_heap_off, len: sb.index_heap_len });
+        return Err(DpmError::IndexHeapFull {
+            used: at - sb.index_heap_off,
+            len: sb.index_heap_len,
+        });
     }
     pool.persist_root(Roots::HEAP_NEXT);
     Ok(at)
 }
 
 fn create_table(pool: &Pool, bucket_count: u64, generation: u64) -> Result<Table> {
-    let header_off = heap_alloc(pool, TABLE_HEADER_SIZE as u64 + bucket_count * BUCKET_SIZE as u64)?;
-    let header = TableHeader { bucket_count, buckets_off: header_off + TABLE_HEADER_SIZE as u64, generation };
+    let header_off = heap_alloc(
+        pool,
+        TABLE_HEADER_SIZE as u64 + bucket_count * BUCKET_SIZE as u64,
+    )?;
+    let header = TableHeader {
+        bucket_count,
+        buckets_off: header_off + TABLE_HEADER_SIZE as u64,
+        generation,
+    };
     // Heap space may have held an older table or bucket only if it was leaked by a crash before
     // use; zero it so every bucket starts empty.
     let region = pool.region();
@@ -361,8 +402,13 @@ fn create_table(pool: &Pool, bucket_count: u64, generation: u64) -> Result<Table
 }
 
 fn read_table(pool: &Pool, off: u64) -> Result<Table> {
-    let header = TableHeader::decode(pool.view(off, TABLE_HEADER_SIZE as u64)?)
-        .map_err(|source| DpmError::Layout { path: pool.path(), source })?;
+    let header =
+        TableHeader::decode(pool.view(off, TABLE_HEADER_SIZE as u64)?).map_err(|source| {
+            DpmError::Layout {
+                path: pool.path(),
+                source,
+            }
+        })?;
     let sb = pool.superblock();
     let end = header.buckets_off + header.bucket_count * BUCKET_SIZE as u64;
     if header.buckets_off < sb.index_heap_off || end > sb.index_heap_off + sb.index_heap_len {
@@ -371,7 +417,10 @@ fn read_table(pool: &Pool, off: u64) -> Result<Table> {
             detail: format!("index table at {off} lies outside the index heap"),
         });
     }
-    Ok(Table { header_off: off, header })
+    Ok(Table {
+        header_off: off,
+        header,
+    })
 }
 
 fn retire_table(pool: &Pool, t: &Table) -> Result<()> {
@@ -379,7 +428,9 @@ fn retire_table(pool: &Pool, t: &Table) -> Result<()> {
     for i in 0..t.header.bucket_count {
         let mut off = t.header.buckets_off + i * BUCKET_SIZE as u64;
         loop {
-            region.word(off + STATE_OFFSET as u64)?.store(RETIRED, Ordering::Release);
+            region
+                .word(off + STATE_OFFSET as u64)?
+                .store(RETIRED, Ordering::Release);
             region.persist(off + STATE_OFFSET as u64, 8)?;
             let next = region.word(off)?.load(Ordering::Acquire);
             if next == 0 {

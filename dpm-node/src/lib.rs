@@ -15,6 +15,8 @@ pub mod merge;
 pub mod metastore;
 pub mod pool;
 pub mod segments;
+pub mod server;
+pub mod service;
 pub mod testkit;
 
 pub use dpm::{Dpm, Registration};

@@ -43,8 +43,9 @@ pub struct MergeReport {
     pub segments: u64,
     pub batches: u64,
     pub entries: u64,
-    /// Batches found torn or corrupt at a log's end and dropped.
-    pub dropped_batches: u64,
+    /// Segment scans that ended on bytes that are not a valid batch: a torn last batch, or
+    /// stale bytes from an earlier use of the segment. Nothing past such a point is indexed.
+    pub invalid_tails: u64,
 }
 
 impl MergeReport {
@@ -52,7 +53,7 @@ impl MergeReport {
         self.segments += o.segments;
         self.batches += o.batches;
         self.entries += o.entries;
-        self.dropped_batches += o.dropped_batches;
+        self.invalid_tails += o.invalid_tails;
     }
 }
 
@@ -67,7 +68,13 @@ pub struct Merger {
 
 impl Merger {
     pub fn new(pool: Arc<Pool>, index: Arc<Index>, segments: Arc<Segments>) -> Self {
-        Merger { pool, index, segments, entries_total: AtomicU64::new(0), wake: (Mutex::new(false), Condvar::new()) }
+        Merger {
+            pool,
+            index,
+            segments,
+            entries_total: AtomicU64::new(0),
+            wake: (Mutex::new(false), Condvar::new()),
+        }
     }
 
     pub fn entries_merged(&self) -> u64 {
@@ -87,10 +94,11 @@ impl Merger {
         let sb = self.pool.superblock();
         let seg_off = sb.segment_offset(id);
         let view = self.pool.view(seg_off, sb.segment_size)?;
-        let header = SegmentHeader::decode(&view[..HEADER_SIZE]).map_err(|e| DpmError::BadSegment {
-            segment: id,
-            detail: format!("header unreadable: {e}"),
-        })?;
+        let header =
+            SegmentHeader::decode(&view[..HEADER_SIZE]).map_err(|e| DpmError::BadSegment {
+                segment: id,
+                detail: format!("header unreadable: {e}"),
+            })?;
         if header.segment_id != id || header.generation != entry.generation || header.kn_id != kn {
             return Err(DpmError::BadSegment {
                 segment: id,
@@ -105,7 +113,8 @@ impl Merger {
         let mut report = MergeReport::default();
         for batch in s.by_ref() {
             for (at, e) in &batch.entries {
-                let ptr = EntryPtr::new(seg_off + *at as u64, entry_len(e.key.len(), e.value.len()));
+                let ptr =
+                    EntryPtr::new(seg_off + *at as u64, entry_len(e.key.len(), e.value.len()));
                 let hash = dinomo_layout::key_hash(e.key);
                 let old = match e.op {
                     LogOp::Put => {
@@ -121,14 +130,21 @@ impl Merger {
             }
             report.batches += 1;
             report.entries += batch.entries.len() as u64;
-            self.segments.set_progress(id, Progress { offset: (batch.offset + batch.len) as u32, chain: batch.chain })?;
+            self.segments.set_progress(
+                id,
+                Progress {
+                    offset: (batch.offset + batch.len) as u32,
+                    chain: batch.chain,
+                },
+            )?;
         }
         let clean = s.stop_reason().is_none();
         if let Some(why) = s.stop_reason() {
-            report.dropped_batches += 1;
+            report.invalid_tails += 1;
             tracing::debug!(segment = id, kn, at = s.end(), %why, "log scan stopped before a torn or corrupt batch");
         }
-        self.entries_total.fetch_add(report.entries, Ordering::Relaxed);
+        self.entries_total
+            .fetch_add(report.entries, Ordering::Relaxed);
         metrics::counter!("dinomo_dpm_merged_entries_total").increment(report.entries);
         metrics::counter!("dinomo_dpm_merged_batches_total").increment(report.batches);
         Ok((report, clean))
@@ -150,7 +166,11 @@ impl Merger {
                 }
                 (other, _) => {
                     // Merged or free: stale DRAM entry; drop it.
-                    tracing::warn!(segment = id, ?other, "unexpected state of a pending segment");
+                    tracing::warn!(
+                        segment = id,
+                        ?other,
+                        "unexpected state of a pending segment"
+                    );
                     chain.pending.remove(&seq);
                     continue;
                 }
@@ -187,8 +207,12 @@ impl Merger {
         chains.rotate_left(worker % n);
         let mut merged = 0;
         for (kn, chain) in chains {
-            let Some(mut c) = chain.try_lock() else { continue };
-            let Some(&first) = c.pending.values().next() else { continue };
+            let Some(mut c) = chain.try_lock() else {
+                continue;
+            };
+            let Some(&first) = c.pending.values().next() else {
+                continue;
+            };
             match self.pool.read_table_entry(first) {
                 Ok(e) if e.state == SegState::Sealed => {}
                 _ => continue,
@@ -205,7 +229,11 @@ impl Merger {
     }
 
     /// Starts `n` merge worker threads; they stop when `stop` is set (and notified).
-    pub fn spawn_workers(self: &Arc<Self>, n: usize, stop: Arc<AtomicBool>) -> Vec<std::thread::JoinHandle<()>> {
+    pub fn spawn_workers(
+        self: &Arc<Self>,
+        n: usize,
+        stop: Arc<AtomicBool>,
+    ) -> Vec<std::thread::JoinHandle<()>> {
         (0..n)
             .map(|w| {
                 let me = self.clone();

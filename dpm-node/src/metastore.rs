@@ -75,7 +75,9 @@ impl MetaStore {
             match decode_slot(raw) {
                 Ok(None) => {}
                 Ok(Some((seq, data))) => match decode_map(data) {
-                    Some(map) if best.as_ref().is_none_or(|(s, _)| seq > *s) => best = Some((seq, map)),
+                    Some(map) if best.as_ref().is_none_or(|(s, _)| seq > *s) => {
+                        best = Some((seq, map))
+                    }
                     Some(_) => {}
                     None => errors.push(format!("slot {i}: undecodable map")),
                 },
@@ -83,13 +85,19 @@ impl MetaStore {
             }
         }
         if best.is_none() && !errors.is_empty() && errors.len() == 2 {
-            return Err(DpmError::BadPool { path: pool.path(), detail: format!("metadata unreadable: {}", errors.join("; ")) });
+            return Err(DpmError::BadPool {
+                path: pool.path(),
+                detail: format!("metadata unreadable: {}", errors.join("; ")),
+            });
         }
         for e in &errors {
             tracing::warn!(error = %e, "a metadata slot is unreadable (an interrupted update); using the other");
         }
         let (seq, map) = best.unwrap_or_default();
-        Ok(MetaStore { pool, state: Mutex::new(State { map, seq }) })
+        Ok(MetaStore {
+            pool,
+            state: Mutex::new(State { map, seq }),
+        })
     }
 
     pub fn get(&self, key: &str) -> Option<Vec<u8>> {
@@ -98,7 +106,13 @@ impl MetaStore {
 
     /// Entries whose names start with `prefix`.
     pub fn scan(&self, prefix: &str) -> Vec<(String, Vec<u8>)> {
-        self.state.lock().map.range(prefix.to_string()..).take_while(|(k, _)| k.starts_with(prefix)).map(|(k, v)| (k.clone(), v.clone())).collect()
+        self.state
+            .lock()
+            .map
+            .range(prefix.to_string()..)
+            .take_while(|(k, _)| k.starts_with(prefix))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect()
     }
 
     /// Sets (`Some`) or removes (`None`) entries and persists the new map before returning.
@@ -115,7 +129,10 @@ impl MetaStore {
         let image = encode_slot(seq, &encode_map(&map));
         let cap = Self::slot_len(&self.pool) as usize;
         if image.len() > cap {
-            return Err(DpmError::MetadataTooLarge { len: image.len() - SLOT_HEADER, cap: cap - SLOT_HEADER });
+            return Err(DpmError::MetadataTooLarge {
+                len: image.len() - SLOT_HEADER,
+                cap: cap - SLOT_HEADER,
+            });
         }
         // Alternate slots: seq odd -> slot 1, even -> slot 0; the other holds the previous copy.
         let off = Self::slot_off(&self.pool, seq % 2);

@@ -27,7 +27,12 @@ pub struct FormatOptions {
 
 impl Default for FormatOptions {
     fn default() -> Self {
-        FormatOptions { pool_len: 1 << 30, segment_size: 8 << 20, metadata_len: 1 << 20, index_fraction: 0.125 }
+        FormatOptions {
+            pool_len: 1 << 30,
+            segment_size: 8 << 20,
+            metadata_len: 1 << 20,
+            index_fraction: 0.125,
+        }
     }
 }
 
@@ -40,17 +45,33 @@ pub struct Pool {
 
 impl Pool {
     /// Formats a new pool at `path` (the file is created or overwritten).
-    pub fn format(path: &Path, opts: &FormatOptions, durability: DurabilityRequest) -> Result<Self> {
-        let mut sb = Superblock::plan(opts.pool_len, opts.segment_size, opts.metadata_len, opts.index_fraction)
-            .map_err(|source| DpmError::Layout { path: path.display().to_string(), source })?;
+    pub fn format(
+        path: &Path,
+        opts: &FormatOptions,
+        durability: DurabilityRequest,
+    ) -> Result<Self> {
+        let mut sb = Superblock::plan(
+            opts.pool_len,
+            opts.segment_size,
+            opts.metadata_len,
+            opts.index_fraction,
+        )
+        .map_err(|source| DpmError::Layout {
+            path: path.display().to_string(),
+            source,
+        })?;
         sb.pool_id = rand::random::<u64>() | 1;
-        sb.created_unix =
-            std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0);
+        sb.created_unix = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0);
         let region = Arc::new(PmRegion::create(path, opts.pool_len, durability)?);
         // A fresh file is zero-filled: free segment-table entries, empty metadata slots and zero
         // roots are all encoded as zeros. The heap starts empty; the index table is created by
         // the index module on first open.
-        region.word(sb.roots_off + Roots::HEAP_NEXT)?.store(sb.index_heap_off, Ordering::Release);
+        region
+            .word(sb.roots_off + Roots::HEAP_NEXT)?
+            .store(sb.index_heap_off, Ordering::Release);
         region.persist(sb.roots_off, dinomo_layout::meta::ROOTS_SIZE)?;
         region.write_durable(0, &sb.encode())?;
         Ok(Pool { region, sb })
@@ -60,7 +81,10 @@ impl Pool {
     pub fn open(path: &Path, durability: DurabilityRequest) -> Result<Self> {
         let p = path.display().to_string();
         let len = std::fs::metadata(path)
-            .map_err(|e| DpmError::BadPool { path: p.clone(), detail: format!("cannot stat: {e}") })?
+            .map_err(|e| DpmError::BadPool {
+                path: p.clone(),
+                detail: format!("cannot stat: {e}"),
+            })?
             .len();
         if len < SUPERBLOCK_SIZE {
             return Err(DpmError::BadPool {
@@ -71,7 +95,10 @@ impl Pool {
         let region = Arc::new(PmRegion::open(path, durability)?);
         let mut head = vec![0u8; SUPERBLOCK_SIZE as usize];
         region.read(0, &mut head)?;
-        let sb = Superblock::decode(&head).map_err(|source| DpmError::Layout { path: p.clone(), source })?;
+        let sb = Superblock::decode(&head).map_err(|source| DpmError::Layout {
+            path: p.clone(),
+            source,
+        })?;
         if sb.pool_len != len {
             return Err(DpmError::BadPool {
                 path: p,
@@ -98,7 +125,9 @@ impl Pool {
 
     /// A root word (offsets from [`Roots`]).
     pub fn root(&self, which: u64) -> &AtomicU64 {
-        self.region.word(self.sb.roots_off + which).expect("roots area validated at open")
+        self.region
+            .word(self.sb.roots_off + which)
+            .expect("roots area validated at open")
     }
 
     pub fn persist_root(&self, which: u64) {
@@ -114,9 +143,15 @@ impl Pool {
         let off = self.table_entry_offset(id);
         let mut w = [0u64; 4];
         for (i, x) in w.iter_mut().enumerate() {
-            *x = self.region.word(off + 8 * i as u64)?.load(Ordering::Acquire);
+            *x = self
+                .region
+                .word(off + 8 * i as u64)?
+                .load(Ordering::Acquire);
         }
-        TableEntry::from_words(w).map_err(|source| DpmError::Layout { path: self.path(), source })
+        TableEntry::from_words(w).map_err(|source| DpmError::Layout {
+            path: self.path(),
+            source,
+        })
     }
 
     /// Stores table entry word `i` of segment `id` and persists it.
@@ -141,7 +176,9 @@ impl Pool {
         self.region.check(offset, len)?;
         // SAFETY: bounds checked; the mapping lives as long as self. Concurrent appends by KNs
         // only touch bytes past the valid end, and every consumer verifies checksums.
-        Ok(unsafe { std::slice::from_raw_parts(self.region.as_ptr().add(offset as usize), len as usize) })
+        Ok(unsafe {
+            std::slice::from_raw_parts(self.region.as_ptr().add(offset as usize), len as usize)
+        })
     }
 
     pub fn path(&self) -> String {

@@ -51,7 +51,10 @@ impl Progress {
         u64::from(self.offset) | (u64::from(self.chain) << 32)
     }
     pub fn from_word(w: u64) -> Self {
-        Progress { offset: w as u32, chain: (w >> 32) as u32 }
+        Progress {
+            offset: w as u32,
+            chain: (w >> 32) as u32,
+        }
     }
 }
 
@@ -95,7 +98,12 @@ impl Segments {
             pool,
             free: Mutex::new(free),
             live_bytes: (0..count).map(|_| AtomicU64::new(0)).collect(),
-            chains: Mutex::new(chains.into_iter().map(|(k, c)| (k, Arc::new(Mutex::new(c)))).collect()),
+            chains: Mutex::new(
+                chains
+                    .into_iter()
+                    .map(|(k, c)| (k, Arc::new(Mutex::new(c))))
+                    .collect(),
+            ),
         })
     }
 
@@ -112,7 +120,11 @@ impl Segments {
     }
 
     pub fn chains(&self) -> Vec<(u32, Arc<Mutex<Chain>>)> {
-        self.chains.lock().iter().map(|(k, c)| (*k, c.clone())).collect()
+        self.chains
+            .lock()
+            .iter()
+            .map(|(k, c)| (*k, c.clone()))
+            .collect()
     }
 
     /// Hands a free segment to `kn` (or the cleaner) as the next segment of its chain.
@@ -123,20 +135,36 @@ impl Segments {
             .free
             .lock()
             .pop_front()
-            .ok_or(DpmError::OutOfSegments { count: self.count() })?;
-        let generation = self.pool.root(Roots::SEGMENT_GENERATION).fetch_add(1, Ordering::AcqRel) + 1;
+            .ok_or(DpmError::OutOfSegments {
+                count: self.count(),
+            })?;
+        let generation = self
+            .pool
+            .root(Roots::SEGMENT_GENERATION)
+            .fetch_add(1, Ordering::AcqRel)
+            + 1;
         self.pool.persist_root(Roots::SEGMENT_GENERATION);
         let chain_seq = chain.next_seq;
-        let header = SegmentHeader { kn_id: kn, epoch, segment_id: id, generation, chain_seq };
+        let header = SegmentHeader {
+            kn_id: kn,
+            epoch,
+            segment_id: id,
+            generation,
+            chain_seq,
+        };
         let sb = self.pool.superblock();
         let offset = sb.segment_offset(id);
         self.pool.region().write_durable(offset, &header.encode())?;
         let seed = header.chain_seed();
-        let start = Progress { offset: HEADER_SIZE as u32, chain: seed };
+        let start = Progress {
+            offset: HEADER_SIZE as u32,
+            chain: seed,
+        };
         self.pool.store_table_word(id, 1, generation)?;
         self.pool.store_table_word(id, 2, chain_seq)?;
         self.pool.store_table_word(id, 3, start.word())?;
-        self.pool.store_table_word(id, 0, TableEntry::state_word(SegState::Open, kn))?;
+        self.pool
+            .store_table_word(id, 0, TableEntry::state_word(SegState::Open, kn))?;
         self.live_bytes[id as usize].store(0, Ordering::Relaxed);
         chain.pending.insert(chain_seq, id);
         chain.next_seq += 1;
@@ -154,13 +182,19 @@ impl Segments {
     /// Checks that `id` is a segment of `kn` in one of `states`.
     pub fn entry_of(&self, kn: u32, id: u64) -> Result<TableEntry> {
         if id >= self.count() {
-            return Err(DpmError::BadSegment { segment: id, detail: format!("no such segment (pool has {})", self.count()) });
+            return Err(DpmError::BadSegment {
+                segment: id,
+                detail: format!("no such segment (pool has {})", self.count()),
+            });
         }
         let e = self.pool.read_table_entry(id)?;
         if e.kn_id != kn || e.state == SegState::Free {
             return Err(DpmError::BadSegment {
                 segment: id,
-                detail: format!("not a segment of KN {kn} (state {:?}, owner {})", e.state, e.kn_id),
+                detail: format!(
+                    "not a segment of KN {kn} (state {:?}, owner {})",
+                    e.state, e.kn_id
+                ),
             });
         }
         Ok(e)
@@ -170,13 +204,15 @@ impl Segments {
     pub fn seal(&self, kn: u32, id: u64) -> Result<()> {
         let e = self.entry_of(kn, id)?;
         if e.state == SegState::Open {
-            self.pool.store_table_word(id, 0, TableEntry::state_word(SegState::Sealed, kn))?;
+            self.pool
+                .store_table_word(id, 0, TableEntry::state_word(SegState::Sealed, kn))?;
         }
         Ok(())
     }
 
     pub fn set_state(&self, id: u64, kn: u32, state: SegState) -> Result<()> {
-        self.pool.store_table_word(id, 0, TableEntry::state_word(state, kn))
+        self.pool
+            .store_table_word(id, 0, TableEntry::state_word(state, kn))
     }
 
     pub fn set_progress(&self, id: u64, p: Progress) -> Result<()> {
@@ -185,7 +221,8 @@ impl Segments {
 
     /// Returns a merged segment with no live entry to the free list.
     pub fn free(&self, id: u64) -> Result<()> {
-        self.pool.store_table_word(id, 0, TableEntry::state_word(SegState::Free, 0))?;
+        self.pool
+            .store_table_word(id, 0, TableEntry::state_word(SegState::Free, 0))?;
         self.free.lock().push_back(id);
         metrics::counter!("dinomo_dpm_segments_freed_total").increment(1);
         Ok(())
@@ -202,7 +239,10 @@ impl Segments {
 
     pub fn add_live(&self, ptr: EntryPtr, delta: i64) -> Result<()> {
         let Some(seg) = self.pool.superblock().segment_of(ptr.offset) else {
-            return Err(DpmError::BadSegment { segment: u64::MAX, detail: format!("entry at {} is outside the segments", ptr.offset) });
+            return Err(DpmError::BadSegment {
+                segment: u64::MAX,
+                detail: format!("entry at {} is outside the segments", ptr.offset),
+            });
         };
         let len = self.entry_len(ptr)?;
         if delta >= 0 {

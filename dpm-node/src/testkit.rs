@@ -58,7 +58,11 @@ pub struct LogWriter<F, S> {
 
 impl<F: Fabric, S: SegmentSource> LogWriter<F, S> {
     pub fn new(fabric: F, source: S) -> Self {
-        LogWriter { fabric, source, current: None }
+        LogWriter {
+            fabric,
+            source,
+            current: None,
+        }
     }
 
     pub fn fabric(&self) -> &F {
@@ -69,16 +73,25 @@ impl<F: Fabric, S: SegmentSource> LogWriter<F, S> {
     /// returns Ok the batch is durable at the DPM.
     pub async fn append(&mut self, records: &[LogRecord]) -> Result<Vec<EntryPtr>> {
         let mut b = BatchBuilder::new();
-        let offs: Vec<usize> = records.iter().map(|r| b.push(r.op, r.version, &r.key, &r.value)).collect();
+        let offs: Vec<usize> = records
+            .iter()
+            .map(|r| b.push(r.op, r.version, &r.key, &r.value))
+            .collect();
         let need = b.encoded_len() as u64;
-        let fits = self.current.as_ref().is_some_and(|(g, pos, _)| pos + need <= g.len);
+        let fits = self
+            .current
+            .as_ref()
+            .is_some_and(|(g, pos, _)| pos + need <= g.len);
         if !fits {
             if let Some((g, _, _)) = self.current.take() {
                 self.source.seal(g.segment_id).await?;
             }
             let g = self.source.allocate().await?;
             if g.first_batch + need > g.len {
-                return Err(DpmError::InvalidArgument(format!("a batch of {need} bytes does not fit a segment of {}", g.len)));
+                return Err(DpmError::InvalidArgument(format!(
+                    "a batch of {need} bytes does not fit a segment of {}",
+                    g.len
+                )));
             }
             self.current = Some((g, g.first_batch, g.chain_seed));
         }
@@ -101,5 +114,68 @@ impl<F: Fabric, S: SegmentSource> LogWriter<F, S> {
             self.source.seal(g.segment_id).await?;
         }
         Ok(())
+    }
+}
+
+/// Source over gRPC: a KN talking to a dpm-node process.
+#[derive(Debug, Clone)]
+pub struct GrpcSource {
+    pub client: dinomo_proto::dpm::dpm_service_client::DpmServiceClient<tonic::transport::Channel>,
+    pub kn: u32,
+    pub epoch: u64,
+}
+
+fn status(s: tonic::Status) -> DpmError {
+    DpmError::Config(format!("DPM call failed: {} ({})", s.message(), s.code()))
+}
+
+#[async_trait]
+impl SegmentSource for GrpcSource {
+    async fn allocate(&self) -> Result<SegmentGrant> {
+        let r = self
+            .client
+            .clone()
+            .allocate_segment(dinomo_proto::dpm::AllocateSegmentRequest {
+                kn_id: self.kn,
+                epoch: self.epoch,
+            })
+            .await
+            .map_err(status)?
+            .into_inner();
+        Ok(SegmentGrant {
+            segment_id: r.segment_id,
+            offset: r.offset,
+            len: r.len,
+            chain_seq: r.chain_seq,
+            first_batch: r.first_batch,
+            chain_seed: r.chain_seed,
+        })
+    }
+
+    async fn seal(&self, segment: u64) -> Result<u64> {
+        let r = self
+            .client
+            .clone()
+            .seal_segment(dinomo_proto::dpm::SealSegmentRequest {
+                kn_id: self.kn,
+                epoch: self.epoch,
+                segment_id: segment,
+            })
+            .await
+            .map_err(status)?
+            .into_inner();
+        Ok(r.pending_segments)
+    }
+}
+
+impl<F: Fabric, S: SegmentSource> LogWriter<F, S> {
+    /// Forgets the current segment without sealing it (after a failed WRITE the segment's log
+    /// may end in a torn batch, so nothing more may be appended to it). Returns its id.
+    pub fn abandon(&mut self) -> Option<u64> {
+        self.current.take().map(|(g, _, _)| g.segment_id)
+    }
+
+    pub fn source(&self) -> &S {
+        &self.source
     }
 }

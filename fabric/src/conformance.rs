@@ -37,7 +37,11 @@ macro_rules! ensure {
 }
 
 fn pattern(len: usize, seed: u8) -> Bytes {
-    Bytes::from((0..len).map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed)).collect::<Vec<_>>())
+    Bytes::from(
+        (0..len)
+            .map(|i| (i as u8).wrapping_mul(31).wrapping_add(seed))
+            .collect::<Vec<_>>(),
+    )
 }
 
 /// Runs every case; returns the names of the cases run, or the first failure.
@@ -63,13 +67,24 @@ pub async fn run_all(h: &dyn Harness) -> Result<Vec<&'static str>, Failure> {
 async fn write_read_sizes(h: &dyn Harness) -> Result<(), Failure> {
     let (f, _) = h.connect().await.map_err(|e| e.to_string())?;
     let mut off = 4096u64;
-    for (i, len) in [1usize, 7, 8, 63, 64, 65, 4096, 4097, 1 << 20].into_iter().enumerate() {
+    for (i, len) in [1usize, 7, 8, 63, 64, 65, 4096, 4097, 1 << 20]
+        .into_iter()
+        .enumerate()
+    {
         let data = pattern(len, i as u8);
-        f.write(off + i as u64, data.clone()).await.map_err(|e| e.to_string())?;
-        let back = f.read(off + i as u64, len as u32).await.map_err(|e| e.to_string())?;
+        f.write(off + i as u64, data.clone())
+            .await
+            .map_err(|e| e.to_string())?;
+        let back = f
+            .read(off + i as u64, len as u32)
+            .await
+            .map_err(|e| e.to_string())?;
         ensure!(back == data, "read back of {len} bytes differs");
         let local = h.local_read(off + i as u64, len);
-        ensure!(local == data[..], "memory node does not hold the {len} written bytes");
+        ensure!(
+            local == data[..],
+            "memory node does not hold the {len} written bytes"
+        );
         off += len as u64 + 128;
     }
     Ok(())
@@ -79,31 +94,64 @@ async fn batched_post(h: &dyn Harness) -> Result<(), Failure> {
     let (f, _) = h.connect().await.map_err(|e| e.to_string())?;
     let before = f.stats().snapshot();
     let ops = [
-        Op::Write { offset: 2 << 20, data: pattern(100, 1) },
-        Op::Write { offset: (2 << 20) + 100, data: pattern(28, 2) },
-        Op::Read { offset: 2 << 20, len: 128 },
-        Op::Faa { offset: (2 << 20) + 256, add: 3 },
+        Op::Write {
+            offset: 2 << 20,
+            data: pattern(100, 1),
+        },
+        Op::Write {
+            offset: (2 << 20) + 100,
+            data: pattern(28, 2),
+        },
+        Op::Read {
+            offset: 2 << 20,
+            len: 128,
+        },
+        Op::Faa {
+            offset: (2 << 20) + 256,
+            add: 3,
+        },
     ];
     let cs = f.post(&ops).await.map_err(|e| e.to_string())?;
     ensure!(cs.len() == 4, "expected 4 completions, got {}", cs.len());
     let mut want = pattern(100, 1).to_vec();
     want.extend_from_slice(&pattern(28, 2));
-    ensure!(cs[2] == Completion::Read(Bytes::from(want)), "READ after WRITEs in one post must see them");
+    ensure!(
+        cs[2] == Completion::Read(Bytes::from(want)),
+        "READ after WRITEs in one post must see them"
+    );
     let d = f.stats().snapshot().since(&before);
-    ensure!(d.round_trips == 1, "one post must count one round trip, counted {}", d.round_trips);
-    ensure!(d.writes == 2 && d.reads == 1 && d.faa == 1, "op counts wrong: {d:?}");
-    ensure!(d.bytes_written == 128 && d.bytes_read == 128, "byte counts wrong: {d:?}");
+    ensure!(
+        d.round_trips == 1,
+        "one post must count one round trip, counted {}",
+        d.round_trips
+    );
+    ensure!(
+        d.writes == 2 && d.reads == 1 && d.faa == 1,
+        "op counts wrong: {d:?}"
+    );
+    ensure!(
+        d.bytes_written == 128 && d.bytes_read == 128,
+        "byte counts wrong: {d:?}"
+    );
     Ok(())
 }
 
 async fn cas_semantics(h: &dyn Harness) -> Result<(), Failure> {
     let (f, _) = h.connect().await.map_err(|e| e.to_string())?;
     let at = 3 << 20;
-    f.write(at, Bytes::copy_from_slice(&5u64.to_le_bytes())).await.map_err(|e| e.to_string())?;
+    f.write(at, Bytes::copy_from_slice(&5u64.to_le_bytes()))
+        .await
+        .map_err(|e| e.to_string())?;
     let old = f.cas(at, 4, 9).await.map_err(|e| e.to_string())?;
-    ensure!(old == 5, "failed CAS must return the current value 5, got {old}");
+    ensure!(
+        old == 5,
+        "failed CAS must return the current value 5, got {old}"
+    );
     let old = f.cas(at, 5, 9).await.map_err(|e| e.to_string())?;
-    ensure!(old == 5, "successful CAS must return the old value 5, got {old}");
+    ensure!(
+        old == 5,
+        "successful CAS must return the old value 5, got {old}"
+    );
     let now = u64::from_le_bytes(h.local_read(at, 8).try_into().expect("8"));
     ensure!(now == 9, "CAS did not store the new value (found {now})");
     Ok(())
@@ -115,7 +163,10 @@ async fn faa_atomic(h: &dyn Harness) -> Result<(), Failure> {
     for _ in 0..4 {
         callers.push(Arc::new(h.connect().await.map_err(|e| e.to_string())?.0));
     }
-    callers[0].write(at, Bytes::copy_from_slice(&0u64.to_le_bytes())).await.map_err(|e| e.to_string())?;
+    callers[0]
+        .write(at, Bytes::copy_from_slice(&0u64.to_le_bytes()))
+        .await
+        .map_err(|e| e.to_string())?;
     let mut tasks = Vec::new();
     for f in &callers {
         let f = f.clone();
@@ -132,7 +183,10 @@ async fn faa_atomic(h: &dyn Harness) -> Result<(), Failure> {
         all.extend(t.await.map_err(|e| e.to_string())??);
     }
     all.sort_unstable();
-    ensure!(all == (0..800).collect::<Vec<u64>>(), "FAA old values must be exactly 0..800 once each");
+    ensure!(
+        all == (0..800).collect::<Vec<u64>>(),
+        "FAA old values must be exactly 0..800 once each"
+    );
     let now = u64::from_le_bytes(h.local_read(at, 8).try_into().expect("8"));
     ensure!(now == 800, "after 800 FAAs the word is {now}");
     Ok(())
@@ -144,16 +198,39 @@ async fn bad_posts(h: &dyn Harness) -> Result<(), Failure> {
     let at = 3 << 20;
     let before = h.local_read(at, 8);
     let r = f
-        .post(&[Op::Write { offset: at, data: pattern(8, 7) }, Op::Read { offset: len - 4, len: 8 }])
+        .post(&[
+            Op::Write {
+                offset: at,
+                data: pattern(8, 7),
+            },
+            Op::Read {
+                offset: len - 4,
+                len: 8,
+            },
+        ])
         .await;
-    ensure!(matches!(r, Err(FabricError::OutOfBounds { .. })), "out-of-bounds READ: {r:?}");
-    ensure!(h.local_read(at, 8) == before, "a refused post must not apply its earlier WRITE");
+    ensure!(
+        matches!(r, Err(FabricError::OutOfBounds { .. })),
+        "out-of-bounds READ: {r:?}"
+    );
+    ensure!(
+        h.local_read(at, 8) == before,
+        "a refused post must not apply its earlier WRITE"
+    );
     let r = f.cas(at + 3, 0, 1).await;
-    ensure!(matches!(r, Err(FabricError::Misaligned { .. })), "misaligned CAS: {r:?}");
+    ensure!(
+        matches!(r, Err(FabricError::Misaligned { .. })),
+        "misaligned CAS: {r:?}"
+    );
     let r = f.faa(len, 1).await;
-    ensure!(matches!(r, Err(FabricError::OutOfBounds { .. })), "FAA past the end: {r:?}");
+    ensure!(
+        matches!(r, Err(FabricError::OutOfBounds { .. })),
+        "FAA past the end: {r:?}"
+    );
     // The handle still works after refused posts.
-    f.read(0, 8).await.map_err(|e| format!("after errors: {e}"))?;
+    f.read(0, 8)
+        .await
+        .map_err(|e| format!("after errors: {e}"))?;
     Ok(())
 }
 
@@ -165,9 +242,15 @@ async fn revocation(h: &dyn Harness) -> Result<(), Failure> {
     let r = f.write(3 << 20, pattern(8, 1)).await;
     ensure!(r.is_err(), "a revoked caller's WRITE must fail");
     if let Err(e) = &r {
-        ensure!(e.is_permanent(), "revocation must be a permanent error, got {e}");
+        ensure!(
+            e.is_permanent(),
+            "revocation must be a permanent error, got {e}"
+        );
     }
-    other.read(0, 8).await.map_err(|e| format!("another caller must keep access: {e}"))?;
+    other
+        .read(0, 8)
+        .await
+        .map_err(|e| format!("another caller must keep access: {e}"))?;
     Ok(())
 }
 
@@ -180,8 +263,13 @@ async fn pipelined(h: &dyn Harness) -> Result<(), Failure> {
         let f = f.clone();
         tasks.push(tokio::spawn(async move {
             let data = pattern(256, i as u8);
-            f.write(base + i * 256, data.clone()).await.map_err(|e| e.to_string())?;
-            let back = f.read(base + i * 256, 256).await.map_err(|e| e.to_string())?;
+            f.write(base + i * 256, data.clone())
+                .await
+                .map_err(|e| e.to_string())?;
+            let back = f
+                .read(base + i * 256, 256)
+                .await
+                .map_err(|e| e.to_string())?;
             if back != data {
                 return Err(format!("post {i} read back other bytes"));
             }
@@ -200,17 +288,34 @@ async fn torn_write(h: &dyn Harness) -> Result<(), Failure> {
     let at = (3 << 20) + 4096;
     let zeros = Bytes::from(vec![0u8; 512]);
     for k in [0usize, 1, 63, 64, 200, 511] {
-        f.write(at, zeros.clone()).await.map_err(|e| e.to_string())?;
-        f.set_plan(FaultPlan { tear_next_write_after: Some(k), ..Default::default() });
+        f.write(at, zeros.clone())
+            .await
+            .map_err(|e| e.to_string())?;
+        f.set_plan(FaultPlan {
+            tear_next_write_after: Some(k),
+            ..Default::default()
+        });
         let data = pattern(512, 9);
         let r = f.write(at, data.clone()).await;
         ensure!(r.is_err(), "a torn WRITE must report an error");
         let local = h.local_read(at, 512);
-        ensure!(local[..k] == data[..k], "the first {k} bytes must be written");
-        ensure!(local[k..].iter().all(|&b| b == 0), "nothing past byte {k} may be written");
+        ensure!(
+            local[..k] == data[..k],
+            "the first {k} bytes must be written"
+        );
+        ensure!(
+            local[k..].iter().all(|&b| b == 0),
+            "nothing past byte {k} may be written"
+        );
     }
-    f.set_plan(FaultPlan { fail_next: 1, ..Default::default() });
-    ensure!(f.read(0, 8).await.is_err(), "fail_next must fail the next post");
+    f.set_plan(FaultPlan {
+        fail_next: 1,
+        ..Default::default()
+    });
+    ensure!(
+        f.read(0, 8).await.is_err(),
+        "fail_next must fail the next post"
+    );
     f.read(0, 8).await.map_err(|e| e.to_string())?;
     Ok(())
 }

@@ -7,11 +7,17 @@ use std::io;
 #[derive(Debug, thiserror::Error)]
 pub enum FabricError {
     /// The access key was revoked (the caller was fenced) or never granted.
-    #[error("access denied: the key for grant slot {slot} is not valid (revoked or never granted)")]
+    #[error(
+        "access denied: the key for grant slot {slot} is not valid (revoked or never granted)"
+    )]
     AccessDenied { slot: u32 },
     /// An operation addressed bytes outside the registered region.
     #[error("out of bounds: offset {offset} + len {len} exceeds the region of {region_len} bytes")]
-    OutOfBounds { offset: u64, len: u64, region_len: u64 },
+    OutOfBounds {
+        offset: u64,
+        len: u64,
+        region_len: u64,
+    },
     /// Atomic operations need an 8-byte aligned address.
     #[error("misaligned atomic at offset {offset}: CAS and FAA need 8-byte alignment")]
     Misaligned { offset: u64 },

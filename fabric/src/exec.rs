@@ -52,9 +52,14 @@ fn apply_one(region: &PmRegion, op: &Op) -> Result<Completion> {
             region.write_durable(*offset, data)?;
             Completion::Written
         }
-        Op::Cas { offset, expected, new } => {
+        Op::Cas {
+            offset,
+            expected,
+            new,
+        } => {
             let w = region.word(*offset)?;
-            let old = match w.compare_exchange(*expected, *new, Ordering::AcqRel, Ordering::Acquire) {
+            let old = match w.compare_exchange(*expected, *new, Ordering::AcqRel, Ordering::Acquire)
+            {
                 Ok(v) | Err(v) => v,
             };
             region.persist(*offset, 8)?;

@@ -33,11 +33,19 @@ pub struct Faulty<F> {
 
 impl<F: Fabric> Faulty<F> {
     pub fn new(inner: F) -> Self {
-        Faulty { inner, plan: Mutex::new(FaultPlan::default()) }
+        Faulty {
+            inner,
+            plan: Mutex::new(FaultPlan::default()),
+        }
     }
 
     pub fn set_plan(&self, plan: FaultPlan) {
         *self.plan.lock() = plan;
+    }
+
+    /// The plan as it stands (a tear that has happened is no longer in it).
+    pub fn plan(&self) -> FaultPlan {
+        self.plan.lock().clone()
     }
 
     pub fn inner(&self) -> &F {
@@ -55,7 +63,11 @@ impl<F: Fabric> Fabric for Faulty<F> {
                 p.fail_next -= 1;
             }
             let has_write = ops.iter().any(|o| matches!(o, Op::Write { .. }));
-            let tear = if !fail && has_write { p.tear_next_write_after.take() } else { None };
+            let tear = if !fail && has_write {
+                p.tear_next_write_after.take()
+            } else {
+                None
+            };
             (p.delay, fail, tear)
         };
         if let Some(d) = delay {
@@ -67,12 +79,18 @@ impl<F: Fabric> Fabric for Faulty<F> {
         let Some(k) = tear else {
             return self.inner.post(ops).await;
         };
-        let at = ops.iter().position(|o| matches!(o, Op::Write { .. })).expect("checked above");
+        let at = ops
+            .iter()
+            .position(|o| matches!(o, Op::Write { .. }))
+            .expect("checked above");
         let mut torn: Vec<Op> = ops[..at].to_vec();
         if let Op::Write { offset, data } = &ops[at] {
             let k = k.min(data.len());
             if k > 0 {
-                torn.push(Op::Write { offset: *offset, data: data.slice(..k) });
+                torn.push(Op::Write {
+                    offset: *offset,
+                    data: data.slice(..k),
+                });
             }
         }
         if !torn.is_empty() {

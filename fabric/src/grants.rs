@@ -40,26 +40,66 @@ impl GrantTable {
         PathBuf::from(s)
     }
 
-    /// Creates a fresh table (every old grant is void).
+    /// Creates a fresh table; every grant of an earlier table at `path` is revoked first.
+    ///
+    /// The new table is a new file renamed over the old one, never the old file truncated:
+    /// callers may still map the old file (a KN that outlived a memory-node restart), and a
+    /// truncated mapping would fault them instead of failing their next check.
     pub fn create(path: &Path, capacity: u32) -> Result<Self> {
+        if let Ok(old) = GrantTable::open(path) {
+            old.revoke_all()?;
+        }
+        let mut tmp = path.as_os_str().to_owned();
+        tmp.push(".new");
+        let tmp = PathBuf::from(tmp);
         let len = HEADER + u64::from(capacity) * 16;
-        let region = PmRegion::create(path, len, DurabilityRequest::ProcessCrash)?;
+        let region = PmRegion::create(&tmp, len, DurabilityRequest::ProcessCrash)?;
         region.word(0)?.store(MAGIC, Ordering::Release);
-        region.word(8)?.store(u64::from(capacity), Ordering::Release);
-        Ok(GrantTable { region, capacity, grant_lock: Mutex::new(()) })
+        region
+            .word(8)?
+            .store(u64::from(capacity), Ordering::Release);
+        std::fs::rename(&tmp, path).map_err(|source| FabricError::Region {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Ok(GrantTable {
+            region,
+            capacity,
+            grant_lock: Mutex::new(()),
+        })
+    }
+
+    /// Revokes every grant.
+    pub fn revoke_all(&self) -> Result<()> {
+        for slot in 0..self.capacity {
+            self.region
+                .word(Self::slot_offset(slot))?
+                .store(0, Ordering::Release);
+        }
+        Ok(())
     }
 
     /// Opens a table created by the memory node (clients do this).
     pub fn open(path: &Path) -> Result<Self> {
         let region = PmRegion::open(path, DurabilityRequest::ProcessCrash)?;
         if region.len() < HEADER || region.word(0)?.load(Ordering::Acquire) != MAGIC {
-            return Err(FabricError::Config(format!("{} is not a grant table", path.display())));
+            return Err(FabricError::Config(format!(
+                "{} is not a grant table",
+                path.display()
+            )));
         }
         let capacity = region.word(8)?.load(Ordering::Acquire);
         if region.len() < HEADER + capacity * 16 {
-            return Err(FabricError::Config(format!("{} is truncated", path.display())));
+            return Err(FabricError::Config(format!(
+                "{} is truncated",
+                path.display()
+            )));
         }
-        Ok(GrantTable { region, capacity: capacity as u32, grant_lock: Mutex::new(()) })
+        Ok(GrantTable {
+            region,
+            capacity: capacity as u32,
+            grant_lock: Mutex::new(()),
+        })
     }
 
     fn slot_offset(slot: u32) -> u64 {
@@ -76,14 +116,19 @@ impl GrantTable {
                 continue;
             }
             let gen_word = self.region.word(off + 8)?;
-            let generation = (gen_word.load(Ordering::Acquire) as u32).wrapping_add(1).max(1);
+            let generation = (gen_word.load(Ordering::Acquire) as u32)
+                .wrapping_add(1)
+                .max(1);
             gen_word.store(u64::from(generation), Ordering::Release);
             let nonce = rand::random::<u32>() | 1;
             let t = (u64::from(generation) << 32) | u64::from(nonce);
             token.store(t, Ordering::Release);
             return Ok(AccessKey { slot, token: t });
         }
-        Err(FabricError::Config(format!("all {} grant slots are in use", self.capacity)))
+        Err(FabricError::Config(format!(
+            "all {} grant slots are in use",
+            self.capacity
+        )))
     }
 
     /// Revokes a key; later checks of it fail. Revoking an already revoked key is a no-op.
@@ -126,9 +171,15 @@ mod tests {
         let c = t.grant().unwrap();
         assert_eq!(c.slot, a.slot);
         assert!(c.generation() > a.generation());
-        assert!(t.check(a).is_err(), "an old token never matches a regranted slot");
+        assert!(
+            t.check(a).is_err(),
+            "an old token never matches a regranted slot"
+        );
         let other = GrantTable::open(&p).unwrap();
         other.check(b).unwrap();
         other.check(c).unwrap();
+        // Re-creating the table (a memory-node restart) revokes the grants callers still map.
+        let _fresh = GrantTable::create(&p, 2).unwrap();
+        assert!(other.check(b).is_err() && other.check(c).is_err());
     }
 }

@@ -64,7 +64,13 @@ pub trait FabricExt: Fabric {
 
     /// Compare-and-swap; returns the old value (the swap happened iff it equals `expected`).
     async fn cas(&self, offset: u64, expected: u64, new: u64) -> Result<u64> {
-        let c = self.post(&[Op::Cas { offset, expected, new }]).await?;
+        let c = self
+            .post(&[Op::Cas {
+                offset,
+                expected,
+                new,
+            }])
+            .await?;
         c.first()
             .and_then(Completion::old_value)
             .ok_or_else(|| FabricError::Protocol("CAS completed without a value".into()))

@@ -28,7 +28,11 @@ pub enum Op {
     /// Write `data` at `offset`; complete means durable at the memory node.
     Write { offset: u64, data: Bytes },
     /// Compare-and-swap the 8-byte aligned word at `offset`; completes with the old value.
-    Cas { offset: u64, expected: u64, new: u64 },
+    Cas {
+        offset: u64,
+        expected: u64,
+        new: u64,
+    },
     /// Fetch-and-add on the 8-byte aligned word at `offset`; completes with the old value.
     Faa { offset: u64, add: u64 },
 }
@@ -59,8 +63,12 @@ pub enum Completion {
     Read(Bytes),
     Written,
     /// The value found before the CAS; the swap happened iff it equals `expected`.
-    Cas { old: u64 },
-    Faa { old: u64 },
+    Cas {
+        old: u64,
+    },
+    Faa {
+        old: u64,
+    },
 }
 
 impl Completion {

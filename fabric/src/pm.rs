@@ -31,10 +31,7 @@ pub enum Durability {
 impl std::fmt::Display for Durability {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Durability::Dax(i) => write!(
-                f,
-                "dax (MAP_SYNC, {i:?} + sfence): survives power loss"
-            ),
+            Durability::Dax(i) => write!(f, "dax (MAP_SYNC, {i:?} + sfence): survives power loss"),
             Durability::Msync => write!(f, "msync (page cache + msync): survives power loss, slow"),
             Durability::ProcessCrash => write!(
                 f,
@@ -101,7 +98,10 @@ const MAP_SYNC: libc::c_int = 0x80000;
 impl PmRegion {
     /// Creates (or truncates) `path` to `len` bytes, zero-filled, and maps it.
     pub fn create(path: &Path, len: u64, request: DurabilityRequest) -> Result<Self> {
-        let err = |source| FabricError::Region { path: path.display().to_string(), source };
+        let err = |source| FabricError::Region {
+            path: path.display().to_string(),
+            source,
+        };
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -115,13 +115,23 @@ impl PmRegion {
 
     /// Maps an existing file at its current length.
     pub fn open(path: &Path, request: DurabilityRequest) -> Result<Self> {
-        let err = |source| FabricError::Region { path: path.display().to_string(), source };
-        let file = OpenOptions::new().read(true).write(true).open(path).map_err(err)?;
+        let err = |source| FabricError::Region {
+            path: path.display().to_string(),
+            source,
+        };
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(path)
+            .map_err(err)?;
         Self::map(file, path, request)
     }
 
     fn map(file: File, path: &Path, request: DurabilityRequest) -> Result<Self> {
-        let err = |source| FabricError::Region { path: path.display().to_string(), source };
+        let err = |source| FabricError::Region {
+            path: path.display().to_string(),
+            source,
+        };
         let len = file.metadata().map_err(err)?.len();
         if len == 0 || len > isize::MAX as u64 {
             return Err(FabricError::Config(format!(
@@ -152,13 +162,19 @@ impl PmRegion {
                             path.display()
                         )))
                     }
-                    Err(_) => (try_map(libc::MAP_SHARED).map_err(err)?, Durability::ProcessCrash),
+                    Err(_) => (
+                        try_map(libc::MAP_SHARED).map_err(err)?,
+                        Durability::ProcessCrash,
+                    ),
                 }
             }
-            DurabilityRequest::Msync => (try_map(libc::MAP_SHARED).map_err(err)?, Durability::Msync),
-            DurabilityRequest::ProcessCrash => {
-                (try_map(libc::MAP_SHARED).map_err(err)?, Durability::ProcessCrash)
+            DurabilityRequest::Msync => {
+                (try_map(libc::MAP_SHARED).map_err(err)?, Durability::Msync)
             }
+            DurabilityRequest::ProcessCrash => (
+                try_map(libc::MAP_SHARED).map_err(err)?,
+                Durability::ProcessCrash,
+            ),
         };
         Ok(PmRegion {
             base: NonNull::new(ptr.cast()).expect("mmap returned null"),
@@ -189,7 +205,11 @@ impl PmRegion {
     pub fn check(&self, offset: u64, len: u64) -> Result<()> {
         match offset.checked_add(len) {
             Some(end) if end <= self.len as u64 => Ok(()),
-            _ => Err(FabricError::OutOfBounds { offset, len, region_len: self.len as u64 }),
+            _ => Err(FabricError::OutOfBounds {
+                offset,
+                len,
+                region_len: self.len as u64,
+            }),
         }
     }
 
@@ -335,7 +355,9 @@ unsafe fn flush_line(instr: FlushInstr, p: *const u8) {
     // SAFETY: the caller guarantees p is mapped; the instruction was detected by cpuid.
     unsafe {
         match instr {
-            FlushInstr::Clwb => std::arch::asm!("clwb [{}]", in(reg) p, options(nostack, preserves_flags)),
+            FlushInstr::Clwb => {
+                std::arch::asm!("clwb [{}]", in(reg) p, options(nostack, preserves_flags))
+            }
             FlushInstr::Clflushopt => {
                 std::arch::asm!("clflushopt [{}]", in(reg) p, options(nostack, preserves_flags))
             }

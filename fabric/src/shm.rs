@@ -35,7 +35,12 @@ impl ShmFabric {
 
     /// A handle on mappings this process already has (tests, tools in the DPM process).
     pub fn from_parts(region: Arc<PmRegion>, grants: Arc<GrantTable>, key: AccessKey) -> Self {
-        ShmFabric { region, grants, key, stats: FabricStats::default() }
+        ShmFabric {
+            region,
+            grants,
+            key,
+            stats: FabricStats::default(),
+        }
     }
 
     pub fn region(&self) -> &Arc<PmRegion> {

@@ -51,7 +51,10 @@ fn proto(msg: impl Into<String>) -> FabricError {
 
 fn need(buf: &impl Buf, n: usize) -> Result<()> {
     if buf.remaining() < n {
-        Err(proto(format!("frame truncated: need {n} more bytes, have {}", buf.remaining())))
+        Err(proto(format!(
+            "frame truncated: need {n} more bytes, have {}",
+            buf.remaining()
+        )))
     } else {
         Ok(())
     }
@@ -59,7 +62,8 @@ fn need(buf: &impl Buf, n: usize) -> Result<()> {
 
 /// Encodes a request frame (with its length prefix).
 pub fn encode_request(id: u64, key: AccessKey, ops: &[Op]) -> Result<Bytes> {
-    let n = u16::try_from(ops.len()).map_err(|_| proto("more than 65535 operations in one post"))?;
+    let n =
+        u16::try_from(ops.len()).map_err(|_| proto("more than 65535 operations in one post"))?;
     let payload: usize = ops.iter().map(|o| 25 + o.payload_len() as usize).sum();
     let mut b = BytesMut::with_capacity(4 + 22 + payload);
     b.put_u32_le(0);
@@ -75,13 +79,18 @@ pub fn encode_request(id: u64, key: AccessKey, ops: &[Op]) -> Result<Bytes> {
                 b.put_u32_le(*len);
             }
             Op::Write { offset, data } => {
-                let len = u32::try_from(data.len()).map_err(|_| proto("WRITE larger than 4 GiB"))?;
+                let len =
+                    u32::try_from(data.len()).map_err(|_| proto("WRITE larger than 4 GiB"))?;
                 b.put_u8(K_WRITE);
                 b.put_u64_le(*offset);
                 b.put_u32_le(len);
                 b.put_slice(data);
             }
-            Op::Cas { offset, expected, new } => {
+            Op::Cas {
+                offset,
+                expected,
+                new,
+            } => {
                 b.put_u8(K_CAS);
                 b.put_u64_le(*offset);
                 b.put_u64_le(*expected);
@@ -96,7 +105,9 @@ pub fn encode_request(id: u64, key: AccessKey, ops: &[Op]) -> Result<Bytes> {
     }
     let body = b.len() - 4;
     if body > MAX_FRAME {
-        return Err(proto(format!("post of {body} bytes exceeds the {MAX_FRAME}-byte frame limit")));
+        return Err(proto(format!(
+            "post of {body} bytes exceeds the {MAX_FRAME}-byte frame limit"
+        )));
     }
     b[..4].copy_from_slice(&(body as u32).to_le_bytes());
     Ok(b.freeze())
@@ -117,27 +128,43 @@ pub fn decode_request(mut b: Bytes) -> Result<(u64, AccessKey, Vec<Op>)> {
         ops.push(match kind {
             K_READ => {
                 need(&b, 4)?;
-                Op::Read { offset, len: b.get_u32_le() }
+                Op::Read {
+                    offset,
+                    len: b.get_u32_le(),
+                }
             }
             K_WRITE => {
                 need(&b, 4)?;
                 let len = b.get_u32_le() as usize;
                 need(&b, len)?;
-                Op::Write { offset, data: b.split_to(len) }
+                Op::Write {
+                    offset,
+                    data: b.split_to(len),
+                }
             }
             K_CAS => {
                 need(&b, 16)?;
-                Op::Cas { offset, expected: b.get_u64_le(), new: b.get_u64_le() }
+                Op::Cas {
+                    offset,
+                    expected: b.get_u64_le(),
+                    new: b.get_u64_le(),
+                }
             }
             K_FAA => {
                 need(&b, 8)?;
-                Op::Faa { offset, add: b.get_u64_le() }
+                Op::Faa {
+                    offset,
+                    add: b.get_u64_le(),
+                }
             }
             k => return Err(proto(format!("unknown operation kind {k}"))),
         });
     }
     if b.has_remaining() {
-        return Err(proto(format!("{} trailing bytes after the last operation", b.remaining())));
+        return Err(proto(format!(
+            "{} trailing bytes after the last operation",
+            b.remaining()
+        )));
     }
     Ok((id, AccessKey { slot, token }, ops))
 }
@@ -173,7 +200,11 @@ pub fn encode_response(id: u64, result: &Result<Vec<Completion>>) -> Bytes {
         Err(e) => {
             let (status, slot, a, bb) = match e {
                 FabricError::AccessDenied { slot } => (S_ACCESS, *slot, 0, 0),
-                FabricError::OutOfBounds { offset, len, region_len } => {
+                FabricError::OutOfBounds {
+                    offset,
+                    len,
+                    region_len,
+                } => {
                     b.put_u8(S_BOUNDS);
                     b.put_u32_le(0);
                     b.put_u64_le(*offset);
@@ -226,11 +257,15 @@ pub fn decode_response(mut b: Bytes) -> Result<(u64, Result<Vec<Completion>>)> {
                 K_WRITE => Completion::Written,
                 K_CAS => {
                     need(&b, 8)?;
-                    Completion::Cas { old: b.get_u64_le() }
+                    Completion::Cas {
+                        old: b.get_u64_le(),
+                    }
                 }
                 K_FAA => {
                     need(&b, 8)?;
-                    Completion::Faa { old: b.get_u64_le() }
+                    Completion::Faa {
+                        old: b.get_u64_le(),
+                    }
                 }
                 k => return Err(proto(format!("unknown completion kind {k}"))),
             });
@@ -247,7 +282,11 @@ pub fn decode_response(mut b: Bytes) -> Result<(u64, Result<Vec<Completion>>)> {
     let msg = String::from_utf8_lossy(&b.split_to(len)).into_owned();
     let err = match status {
         S_ACCESS => FabricError::AccessDenied { slot },
-        S_BOUNDS => FabricError::OutOfBounds { offset: a, len: bb, region_len: c },
+        S_BOUNDS => FabricError::OutOfBounds {
+            offset: a,
+            len: bb,
+            region_len: c,
+        },
         S_ALIGN => FabricError::Misaligned { offset: a },
         _ => FabricError::Protocol(format!("remote error: {msg}")),
     };
@@ -282,11 +321,17 @@ pub struct TcpNic {
 
 impl TcpNic {
     /// Binds `addr` and starts serving `region` under the access rules of `grants`.
-    pub async fn start(addr: SocketAddr, region: Arc<PmRegion>, grants: Arc<GrantTable>) -> Result<Self> {
-        let listener = TcpListener::bind(addr)
-            .await
-            .map_err(|e| FabricError::Transport(format!("binding the fabric NIC to {addr}: {e}")))?;
-        let local_addr = listener.local_addr().map_err(|e| FabricError::Transport(e.to_string()))?;
+    pub async fn start(
+        addr: SocketAddr,
+        region: Arc<PmRegion>,
+        grants: Arc<GrantTable>,
+    ) -> Result<Self> {
+        let listener = TcpListener::bind(addr).await.map_err(|e| {
+            FabricError::Transport(format!("binding the fabric NIC to {addr}: {e}"))
+        })?;
+        let local_addr = listener
+            .local_addr()
+            .map_err(|e| FabricError::Transport(e.to_string()))?;
         let task = tokio::spawn(async move {
             loop {
                 let (sock, peer) = match listener.accept().await {
@@ -320,15 +365,25 @@ impl Drop for TcpNic {
     }
 }
 
-async fn serve_conn(sock: TcpStream, region: &PmRegion, grants: &GrantTable) -> std::io::Result<()> {
+async fn serve_conn(
+    sock: TcpStream,
+    region: &PmRegion,
+    grants: &GrantTable,
+) -> std::io::Result<()> {
     let (r, w) = sock.into_split();
     let mut r = BufReader::with_capacity(256 << 10, r);
     let mut w = BufWriter::with_capacity(256 << 10, w);
     while let Some(frame) = read_frame(&mut r).await? {
         let (id, result) = match decode_request(frame) {
-            Ok((id, key, ops)) => (id, grants.check(key).and_then(|()| exec::apply(region, &ops))),
+            Ok((id, key, ops)) => (
+                id,
+                grants.check(key).and_then(|()| exec::apply(region, &ops)),
+            ),
             Err(e) => {
-                return Err(std::io::Error::new(std::io::ErrorKind::InvalidData, e.to_string()));
+                return Err(std::io::Error::new(
+                    std::io::ErrorKind::InvalidData,
+                    e.to_string(),
+                ));
             }
         };
         w.write_all(&encode_response(id, &result)).await?;
@@ -372,9 +427,9 @@ impl PendingMap {
 
 impl TcpFabric {
     pub async fn connect(addr: SocketAddr, key: AccessKey) -> Result<Self> {
-        let sock = TcpStream::connect(addr)
-            .await
-            .map_err(|e| FabricError::Transport(format!("connecting to the fabric NIC at {addr}: {e}")))?;
+        let sock = TcpStream::connect(addr).await.map_err(|e| {
+            FabricError::Transport(format!("connecting to the fabric NIC at {addr}: {e}"))
+        })?;
         let _ = sock.set_nodelay(true);
         let (r, w) = sock.into_split();
         let pending = Arc::new(Mutex::new(PendingMap::default()));
@@ -392,7 +447,8 @@ impl TcpFabric {
                     }
                 }
                 if let Err(e) = res.and(w.flush().await) {
-                    p.lock().fail_all(format!("fabric connection to {addr} failed: {e}"));
+                    p.lock()
+                        .fail_all(format!("fabric connection to {addr} failed: {e}"));
                     return;
                 }
             }
@@ -453,9 +509,12 @@ impl Fabric for TcpFabric {
         self.stats.record_post(ops);
         if self.outbox.send(frame).is_err() {
             self.pending.lock().waiters.remove(&id);
-            return Err(FabricError::Transport("fabric connection writer stopped".into()));
+            return Err(FabricError::Transport(
+                "fabric connection writer stopped".into(),
+            ));
         }
-        rx.await.map_err(|_| FabricError::Transport("fabric connection dropped the request".into()))?
+        rx.await
+            .map_err(|_| FabricError::Transport("fabric connection dropped the request".into()))?
     }
 
     fn stats(&self) -> &FabricStats {
@@ -475,9 +534,19 @@ mod tests {
     fn request_roundtrip() {
         let ops = vec![
             Op::Read { offset: 8, len: 16 },
-            Op::Write { offset: 64, data: Bytes::from_static(b"abc") },
-            Op::Cas { offset: 128, expected: 1, new: 2 },
-            Op::Faa { offset: 136, add: 5 },
+            Op::Write {
+                offset: 64,
+                data: Bytes::from_static(b"abc"),
+            },
+            Op::Cas {
+                offset: 128,
+                expected: 1,
+                new: 2,
+            },
+            Op::Faa {
+                offset: 136,
+                add: 5,
+            },
         ];
         let key = AccessKey { slot: 3, token: 99 };
         let f = encode_request(7, key, &ops).unwrap();
@@ -498,7 +567,11 @@ mod tests {
         assert_eq!(r.unwrap(), cs);
         for e in [
             FabricError::AccessDenied { slot: 2 },
-            FabricError::OutOfBounds { offset: 1, len: 2, region_len: 3 },
+            FabricError::OutOfBounds {
+                offset: 1,
+                len: 2,
+                region_len: 3,
+            },
             FabricError::Misaligned { offset: 3 },
         ] {
             let want = e.to_string();
@@ -509,10 +582,14 @@ mod tests {
 
     #[test]
     fn truncated_frames_are_errors_not_panics() {
-        let f = encode_request(1, AccessKey { slot: 0, token: 1 }, &[Op::Write {
-            offset: 0,
-            data: Bytes::from_static(b"hello"),
-        }])
+        let f = encode_request(
+            1,
+            AccessKey { slot: 0, token: 1 },
+            &[Op::Write {
+                offset: 0,
+                data: Bytes::from_static(b"hello"),
+            }],
+        )
         .unwrap();
         for cut in 4..f.len() - 1 {
             assert!(decode_request(f.slice(4..cut)).is_err(), "cut at {cut}");

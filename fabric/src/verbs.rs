@@ -51,9 +51,10 @@
 //! PM: it survives the crash of any process, not a power loss. The RDMA FLUSH verb
 //! (`IBV_WR_FLUSH`, kernels from 6.2) would close that gap and is not used yet.
 //!
-//! Registering a file mapping pins its pages; on a DAX (fsdax) mount the kernel refuses
-//! long-term pins of file pages, so whether the region can live on DAX depends on the kernel
-//! and driver (see the decision record).
+//! Where the region can live: registering it pins its pages. A page-cache or tmpfs file works.
+//! A file on an fsdax mount does not: the kernel refuses long-term pins of fsdax pages
+//! (`EOPNOTSUPP` on the test VM's Debian 6.1 kernel), while a device-DAX mapping (`/dev/daxX.Y`)
+//! registers fine. See docs/decisions/0001-rdma-binding.md.
 //!
 //! Environment: `DINOMO_RDMA_DEVICE` picks the device by name (default: the first one),
 //! `DINOMO_RDMA_GID_INDEX` the GID index (default: a RoCE v2 GID with an IPv4 address, else

@@ -25,7 +25,12 @@ impl Node {
         let pool = dir.path().join("pool");
         let region = Arc::new(PmRegion::create(&pool, LEN, DurabilityRequest::Auto).unwrap());
         let grants = Arc::new(GrantTable::create(&GrantTable::path_for(&pool), 64).unwrap());
-        Node { _dir: dir, pool, region, grants }
+        Node {
+            _dir: dir,
+            pool,
+            region,
+            grants,
+        }
     }
 
     fn local_read(&self, offset: u64, len: usize) -> Vec<u8> {
@@ -78,17 +83,24 @@ impl Harness for Tcp {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conformance_shm() {
-    let ran = run_all(&Shm(Node::new())).await.unwrap_or_else(|e| panic!("shm: {e}"));
+    let ran = run_all(&Shm(Node::new()))
+        .await
+        .unwrap_or_else(|e| panic!("shm: {e}"));
     assert_eq!(ran.len(), 8);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conformance_tcp() {
     let node = Node::new();
-    let nic = TcpNic::start("127.0.0.1:0".parse().unwrap(), node.region.clone(), node.grants.clone())
+    let nic = TcpNic::start(
+        "127.0.0.1:0".parse().unwrap(),
+        node.region.clone(),
+        node.grants.clone(),
+    )
+    .await
+    .unwrap();
+    let ran = run_all(&Tcp(node, nic))
         .await
-        .unwrap();
-    let ran = run_all(&Tcp(node, nic)).await.unwrap_or_else(|e| panic!("tcp: {e}"));
+        .unwrap_or_else(|e| panic!("tcp: {e}"));
     assert_eq!(ran.len(), 8);
 }
-

@@ -51,9 +51,16 @@ pub struct EntryPtr {
 
 impl EntryPtr {
     pub fn new(offset: u64, len: usize) -> Self {
-        assert!(offset & !OFFSET_MASK == 0 && offset.is_multiple_of(8) && offset != 0, "bad entry offset {offset}");
+        assert!(
+            offset & !OFFSET_MASK == 0 && offset.is_multiple_of(8) && offset != 0,
+            "bad entry offset {offset}"
+        );
         let units = len.div_ceil(8);
-        let len = if units <= u16::MAX as usize { (units * 8) as u32 } else { 0 };
+        let len = if units <= u16::MAX as usize {
+            (units * 8) as u32
+        } else {
+            0
+        };
         EntryPtr { offset, len }
     }
 
@@ -63,7 +70,10 @@ impl EntryPtr {
 
     /// `None` for the empty word 0.
     pub fn from_word(w: u64) -> Option<Self> {
-        (w != 0).then(|| EntryPtr { offset: w & OFFSET_MASK, len: ((w >> OFFSET_BITS) as u32) * 8 })
+        (w != 0).then(|| EntryPtr {
+            offset: w & OFFSET_MASK,
+            len: ((w >> OFFSET_BITS) as u32) * 8,
+        })
     }
 }
 
@@ -80,9 +90,16 @@ impl Bucket {
         need("index bucket", b, BUCKET_SIZE)?;
         let mut slots = [(0, 0); SLOTS];
         for (i, s) in slots.iter_mut().enumerate() {
-            *s = (u64_at(b, slot_hash_offset(i)), u64_at(b, slot_entry_offset(i)));
+            *s = (
+                u64_at(b, slot_hash_offset(i)),
+                u64_at(b, slot_entry_offset(i)),
+            );
         }
-        Ok(Bucket { next: u64_at(b, 0), slots, state: u64_at(b, STATE_OFFSET) })
+        Ok(Bucket {
+            next: u64_at(b, 0),
+            slots,
+            state: u64_at(b, STATE_OFFSET),
+        })
     }
 
     pub fn encode(&self) -> [u8; BUCKET_SIZE] {
@@ -102,13 +119,16 @@ impl Bucket {
 
     /// Entries whose slot hash equals `hash`: candidates whose key must be compared.
     pub fn candidates(&self, hash: u64) -> impl Iterator<Item = (usize, EntryPtr)> + '_ {
-        self.slots.iter().enumerate().filter_map(move |(i, &(h, e))| {
-            if h == hash {
-                EntryPtr::from_word(e).map(|p| (i, p))
-            } else {
-                None
-            }
-        })
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(move |(i, &(h, e))| {
+                if h == hash {
+                    EntryPtr::from_word(e).map(|p| (i, p))
+                } else {
+                    None
+                }
+            })
     }
 }
 
@@ -138,20 +158,39 @@ impl TableHeader {
         need("index table header", b, TABLE_HEADER_SIZE)?;
         let magic = u64_at(b, 0);
         if magic != TABLE_MAGIC {
-            return Err(LayoutError::BadMagic { what: "index table header", found: magic, expected: TABLE_MAGIC });
+            return Err(LayoutError::BadMagic {
+                what: "index table header",
+                found: magic,
+                expected: TABLE_MAGIC,
+            });
         }
         let stored = u32_at(b, 60);
         let computed = crc32c::crc32c(&b[..60]);
         if stored != computed {
-            return Err(LayoutError::Checksum { what: "index table header", stored, computed });
+            return Err(LayoutError::Checksum {
+                what: "index table header",
+                stored,
+                computed,
+            });
         }
-        let h = TableHeader { bucket_count: u64_at(b, 8), buckets_off: u64_at(b, 16), generation: u64_at(b, 24) };
+        let h = TableHeader {
+            bucket_count: u64_at(b, 8),
+            buckets_off: u64_at(b, 16),
+            generation: u64_at(b, 24),
+        };
         // The bucket array must fit in 64-bit offsets, so `home_bucket` cannot overflow.
-        let fits = h.bucket_count.checked_mul(BUCKET_SIZE as u64).and_then(|n| n.checked_add(h.buckets_off)).is_some();
+        let fits = h
+            .bucket_count
+            .checked_mul(BUCKET_SIZE as u64)
+            .and_then(|n| n.checked_add(h.buckets_off))
+            .is_some();
         if !h.bucket_count.is_power_of_two() || !h.buckets_off.is_multiple_of(64) || !fits {
             return Err(LayoutError::Invalid {
                 what: "index table header",
-                detail: format!("bucket count {} / offset {} invalid", h.bucket_count, h.buckets_off),
+                detail: format!(
+                    "bucket count {} / offset {} invalid",
+                    h.bucket_count, h.buckets_off
+                ),
             });
         }
         Ok(h)

@@ -19,13 +19,29 @@ pub const FORMAT_VERSION: u32 = 1;
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum LayoutError {
     #[error("{what}: bad magic (found {found:#018x}, expected {expected:#018x})")]
-    BadMagic { what: &'static str, found: u64, expected: u64 },
+    BadMagic {
+        what: &'static str,
+        found: u64,
+        expected: u64,
+    },
     #[error("{what}: format version {found} found, this build reads version {expected}")]
-    Version { what: &'static str, found: u32, expected: u32 },
+    Version {
+        what: &'static str,
+        found: u32,
+        expected: u32,
+    },
     #[error("{what}: checksum mismatch (stored {stored:#010x}, computed {computed:#010x})")]
-    Checksum { what: &'static str, stored: u32, computed: u32 },
+    Checksum {
+        what: &'static str,
+        stored: u32,
+        computed: u32,
+    },
     #[error("{what}: need {need} bytes, have {have}")]
-    Truncated { what: &'static str, need: usize, have: usize },
+    Truncated {
+        what: &'static str,
+        need: usize,
+        have: usize,
+    },
     #[error("{what}: {detail}")]
     Invalid { what: &'static str, detail: String },
 }
@@ -45,7 +61,11 @@ pub const fn align8(n: usize) -> usize {
 
 pub(crate) fn need(what: &'static str, buf: &[u8], need: usize) -> Result<()> {
     if buf.len() < need {
-        Err(LayoutError::Truncated { what, need, have: buf.len() })
+        Err(LayoutError::Truncated {
+            what,
+            need,
+            have: buf.len(),
+        })
     } else {
         Ok(())
     }

@@ -38,7 +38,10 @@ impl LogOp {
         match v {
             1 => Ok(LogOp::Put),
             2 => Ok(LogOp::Delete),
-            o => Err(LayoutError::Invalid { what: "log entry", detail: format!("unknown op {o}") }),
+            o => Err(LayoutError::Invalid {
+                what: "log entry",
+                detail: format!("unknown op {o}"),
+            }),
         }
     }
 }
@@ -63,7 +66,11 @@ pub fn entry_len(key_len: usize, value_len: usize) -> usize {
 /// If the key is longer than [`MAX_KEY`] or the value longer than `u32::MAX`: callers validate
 /// sizes at the API boundary.
 pub fn encode_entry(op: LogOp, version: u64, key: &[u8], value: &[u8], out: &mut Vec<u8>) {
-    assert!(key.len() <= MAX_KEY, "key of {} bytes exceeds the log format", key.len());
+    assert!(
+        key.len() <= MAX_KEY,
+        "key of {} bytes exceeds the log format",
+        key.len()
+    );
     let value_len = u32::try_from(value.len()).expect("value fits the log format");
     let start = out.len();
     out.extend_from_slice(&[0u8; 4]);
@@ -96,7 +103,11 @@ pub fn decode_entry(b: &[u8]) -> Result<(EntryRef<'_>, usize)> {
     let stored = u32_at(b, 0);
     let computed = crc32c::crc32c(&b[4..body]);
     if stored != computed {
-        return Err(LayoutError::Checksum { what: "log entry", stored, computed });
+        return Err(LayoutError::Checksum {
+            what: "log entry",
+            stored,
+            computed,
+        });
     }
     let entry = EntryRef {
         op: LogOp::from_u8(b[4])?,
@@ -191,7 +202,12 @@ pub struct Scan<'a> {
 }
 
 pub fn scan(buf: &[u8], start: usize, chain: u32) -> Scan<'_> {
-    Scan { buf, pos: start, chain, stop: None }
+    Scan {
+        buf,
+        pos: start,
+        chain,
+        stop: None,
+    }
 }
 
 impl<'a> Scan<'a> {
@@ -219,7 +235,10 @@ impl<'a> Scan<'a> {
         }
         let payload = u32_at(b, 4) as usize;
         let count = u32_at(b, 8);
-        let total = match BATCH_HEADER.checked_add(payload).and_then(|x| x.checked_add(BATCH_TRAILER)) {
+        let total = match BATCH_HEADER
+            .checked_add(payload)
+            .and_then(|x| x.checked_add(BATCH_TRAILER))
+        {
             Some(t) if t <= b.len() && payload.is_multiple_of(8) => t,
             _ => {
                 return Some(Err(LayoutError::Invalid {
@@ -231,7 +250,11 @@ impl<'a> Scan<'a> {
         let computed = crc32c::crc32c_append(self.chain, &b[..BATCH_HEADER + payload]);
         let stored = u32_at(b, BATCH_HEADER + payload);
         if stored != computed || u32_at(b, BATCH_HEADER + payload + 4) != TRAILER_MAGIC {
-            return Some(Err(LayoutError::Checksum { what: "log batch chain", stored, computed }));
+            return Some(Err(LayoutError::Checksum {
+                what: "log batch chain",
+                stored,
+                computed,
+            }));
         }
         // `count` is untrusted (a valid chain only proves who wrote it): never reserve more
         // than the payload can hold, at least ENTRY_HEADER bytes per entry.
@@ -252,7 +275,12 @@ impl<'a> Scan<'a> {
                 detail: format!("header says {count} entries, found {}", entries.len()),
             }));
         }
-        let batch = ScannedBatch { offset: self.pos, len: total, chain: computed, entries };
+        let batch = ScannedBatch {
+            offset: self.pos,
+            len: total,
+            chain: computed,
+            entries,
+        };
         self.pos += total;
         self.chain = computed;
         Some(Ok(batch))
@@ -286,9 +314,15 @@ mod tests {
         encode_entry(LogOp::Put, 7, b"key", b"value!", &mut v);
         assert_eq!(v.len(), entry_len(3, 6));
         let (e, n) = decode_entry(&v).unwrap();
-        assert_eq!((e.op, e.version, e.key, e.value, n), (LogOp::Put, 7, &b"key"[..], &b"value!"[..], v.len()));
+        assert_eq!(
+            (e.op, e.version, e.key, e.value, n),
+            (LogOp::Put, 7, &b"key"[..], &b"value!"[..], v.len())
+        );
         v[ENTRY_HEADER] ^= 1;
-        assert!(matches!(decode_entry(&v), Err(LayoutError::Checksum { .. })));
+        assert!(matches!(
+            decode_entry(&v),
+            Err(LayoutError::Checksum { .. })
+        ));
     }
 
     #[test]

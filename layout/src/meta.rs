@@ -62,7 +62,11 @@ pub fn decode_slot(b: &[u8]) -> Result<Option<(u64, &[u8])>> {
     let computed = crc32c::crc32c_append(crc32c::crc32c(&b[..12]), data);
     let stored = u32_at(b, 12);
     if stored != computed {
-        return Err(LayoutError::Checksum { what: "metadata slot", stored, computed });
+        return Err(LayoutError::Checksum {
+            what: "metadata slot",
+            stored,
+            computed,
+        });
     }
     Ok(Some((seq, data)))
 }

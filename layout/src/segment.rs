@@ -44,16 +44,28 @@ impl SegmentHeader {
         need("segment header", b, HEADER_SIZE)?;
         let magic = u64_at(b, 0);
         if magic != HEADER_MAGIC {
-            return Err(LayoutError::BadMagic { what: "segment header", found: magic, expected: HEADER_MAGIC });
+            return Err(LayoutError::BadMagic {
+                what: "segment header",
+                found: magic,
+                expected: HEADER_MAGIC,
+            });
         }
         let version = u32_at(b, 12);
         if version != FORMAT_VERSION {
-            return Err(LayoutError::Version { what: "segment", found: version, expected: FORMAT_VERSION });
+            return Err(LayoutError::Version {
+                what: "segment",
+                found: version,
+                expected: FORMAT_VERSION,
+            });
         }
         let stored = u32_at(b, 60);
         let computed = crc32c::crc32c(&b[..60]);
         if stored != computed {
-            return Err(LayoutError::Checksum { what: "segment header", stored, computed });
+            return Err(LayoutError::Checksum {
+                what: "segment header",
+                stored,
+                computed,
+            });
         }
         Ok(SegmentHeader {
             kn_id: u32_at(b, 8),
@@ -115,15 +127,25 @@ pub struct TableEntry {
 }
 
 impl TableEntry {
-    pub const FREE: TableEntry =
-        TableEntry { state: SegState::Free, kn_id: 0, generation: 0, chain_seq: 0, merged_upto: 0 };
+    pub const FREE: TableEntry = TableEntry {
+        state: SegState::Free,
+        kn_id: 0,
+        generation: 0,
+        chain_seq: 0,
+        merged_upto: 0,
+    };
 
     pub fn state_word(state: SegState, kn_id: u32) -> u64 {
         (state as u64) | (u64::from(kn_id) << 32)
     }
 
     pub fn words(&self) -> [u64; 4] {
-        [Self::state_word(self.state, self.kn_id), self.generation, self.chain_seq, self.merged_upto]
+        [
+            Self::state_word(self.state, self.kn_id),
+            self.generation,
+            self.chain_seq,
+            self.merged_upto,
+        ]
     }
 
     pub fn from_words(w: [u64; 4]) -> Result<Self> {

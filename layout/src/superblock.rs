@@ -64,16 +64,28 @@ impl Superblock {
         need("superblock", b, ENCODED + 4)?;
         let magic = u64_at(b, 0);
         if magic != MAGIC {
-            return Err(LayoutError::BadMagic { what: "superblock", found: magic, expected: MAGIC });
+            return Err(LayoutError::BadMagic {
+                what: "superblock",
+                found: magic,
+                expected: MAGIC,
+            });
         }
         let version = u32_at(b, 8);
         if version != FORMAT_VERSION {
-            return Err(LayoutError::Version { what: "pool", found: version, expected: FORMAT_VERSION });
+            return Err(LayoutError::Version {
+                what: "pool",
+                found: version,
+                expected: FORMAT_VERSION,
+            });
         }
         let stored = u32_at(b, ENCODED);
         let computed = crc32c::crc32c(&b[..ENCODED]);
         if stored != computed {
-            return Err(LayoutError::Checksum { what: "superblock", stored, computed });
+            return Err(LayoutError::Checksum {
+                what: "superblock",
+                stored,
+                computed,
+            });
         }
         let w = |i: usize| u64_at(b, 16 + i * 8);
         let sb = Superblock {
@@ -95,21 +107,40 @@ impl Superblock {
     }
 
     fn validate(&self) -> Result<()> {
-        let bad = |detail: String| Err(LayoutError::Invalid { what: "superblock", detail });
+        let bad = |detail: String| {
+            Err(LayoutError::Invalid {
+                what: "superblock",
+                detail,
+            })
+        };
         if self.segment_size < 64 << 10 || !self.segment_size.is_power_of_two() {
-            return bad(format!("segment size {} is not a power of two >= 64 KiB", self.segment_size));
+            return bad(format!(
+                "segment size {} is not a power of two >= 64 KiB",
+                self.segment_size
+            ));
         }
         let areas = [
             ("roots", self.roots_off, crate::meta::ROOTS_SIZE),
-            ("segment table", self.segment_table_off, self.segment_count.saturating_mul(crate::segment::TABLE_ENTRY_SIZE)),
+            (
+                "segment table",
+                self.segment_table_off,
+                self.segment_count
+                    .saturating_mul(crate::segment::TABLE_ENTRY_SIZE),
+            ),
             ("metadata", self.metadata_off, self.metadata_len),
             ("index heap", self.index_heap_off, self.index_heap_len),
-            ("segments", self.segments_off, self.segment_count.saturating_mul(self.segment_size)),
+            (
+                "segments",
+                self.segments_off,
+                self.segment_count.saturating_mul(self.segment_size),
+            ),
         ];
         let mut end = SUPERBLOCK_SIZE;
         for (name, off, len) in areas {
             if !off.is_multiple_of(4096) || off < end {
-                return bad(format!("{name} area at {off} overlaps the previous area or is unaligned"));
+                return bad(format!(
+                    "{name} area at {off} overlaps the previous area or is unaligned"
+                ));
             }
             end = match off.checked_add(len) {
                 Some(e) => e,
@@ -117,7 +148,10 @@ impl Superblock {
             };
         }
         if end > self.pool_len {
-            return bad(format!("areas end at {end}, past the pool length {}", self.pool_len));
+            return bad(format!(
+                "areas end at {end}, past the pool length {}",
+                self.pool_len
+            ));
         }
         if !self.segments_off.is_multiple_of(self.segment_size) {
             return bad("segments area is not aligned to the segment size".into());
@@ -127,35 +161,61 @@ impl Superblock {
 
     /// Lays out a pool of `pool_len` bytes with segments of `segment_size` bytes. The index heap
     /// gets `index_fraction` of what remains after the fixed areas, at least 1 MiB.
-    pub fn plan(pool_len: u64, segment_size: u64, metadata_len: u64, index_fraction: f64) -> Result<Self> {
-        let bad = |detail: String| Err(LayoutError::Invalid { what: "pool plan", detail });
+    pub fn plan(
+        pool_len: u64,
+        segment_size: u64,
+        metadata_len: u64,
+        index_fraction: f64,
+    ) -> Result<Self> {
+        let bad = |detail: String| {
+            Err(LayoutError::Invalid {
+                what: "pool plan",
+                detail,
+            })
+        };
         if !segment_size.is_power_of_two() || segment_size < 64 << 10 {
-            return bad(format!("segment size {segment_size} must be a power of two >= 64 KiB"));
+            return bad(format!(
+                "segment size {segment_size} must be a power of two >= 64 KiB"
+            ));
         }
         if !(0.01..=0.9).contains(&index_fraction) {
-            return bad(format!("index fraction {index_fraction} must lie in 0.01..=0.9"));
+            return bad(format!(
+                "index fraction {index_fraction} must lie in 0.01..=0.9"
+            ));
         }
         // Checked: absurd sizes (from a config file) must be refused, not wrap around.
-        let too_big = || LayoutError::Invalid {
+        let too_big = || {
+            LayoutError::Invalid {
             what: "pool plan",
             detail: format!(
                 "pool of {pool_len} bytes, {metadata_len} bytes of metadata, segments of {segment_size} bytes: \
                  the areas do not fit in 64-bit offsets"
             ),
+        }
         };
         let up = |x: u64, a: u64| x.checked_next_multiple_of(a).ok_or_else(too_big);
         let roots_off = SUPERBLOCK_SIZE;
         let segment_table_off = up(roots_off + crate::meta::ROOTS_SIZE, 4096)?;
         // Upper bound of segments, to size the table before knowing the heap.
         let max_segments = pool_len / segment_size;
-        let metadata_off = up(segment_table_off + max_segments * crate::segment::TABLE_ENTRY_SIZE, 4096)?;
+        let metadata_off = up(
+            segment_table_off + max_segments * crate::segment::TABLE_ENTRY_SIZE,
+            4096,
+        )?;
         let metadata_len = up(metadata_len.max(8192), 4096)?;
         let index_heap_off = metadata_off.checked_add(metadata_len).ok_or_else(too_big)?;
         let rest = pool_len.saturating_sub(index_heap_off);
         let index_heap_len = up(((rest as f64 * index_fraction) as u64).max(1 << 20), 4096)?;
-        let segments_off = up(index_heap_off.checked_add(index_heap_len).ok_or_else(too_big)?, segment_size)?;
+        let segments_off = up(
+            index_heap_off
+                .checked_add(index_heap_len)
+                .ok_or_else(too_big)?,
+            segment_size,
+        )?;
         if segments_off >= pool_len {
-            return bad(format!("a pool of {pool_len} bytes has no room for segments"));
+            return bad(format!(
+                "a pool of {pool_len} bytes has no room for segments"
+            ));
         }
         let segment_count = (pool_len - segments_off) / segment_size;
         if segment_count < 4 {

@@ -335,6 +335,36 @@ proptest! {
     }
 }
 
+/// The example layout in docs/formats.md (the dpm-node defaults: 1 GiB pool, 8 MiB segments,
+/// 1 MiB of metadata, 1/8 of the rest for the index heap). Keep the two in step.
+#[test]
+fn default_pool_plan_matches_the_docs() {
+    let sb = Superblock::plan(1 << 30, 8 << 20, 1 << 20, 0.125).unwrap();
+    assert_eq!(
+        (
+            sb.roots_off,
+            sb.segment_table_off,
+            sb.metadata_off,
+            sb.metadata_len,
+            sb.index_heap_off,
+            sb.index_heap_len,
+            sb.segments_off,
+            sb.segment_count,
+        ),
+        (
+            4096,
+            8192,
+            12288,
+            1 << 20,
+            1_060_864,
+            134_086_656,
+            142_606_336,
+            111
+        )
+    );
+    assert_eq!(sb.encode().len(), 132);
+}
+
 /// Regression: a segment count so large that `count * 32` overflows u64 used to panic in debug
 /// builds (and wrap, passing the bounds check, in release builds).
 #[test]
@@ -698,6 +728,21 @@ proptest! {
         }
     }
 
+    /// The chain value after batch i is the CRC32C of the segment header's first 60 bytes
+    /// followed by every batch so far without its 8-byte trailer: one running checksum over
+    /// the whole log.
+    #[test]
+    fn chain_is_the_crc_of_the_log_prefix(h in seg_header(), batches in batches()) {
+        let (seg, expected, _) = build_log(&h, &batches, 0);
+        let mut covered = seg[..60].to_vec();
+        prop_assert_eq!(crc32c::crc32c(&covered), h.chain_seed());
+        for b in &expected {
+            covered.extend_from_slice(&seg[b.offset..b.offset + b.len - BATCH_TRAILER]);
+            prop_assert_eq!(crc32c::crc32c(&covered), b.chain);
+            prop_assert_eq!(&seg[b.offset + b.len - 8..b.offset + b.len - 4], &b.chain.to_le_bytes());
+        }
+    }
+
     /// The wrong seed (another generation of the segment) accepts nothing.
     #[test]
     fn scan_with_another_seed_accepts_nothing(h in seg_header(), batches in batches(), other in any::<u32>()) {
@@ -977,14 +1022,14 @@ proptest! {
     fn table_header_past_the_address_space_is_refused(
         shift in 0u32..64,
         generation in any::<u64>(),
-        excess in 1u64..(1 << 20),
+        pick in any::<u64>(),
     ) {
+        // An array of `span` bytes fits iff off + span <= u64::MAX, so the 64-byte aligned
+        // offsets that do not fit are lo, lo + 64, ..., 2^64 - 64.
         let span = u128::from(1u64 << shift) * BUCKET_SIZE as u128;
-        // The first 64-byte aligned offsets whose array would end past 2^64.
-        let first_bad = ((1u128 << 64) + u128::from(excess)).saturating_sub(span);
-        let off = first_bad.next_multiple_of(64);
-        prop_assume!(off < 1u128 << 64);
-        let off = off as u64;
+        let lo = (1u128 << 64).saturating_sub(span);
+        let choices = ((1u128 << 64) - 64 - lo) / 64 + 1;
+        let off = (lo + (u128::from(pick) % choices) * 64) as u64;
         let enc = TableHeader { bucket_count: 1 << shift, buckets_off: off, generation }.encode();
         let is_invalid = matches!(TableHeader::decode(&enc), Err(LayoutError::Invalid { .. }));
         prop_assert!(is_invalid);

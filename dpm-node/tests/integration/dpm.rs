@@ -12,7 +12,10 @@ use dinomo_fabric::shm::ShmFabric;
 use dinomo_fabric::DurabilityRequest;
 use dinomo_layout::log::LogOp;
 
-fn config(dir: &std::path::Path, f: impl FnOnce(&mut DpmConfigFile)) -> dinomo_dpm_node::config::DpmConfig {
+fn config(
+    dir: &std::path::Path,
+    f: impl FnOnce(&mut DpmConfigFile),
+) -> dinomo_dpm_node::config::DpmConfig {
     let mut c = DpmConfigFile {
         pool_path: dir.join("pool"),
         pool_size: "64MiB".into(),
@@ -32,26 +35,49 @@ type Writer = LogWriter<Faulty<ShmFabric>, LocalSource>;
 
 fn writer(dpm: &Arc<Dpm>, kn: u32) -> Writer {
     let reg = dpm.register_kn(Some(kn), "test").unwrap();
-    let fabric = ShmFabric::connect(&dpm.config.pool_path, reg.key, DurabilityRequest::Auto).unwrap();
-    LogWriter::new(Faulty::new(fabric), LocalSource { dpm: dpm.clone(), kn, epoch: reg.epoch })
+    let fabric =
+        ShmFabric::connect(&dpm.config.pool_path, reg.key, DurabilityRequest::Auto).unwrap();
+    LogWriter::new(
+        Faulty::new(fabric),
+        LocalSource {
+            dpm: dpm.clone(),
+            kn,
+            epoch: reg.epoch,
+        },
+    )
 }
 
 fn put(k: &str, v: &str, version: u64) -> LogRecord {
-    LogRecord { op: LogOp::Put, version, key: k.as_bytes().to_vec(), value: v.as_bytes().to_vec() }
+    LogRecord {
+        op: LogOp::Put,
+        version,
+        key: k.as_bytes().to_vec(),
+        value: v.as_bytes().to_vec(),
+    }
 }
 
 fn del(k: &str, version: u64) -> LogRecord {
-    LogRecord { op: LogOp::Delete, version, key: k.as_bytes().to_vec(), value: vec![] }
+    LogRecord {
+        op: LogOp::Delete,
+        version,
+        key: k.as_bytes().to_vec(),
+        value: vec![],
+    }
 }
 
 fn value(dpm: &Dpm, k: &str) -> Option<String> {
-    dpm.lookup(k.as_bytes()).unwrap().map(|f| String::from_utf8(f.value).unwrap())
+    dpm.lookup(k.as_bytes())
+        .unwrap()
+        .map(|f| String::from_utf8(f.value).unwrap())
 }
 
 fn wait_until(what: &str, mut f: impl FnMut() -> bool) {
     let start = Instant::now();
     while !f() {
-        assert!(start.elapsed() < Duration::from_secs(20), "timed out waiting for {what}");
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "timed out waiting for {what}"
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
 }
@@ -61,8 +87,12 @@ async fn sealed_segments_are_merged_in_order_by_workers() {
     let dir = tempfile::tempdir().unwrap();
     let dpm = Dpm::open(config(dir.path(), |_| {})).unwrap();
     let mut w = writer(&dpm, 1);
-    w.append(&[put("a", "1", 1), put("b", "1", 2)]).await.unwrap();
-    w.append(&[put("a", "2", 3), del("b", 4), put("c", "1", 5)]).await.unwrap();
+    w.append(&[put("a", "1", 1), put("b", "1", 2)])
+        .await
+        .unwrap();
+    w.append(&[put("a", "2", 3), del("b", 4), put("c", "1", 5)])
+        .await
+        .unwrap();
     // Unsealed: not merged by the background workers.
     std::thread::sleep(Duration::from_millis(50));
     assert_eq!(value(&dpm, "a"), None);
@@ -81,13 +111,19 @@ async fn merge_all_covers_open_segments_and_many_segments() {
     // ~2000 entries of 300 bytes: several 256 KiB segments.
     let val = "x".repeat(300);
     for i in 0..200 {
-        let batch: Vec<_> = (0..10).map(|j| put(&format!("k{}", i * 10 + j), &val, (i * 10 + j) as u64)).collect();
+        let batch: Vec<_> = (0..10)
+            .map(|j| put(&format!("k{}", i * 10 + j), &val, (i * 10 + j) as u64))
+            .collect();
         w.append(&batch).await.unwrap();
     }
     let r = dpm.merge_all(2, true).unwrap();
     assert_eq!(dpm.pending_segments(2), 0, "{r:?}");
     for i in 0..2000 {
-        assert_eq!(value(&dpm, &format!("k{i}")).as_deref(), Some(val.as_str()), "k{i}");
+        assert_eq!(
+            value(&dpm, &format!("k{i}")).as_deref(),
+            Some(val.as_str()),
+            "k{i}"
+        );
     }
     // Also a resize happened on the way (64 initial buckets).
     assert!(dpm.stats().index_resizes > 0);
@@ -137,19 +173,29 @@ async fn cleaner_moves_live_entries_and_keeps_them_readable() {
     // Overwrite all but every tenth key: old segments keep ~10% live bytes.
     for i in 0..500 {
         if i % 10 != 0 {
-            w.append(&[put(&format!("s{i}"), "new", 1000 + i)]).await.unwrap();
+            w.append(&[put(&format!("s{i}"), "new", 1000 + i)])
+                .await
+                .unwrap();
         }
     }
     w.seal().await.unwrap();
     dpm.merge_all(4, true).unwrap();
     let before = dpm.stats().segments_free;
     let r = dpm.gc().run_once().unwrap();
-    assert!(r.cleaned > 0 && r.moved_entries > 0, "{r:?} {:?}", dpm.stats());
+    assert!(
+        r.cleaned > 0 && r.moved_entries > 0,
+        "{r:?} {:?}",
+        dpm.stats()
+    );
     let r2 = dpm.gc().run_once().unwrap();
     assert!(r2.freed > 0, "cleaned segments must be freed next: {r2:?}");
     assert!(dpm.stats().segments_free > before);
     for i in 0..500 {
-        let want = if i % 10 == 0 { val.clone() } else { "new".into() };
+        let want = if i % 10 == 0 {
+            val.clone()
+        } else {
+            "new".into()
+        };
         assert_eq!(value(&dpm, &format!("s{i}")), Some(want), "s{i}");
     }
     // And after a restart, from the pool alone.
@@ -166,11 +212,19 @@ async fn torn_batch_is_dropped_whole_and_earlier_batches_survive() {
     let dir = tempfile::tempdir().unwrap();
     let dpm = Dpm::open(config(dir.path(), |_| {})).unwrap();
     let mut w = writer(&dpm, 5);
-    w.append(&[put("ok1", "a", 1), put("ok2", "b", 2)]).await.unwrap();
-    w.fabric().set_plan(FaultPlan { tear_next_write_after: Some(40), ..Default::default() });
-    assert!(w.append(&[put("torn1", "c", 3), put("torn2", "d", 4)]).await.is_err());
+    w.append(&[put("ok1", "a", 1), put("ok2", "b", 2)])
+        .await
+        .unwrap();
+    w.fabric().set_plan(FaultPlan {
+        tear_next_write_after: Some(40),
+        ..Default::default()
+    });
+    assert!(w
+        .append(&[put("torn1", "c", 3), put("torn2", "d", 4)])
+        .await
+        .is_err());
     let r = dpm.merge_all(5, true).unwrap();
-    assert_eq!(r.dropped_batches, 1, "{r:?}");
+    assert_eq!(r.invalid_tails, 1, "{r:?}");
     assert_eq!(value(&dpm, "ok1").as_deref(), Some("a"));
     assert_eq!(value(&dpm, "ok2").as_deref(), Some("b"));
     assert_eq!(value(&dpm, "torn1"), None);
@@ -188,7 +242,10 @@ async fn fenced_kn_loses_fabric_access_and_control_calls() {
     dpm.fence_kn(6).unwrap();
     let err = w.append(&[put("f", "2", 2)]).await.unwrap_err();
     assert!(matches!(err, DpmError::Fabric(_)), "{err}");
-    assert!(matches!(dpm.allocate_segment(6, 1), Err(DpmError::Fenced { .. })));
+    assert!(matches!(
+        dpm.allocate_segment(6, 1),
+        Err(DpmError::Fenced { .. })
+    ));
     dpm.merge_all(6, true).unwrap();
     assert_eq!(value(&dpm, "f").as_deref(), Some("1"));
     // A new incarnation works again.
@@ -211,16 +268,30 @@ async fn restart_keeps_index_metadata_cells_and_fences() {
         dpm.put_metadata("cluster/map", Some(b"v2")).unwrap();
         let cell = dpm.install_cell(b"p").unwrap();
         assert_eq!(dpm.install_cell(b"p").unwrap(), cell);
-        assert!(dpm.put_metadata("dpm/kn/1", Some(b"x")).is_err(), "reserved names are refused");
+        assert!(
+            dpm.put_metadata("dpm/kn/1", Some(b"x")).is_err(),
+            "reserved names are refused"
+        );
         dpm.fence_kn(7).unwrap();
     }
     let dpm = Dpm::open(cfg).unwrap();
     assert_eq!(value(&dpm, "p").as_deref(), Some("persisted"));
     assert_eq!(dpm.get_metadata("cluster/map").as_deref(), Some(&b"v2"[..]));
-    assert!(matches!(dpm.allocate_segment(7, 1), Err(DpmError::Fenced { .. })));
+    assert!(matches!(
+        dpm.allocate_segment(7, 1),
+        Err(DpmError::Fenced { .. })
+    ));
     let cell = dpm.install_cell(b"p").unwrap();
-    let word = dpm.pool().region().word(cell).unwrap().load(std::sync::atomic::Ordering::Acquire);
-    assert_eq!(dinomo_layout::index::EntryPtr::from_word(word), Some(dpm.lookup(b"p").unwrap().unwrap().ptr));
+    let word = dpm
+        .pool()
+        .region()
+        .word(cell)
+        .unwrap()
+        .load(std::sync::atomic::Ordering::Acquire);
+    assert_eq!(
+        dinomo_layout::index::EntryPtr::from_word(word),
+        Some(dpm.lookup(b"p").unwrap().unwrap().ptr)
+    );
     assert!(dpm.remove_cell(b"p").unwrap());
 }
 
@@ -252,7 +323,11 @@ fn bad_pools_are_refused_with_clear_errors() {
     let mut bytes = pristine.clone();
     bytes[20] ^= 0x10;
     std::fs::write(&path, &bytes).unwrap();
-    assert!(open().contains("checksum mismatch"), "corrupted superblock: {}", open());
+    assert!(
+        open().contains("checksum mismatch"),
+        "corrupted superblock: {}",
+        open()
+    );
 
     let mut bytes = pristine.clone();
     bytes[8..12].copy_from_slice(&99u32.to_le_bytes());

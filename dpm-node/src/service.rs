@@ -1,0 +1,211 @@
+//! DpmService over gRPC: decoding requests, calling [`Dpm`], and the one place where a
+//! [`DpmError`] becomes a `tonic::Status`. Blocking work (merging, allocation, PM persists)
+//! runs on the blocking pool so the runtime keeps serving.
+
+use std::sync::Arc;
+use std::time::Instant;
+
+use dinomo_proto::dpm as pb;
+use dinomo_proto::dpm::dpm_service_server::DpmService;
+use tonic::{Request, Response, Status};
+
+use crate::config::FabricKind;
+use crate::dpm::Dpm;
+use crate::error::DpmError;
+
+/// Maps library errors to gRPC statuses with messages that say what to do.
+pub fn to_status(e: DpmError) -> Status {
+    let msg = e.to_string();
+    match e {
+        DpmError::Fenced { .. } => {
+            Status::permission_denied(format!("{msg}; re-register to get a new epoch"))
+        }
+        DpmError::UnknownKn { .. } => {
+            Status::failed_precondition(format!("{msg}; call RegisterKn first"))
+        }
+        DpmError::KnOutOfRange { .. }
+        | DpmError::InvalidArgument(_)
+        | DpmError::BadSegment { .. } => Status::invalid_argument(msg),
+        DpmError::OutOfSegments { .. }
+        | DpmError::IndexHeapFull { .. }
+        | DpmError::MetadataTooLarge { .. } => Status::resource_exhausted(msg),
+        _ => Status::internal(msg),
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct DpmGrpc {
+    dpm: Arc<Dpm>,
+    /// What KNs are told to use to reach the pool.
+    fabric_kind: FabricKind,
+    fabric_address: String,
+}
+
+impl DpmGrpc {
+    pub fn new(dpm: Arc<Dpm>, fabric_kind: FabricKind, fabric_address: String) -> Self {
+        DpmGrpc {
+            dpm,
+            fabric_kind,
+            fabric_address,
+        }
+    }
+
+    async fn blocking<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Dpm) -> Result<T, DpmError> + Send + 'static,
+    ) -> Result<T, Status> {
+        let dpm = self.dpm.clone();
+        tokio::task::spawn_blocking(move || f(&dpm))
+            .await
+            .map_err(|e| Status::internal(format!("DPM task failed: {e}")))?
+            .map_err(to_status)
+    }
+}
+
+#[tonic::async_trait]
+impl DpmService for DpmGrpc {
+    async fn register_kn(
+        &self,
+        req: Request<pb::RegisterKnRequest>,
+    ) -> Result<Response<pb::RegisterKnResponse>, Status> {
+        let r = req.into_inner();
+        let reg = self
+            .blocking(move |d| d.register_kn(r.kn_id, &r.endpoint))
+            .await?;
+        let kind = match self.fabric_kind {
+            FabricKind::Shm => "shm",
+            FabricKind::Tcp => "tcp",
+        };
+        Ok(Response::new(pb::RegisterKnResponse {
+            kn_id: reg.kn_id,
+            epoch: reg.epoch,
+            fabric: Some(pb::FabricInfo {
+                kind: kind.into(),
+                address: self.fabric_address.clone(),
+                grant_slot: reg.key.slot,
+                grant_token: reg.key.token,
+            }),
+            pool_len: reg.pool_len,
+            segment_size: reg.segment_size,
+            index_root: reg.index_root,
+        }))
+    }
+
+    async fn allocate_segment(
+        &self,
+        req: Request<pb::AllocateSegmentRequest>,
+    ) -> Result<Response<pb::AllocateSegmentResponse>, Status> {
+        let r = req.into_inner();
+        let g = self
+            .blocking(move |d| d.allocate_segment(r.kn_id, r.epoch))
+            .await?;
+        Ok(Response::new(pb::AllocateSegmentResponse {
+            segment_id: g.segment_id,
+            offset: g.offset,
+            len: g.len,
+            chain_seq: g.chain_seq,
+            first_batch: g.first_batch,
+            chain_seed: g.chain_seed,
+        }))
+    }
+
+    async fn seal_segment(
+        &self,
+        req: Request<pb::SealSegmentRequest>,
+    ) -> Result<Response<pb::SealSegmentResponse>, Status> {
+        let r = req.into_inner();
+        let pending = self
+            .blocking(move |d| d.seal_segment(r.kn_id, r.epoch, r.segment_id))
+            .await?;
+        Ok(Response::new(pb::SealSegmentResponse {
+            pending_segments: pending,
+        }))
+    }
+
+    async fn merge_all(
+        &self,
+        req: Request<pb::MergeAllRequest>,
+    ) -> Result<Response<pb::MergeAllResponse>, Status> {
+        let r = req.into_inner();
+        let start = Instant::now();
+        let rep = self
+            .blocking(move |d| d.merge_all(r.kn_id, r.seal_open))
+            .await?;
+        let micros = start.elapsed().as_micros() as u64;
+        metrics::histogram!("dinomo_dpm_merge_all_seconds").record(start.elapsed().as_secs_f64());
+        Ok(Response::new(pb::MergeAllResponse {
+            segments: rep.segments,
+            batches: rep.batches,
+            entries: rep.entries,
+            invalid_tails: rep.invalid_tails,
+            micros,
+        }))
+    }
+
+    async fn fence_kn(
+        &self,
+        req: Request<pb::FenceKnRequest>,
+    ) -> Result<Response<pb::FenceKnResponse>, Status> {
+        let kn = req.into_inner().kn_id;
+        self.blocking(move |d| d.fence_kn(kn)).await?;
+        Ok(Response::new(pb::FenceKnResponse {}))
+    }
+
+    async fn install_indirect_cell(
+        &self,
+        req: Request<pb::IndirectCellRequest>,
+    ) -> Result<Response<pb::IndirectCellResponse>, Status> {
+        let key = req.into_inner().key;
+        if key.is_empty() {
+            return Err(Status::invalid_argument("key must not be empty"));
+        }
+        let off = self.blocking(move |d| d.install_cell(&key)).await?;
+        Ok(Response::new(pb::IndirectCellResponse { cell_offset: off }))
+    }
+
+    async fn remove_indirect_cell(
+        &self,
+        req: Request<pb::IndirectCellRequest>,
+    ) -> Result<Response<pb::RemoveIndirectCellResponse>, Status> {
+        let key = req.into_inner().key;
+        let existed = self.blocking(move |d| d.remove_cell(&key)).await?;
+        Ok(Response::new(pb::RemoveIndirectCellResponse { existed }))
+    }
+
+    async fn put_metadata(
+        &self,
+        req: Request<pb::PutMetadataRequest>,
+    ) -> Result<Response<pb::PutMetadataResponse>, Status> {
+        let r = req.into_inner();
+        self.blocking(move |d| d.put_metadata(&r.name, r.value.as_deref()))
+            .await?;
+        Ok(Response::new(pb::PutMetadataResponse {}))
+    }
+
+    async fn get_metadata(
+        &self,
+        req: Request<pb::GetMetadataRequest>,
+    ) -> Result<Response<pb::GetMetadataResponse>, Status> {
+        let name = req.into_inner().name;
+        Ok(Response::new(pb::GetMetadataResponse {
+            value: self.dpm.get_metadata(&name),
+        }))
+    }
+
+    async fn stats(
+        &self,
+        _req: Request<pb::StatsRequest>,
+    ) -> Result<Response<pb::StatsResponse>, Status> {
+        let s = self.dpm.stats();
+        Ok(Response::new(pb::StatsResponse {
+            segments_total: s.segments_total,
+            segments_free: s.segments_free,
+            index_items: s.index_items,
+            index_buckets: s.index_buckets,
+            index_resizes: s.index_resizes,
+            entries_merged: s.entries_merged,
+            pending_segments: s.pending_segments.into_iter().collect(),
+            durability: self.dpm.pool().durability().to_string(),
+        }))
+    }
+}

@@ -1,0 +1,7 @@
+//! dpm-node integration tests: one test binary (link time) with a module per subject.
+
+mod crash;
+mod dax;
+mod dpm;
+mod process;
+mod service;

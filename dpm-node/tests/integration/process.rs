@@ -1,0 +1,105 @@
+//! Spawns the real dpm-node binary on loopback ports chosen by the OS.
+
+use std::io::{BufRead, BufReader};
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::time::Duration;
+
+use dinomo_proto::dpm::dpm_service_client::DpmServiceClient;
+
+#[derive(Debug)]
+pub struct DpmProcess {
+    child: Child,
+    pub grpc: SocketAddr,
+    pub fabric: SocketAddr,
+}
+
+/// Writes a config for a small test pool and returns its path.
+pub fn write_config(dir: &Path, extra: &str) -> PathBuf {
+    let cfg = dir.join("dpm.toml");
+    let text = format!(
+        "pool_path = {:?}\npool_size = \"64MiB\"\nsegment_size = \"128KiB\"\nlisten = \"127.0.0.1:0\"\n\
+         fabric_listen = \"127.0.0.1:0\"\nmetrics_listen = \"\"\ninitial_index_buckets = 256\n\
+         gc_interval_ms = 5\n{extra}\n",
+        dir.join("pool")
+    );
+    std::fs::write(&cfg, text).unwrap();
+    cfg
+}
+
+impl DpmProcess {
+    pub fn start(config: &Path, log: &Path) -> Self {
+        let stderr = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(log)
+            .unwrap();
+        let mut child = Command::new(env!("CARGO_BIN_EXE_dpm-node"))
+            .arg("--config")
+            .arg(config)
+            .arg("--print-ready")
+            .env("DINOMO_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(stderr)
+            .spawn()
+            .expect("spawning dpm-node");
+        let stdout = child.stdout.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+                if line.starts_with("READY") {
+                    let _ = tx.send(line);
+                }
+            }
+        });
+        let line = rx
+            .recv_timeout(Duration::from_secs(30))
+            .unwrap_or_else(|_| {
+                let _ = child.kill();
+                panic!(
+                    "dpm-node did not become ready; log: {}",
+                    std::fs::read_to_string(log).unwrap_or_default()
+                )
+            });
+        let field = |name: &str| -> SocketAddr {
+            line.split_whitespace()
+                .find_map(|w| w.strip_prefix(name))
+                .and_then(|v| v.parse().ok())
+                .unwrap_or_else(|| panic!("bad READY line {line:?}"))
+        };
+        DpmProcess {
+            grpc: field("grpc="),
+            fabric: field("fabric="),
+            child,
+        }
+    }
+
+    pub async fn client(&self) -> DpmServiceClient<tonic::transport::Channel> {
+        DpmServiceClient::connect(format!("http://{}", self.grpc))
+            .await
+            .expect("connecting to dpm-node")
+    }
+
+    /// SIGKILL: no shutdown code runs.
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM and wait for a clean exit.
+    pub fn stop(&mut self) {
+        // SAFETY: sending a signal to our own child.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let status = self.child.wait().unwrap();
+        assert!(status.success(), "dpm-node exited with {status}");
+    }
+}
+
+impl Drop for DpmProcess {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -1,0 +1,166 @@
+//! DpmService over gRPC against the real binary: the control calls, and the statuses that bad
+//! or fenced calls get.
+
+use dinomo_proto::dpm::{
+    AllocateSegmentRequest, FenceKnRequest, GetMetadataRequest, IndirectCellRequest,
+    MergeAllRequest, PutMetadataRequest, RegisterKnRequest, SealSegmentRequest, StatsRequest,
+};
+use tonic::Code;
+
+use super::process::{write_config, DpmProcess};
+
+#[tokio::test]
+async fn control_calls_and_their_errors() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(dir.path(), "");
+    let mut dpm = DpmProcess::start(&cfg, &dir.path().join("log"));
+    let mut c = dpm.client().await;
+
+    let r = c
+        .register_kn(RegisterKnRequest {
+            kn_id: None,
+            endpoint: "127.0.0.1:1".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let f = r.fabric.clone().unwrap();
+    assert_eq!(f.kind, "shm");
+    assert!(
+        std::path::Path::new(&f.address).exists(),
+        "shm fabric address is the pool path"
+    );
+    assert_eq!(r.segment_size, 128 << 10);
+
+    let seg = c
+        .allocate_segment(AllocateSegmentRequest {
+            kn_id: r.kn_id,
+            epoch: r.epoch,
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(seg.len, 128 << 10);
+    let pending = c
+        .seal_segment(SealSegmentRequest {
+            kn_id: r.kn_id,
+            epoch: r.epoch,
+            segment_id: seg.segment_id,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .pending_segments;
+    assert!(pending <= 1);
+    c.merge_all(MergeAllRequest {
+        kn_id: r.kn_id,
+        seal_open: true,
+    })
+    .await
+    .unwrap();
+
+    // Unknown KN, wrong owner, nonexistent segment.
+    let e = c
+        .allocate_segment(AllocateSegmentRequest {
+            kn_id: 77,
+            epoch: 1,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    let e = c
+        .seal_segment(SealSegmentRequest {
+            kn_id: r.kn_id,
+            epoch: r.epoch,
+            segment_id: 1 << 40,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+    let e = c
+        .allocate_segment(AllocateSegmentRequest {
+            kn_id: 100_000,
+            epoch: 1,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+
+    // Fencing: the old epoch is refused with a message saying to re-register.
+    c.fence_kn(FenceKnRequest { kn_id: r.kn_id }).await.unwrap();
+    let e = c
+        .allocate_segment(AllocateSegmentRequest {
+            kn_id: r.kn_id,
+            epoch: r.epoch,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied);
+    assert!(e.message().contains("re-register"), "{}", e.message());
+    let r2 = c
+        .register_kn(RegisterKnRequest {
+            kn_id: Some(r.kn_id),
+            endpoint: "x".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(r2.epoch > r.epoch);
+
+    // Metadata and cells.
+    c.put_metadata(PutMetadataRequest {
+        name: "cluster/map".into(),
+        value: Some(b"m1".to_vec()),
+    })
+    .await
+    .unwrap();
+    let v = c
+        .get_metadata(GetMetadataRequest {
+            name: "cluster/map".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .value;
+    assert_eq!(v.as_deref(), Some(&b"m1"[..]));
+    let e = c
+        .put_metadata(PutMetadataRequest {
+            name: "dpm/x".into(),
+            value: None,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    let e = c
+        .install_indirect_cell(IndirectCellRequest { key: vec![] })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::InvalidArgument);
+    let cell = c
+        .install_indirect_cell(IndirectCellRequest {
+            key: b"hot".to_vec(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(cell.cell_offset > 0 && cell.cell_offset % 64 == 0);
+
+    let s = c.stats(StatsRequest {}).await.unwrap().into_inner();
+    assert!(s.segments_total > 0 && s.segments_free <= s.segments_total);
+    assert!(!s.durability.is_empty());
+    dpm.stop();
+
+    // Metadata survived the restart.
+    let dpm = DpmProcess::start(&cfg, &dir.path().join("log"));
+    let v = dpm
+        .client()
+        .await
+        .get_metadata(GetMetadataRequest {
+            name: "cluster/map".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .value;
+    assert_eq!(v.as_deref(), Some(&b"m1"[..]));
+}

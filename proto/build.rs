@@ -1,0 +1,11 @@
+//! Generates the tonic/prost code. protoc comes from the protoc-bin-vendored crate, so building
+//! needs no system package.
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    if std::env::var_os("PROTOC").is_none() {
+        // SAFETY: build scripts are single-threaded at this point.
+        unsafe { std::env::set_var("PROTOC", protoc_bin_vendored::protoc_bin_path()?) };
+    }
+    tonic_prost_build::configure().compile_protos(&["proto/dpm.proto"], &["proto"])?;
+    println!("cargo:rerun-if-changed=proto");
+    Ok(())
+}
