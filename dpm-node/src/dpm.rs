@@ -114,7 +114,7 @@ impl Dpm {
             .into_iter()
             .find(|(k, _)| *k == CLEANER_KN)
         {
-            let mut c = chain.lock();
+            let mut c = chain.state.lock();
             for (_, id) in std::mem::take(&mut c.pending) {
                 segments.set_state(id, CLEANER_KN, SegState::Merged)?;
             }
@@ -305,7 +305,7 @@ impl Dpm {
 
     /// Segments of `kn` not yet fully merged (open ones included).
     pub fn pending_segments(&self, kn: u32) -> u64 {
-        self.segments.chain(kn).lock().pending.len() as u64
+        self.segments.chain(kn).state.lock().pending.len() as u64
     }
 
     /// Merges every pending log entry of `kn` into the index before returning. `seal_open`
@@ -406,7 +406,7 @@ impl Dpm {
                 .chains()
                 .into_iter()
                 .filter(|(k, _)| *k != CLEANER_KN)
-                .map(|(k, c)| (k, c.lock().pending.len() as u64))
+                .map(|(k, c)| (k, c.state.lock().pending.len() as u64))
                 .collect(),
         }
     }

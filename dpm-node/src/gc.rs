@@ -182,7 +182,7 @@ impl Gc {
             self.segments
                 .set_state(t.grant.segment_id, CLEANER_KN, SegState::Merged)?;
             let chain = self.segments.chain(CLEANER_KN);
-            chain.lock().pending.remove(&t.grant.chain_seq);
+            chain.state.lock().pending.remove(&t.grant.chain_seq);
         }
         if guard.is_none() {
             let grant = self.segments.allocate(CLEANER_KN, 0)?;
@@ -202,6 +202,7 @@ impl Gc {
                 .set_state(t.grant.segment_id, CLEANER_KN, SegState::Merged)?;
             self.segments
                 .chain(CLEANER_KN)
+                .state
                 .lock()
                 .pending
                 .remove(&t.grant.chain_seq);

@@ -23,7 +23,7 @@ use parking_lot::{Condvar, Mutex};
 use crate::error::{DpmError, Result};
 use crate::index::Index;
 use crate::pool::Pool;
-use crate::segments::{Chain, Progress, Segments};
+use crate::segments::{ChainHandle, Progress, Segments};
 
 /// Which segments of a chain a merge covers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -150,10 +150,22 @@ impl Merger {
         Ok((report, clean))
     }
 
-    /// Merges the chain of `kn` (whose lock the caller holds) according to `mode`.
-    pub fn merge_chain(&self, kn: u32, chain: &mut Chain, mode: MergeMode) -> Result<MergeReport> {
+    /// Merges the chain of `kn` according to `mode`. The caller holds `chain.merging`; the
+    /// chain's bookkeeping is locked only briefly, so allocation and sealing go on meanwhile.
+    pub fn merge_chain(
+        &self,
+        kn: u32,
+        chain: &ChainHandle,
+        mode: MergeMode,
+    ) -> Result<MergeReport> {
         let mut report = MergeReport::default();
-        let pending: Vec<(u64, u64)> = chain.pending.iter().map(|(s, id)| (*s, *id)).collect();
+        let pending: Vec<(u64, u64)> = chain
+            .state
+            .lock()
+            .pending
+            .iter()
+            .map(|(s, id)| (*s, *id))
+            .collect();
         for (seq, id) in pending {
             let state = self.pool.read_table_entry(id)?.state;
             let sealed = match (state, mode) {
@@ -171,7 +183,7 @@ impl Merger {
                         ?other,
                         "unexpected state of a pending segment"
                     );
-                    chain.pending.remove(&seq);
+                    chain.state.lock().pending.remove(&seq);
                     continue;
                 }
             };
@@ -179,7 +191,7 @@ impl Merger {
             report.add(r);
             if sealed {
                 self.segments.set_state(id, kn, SegState::Merged)?;
-                chain.pending.remove(&seq);
+                chain.state.lock().pending.remove(&seq);
                 report.segments += 1;
                 metrics::counter!("dinomo_dpm_merged_segments_total").increment(1);
             } else {
@@ -192,8 +204,8 @@ impl Merger {
     /// Synchronous MergeAll for one KN.
     pub fn merge_all(&self, kn: u32, mode: MergeMode) -> Result<MergeReport> {
         let chain = self.segments.chain(kn);
-        let mut chain = chain.lock();
-        self.merge_chain(kn, &mut chain, mode)
+        let _merging = chain.merging.lock();
+        self.merge_chain(kn, &chain, mode)
     }
 
     /// One pass of a background worker over every chain with sealed work; returns the entries
@@ -207,17 +219,17 @@ impl Merger {
         chains.rotate_left(worker % n);
         let mut merged = 0;
         for (kn, chain) in chains {
-            let Some(mut c) = chain.try_lock() else {
+            let Some(_merging) = chain.merging.try_lock() else {
                 continue;
             };
-            let Some(&first) = c.pending.values().next() else {
+            let Some(first) = chain.state.lock().pending.values().next().copied() else {
                 continue;
             };
             match self.pool.read_table_entry(first) {
                 Ok(e) if e.state == SegState::Sealed => {}
                 _ => continue,
             }
-            match self.merge_chain(kn, &mut c, MergeMode::Sealed) {
+            match self.merge_chain(kn, &chain, MergeMode::Sealed) {
                 Ok(r) => merged += r.entries.max(r.segments),
                 Err(e) => {
                     metrics::counter!("dinomo_dpm_merge_errors_total").increment(1);

@@ -65,12 +65,21 @@ pub struct Chain {
     pub next_seq: u64,
 }
 
+/// A chain's bookkeeping and its merge lock, kept apart so that allocating, sealing and
+/// reading stats (short critical sections on `state`) never wait for a merge in progress
+/// (which holds `merging` for as long as it takes).
+#[derive(Debug, Default)]
+pub struct ChainHandle {
+    pub state: Mutex<Chain>,
+    pub merging: Mutex<()>,
+}
+
 #[derive(Debug)]
 pub struct Segments {
     pool: Arc<Pool>,
     free: Mutex<VecDeque<u64>>,
     live_bytes: Vec<AtomicU64>,
-    chains: Mutex<HashMap<u32, Arc<Mutex<Chain>>>>,
+    chains: Mutex<HashMap<u32, Arc<ChainHandle>>>,
 }
 
 impl Segments {
@@ -101,7 +110,15 @@ impl Segments {
             chains: Mutex::new(
                 chains
                     .into_iter()
-                    .map(|(k, c)| (k, Arc::new(Mutex::new(c))))
+                    .map(|(k, c)| {
+                        (
+                            k,
+                            Arc::new(ChainHandle {
+                                state: Mutex::new(c),
+                                merging: Mutex::new(()),
+                            }),
+                        )
+                    })
                     .collect(),
             ),
         })
@@ -115,11 +132,11 @@ impl Segments {
         self.free.lock().len()
     }
 
-    pub fn chain(&self, kn: u32) -> Arc<Mutex<Chain>> {
+    pub fn chain(&self, kn: u32) -> Arc<ChainHandle> {
         self.chains.lock().entry(kn).or_default().clone()
     }
 
-    pub fn chains(&self) -> Vec<(u32, Arc<Mutex<Chain>>)> {
+    pub fn chains(&self) -> Vec<(u32, Arc<ChainHandle>)> {
         self.chains
             .lock()
             .iter()
@@ -130,7 +147,7 @@ impl Segments {
     /// Hands a free segment to `kn` (or the cleaner) as the next segment of its chain.
     pub fn allocate(&self, kn: u32, epoch: u64) -> Result<SegmentGrant> {
         let chain = self.chain(kn);
-        let mut chain = chain.lock();
+        let mut chain = chain.state.lock();
         let id = self
             .free
             .lock()
