@@ -214,7 +214,9 @@ impl Dpm {
     }
 
     /// Registers a KN (a new incarnation of `kn_id`, or the lowest unused id), fencing any
-    /// previous incarnation.
+    /// previous incarnation and merging whatever it logged (its open segments are sealed: no
+    /// one will append to them again), so the new incarnation finds every acknowledged write
+    /// through the index.
     pub fn register_kn(&self, kn_id: Option<u32>, endpoint: &str) -> Result<Registration> {
         let mut sessions = self.sessions.lock();
         let kn = match kn_id {
@@ -239,6 +241,15 @@ impl Dpm {
         self.pool.persist_root(Roots::KN_FENCE + 8 * u64::from(kn));
         if let Some(old) = sessions.remove(&kn) {
             self.grants.revoke(old.key)?;
+        }
+        if self.pending_segments(kn) > 0 {
+            let r = self.merger.merge_all(kn, MergeMode::AllAndSeal)?;
+            tracing::info!(
+                kn,
+                entries = r.entries,
+                segments = r.segments,
+                "merged the logs of the previous incarnation"
+            );
         }
         let key = self.grants.grant()?;
         self.meta
@@ -306,6 +317,18 @@ impl Dpm {
     /// Segments of `kn` not yet fully merged (open ones included).
     pub fn pending_segments(&self, kn: u32) -> u64 {
         self.segments.chain(kn).state.lock().pending.len() as u64
+    }
+
+    /// Ids of the segments of `kn` not yet fully merged, in chain order.
+    pub fn pending_segment_ids(&self, kn: u32) -> Vec<u64> {
+        self.segments
+            .chain(kn)
+            .state
+            .lock()
+            .pending
+            .values()
+            .copied()
+            .collect()
     }
 
     /// Merges every pending log entry of `kn` into the index before returning. `seal_open`

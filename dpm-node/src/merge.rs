@@ -28,7 +28,10 @@ use crate::segments::{ChainHandle, Progress, Segments};
 /// Which segments of a chain a merge covers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MergeMode {
-    /// Sealed segments only, stopping at the first open one (background workers).
+    /// Sealed segments only, skipping open ones (background workers). A KN's shards each
+    /// write their own segments; a shard seals a segment before it writes the next, so within
+    /// one writer chain order is sealing order, and segments of different shards hold
+    /// different keys, so skipping another shard's open segment keeps every key in order.
     Sealed,
     /// Everything written so far, open segments included, which stay open (reconfiguration:
     /// the KN lives on).
@@ -170,7 +173,7 @@ impl Merger {
             let state = self.pool.read_table_entry(id)?.state;
             let sealed = match (state, mode) {
                 (SegState::Sealed, _) => true,
-                (SegState::Open, MergeMode::Sealed) => break,
+                (SegState::Open, MergeMode::Sealed) => continue,
                 (SegState::Open, MergeMode::All) => false,
                 (SegState::Open, MergeMode::AllAndSeal) => {
                     self.segments.set_state(id, kn, SegState::Sealed)?;
@@ -194,8 +197,6 @@ impl Merger {
                 chain.state.lock().pending.remove(&seq);
                 report.segments += 1;
                 metrics::counter!("dinomo_dpm_merged_segments_total").increment(1);
-            } else {
-                break; // an open segment is the end of the written log
             }
         }
         Ok(report)
@@ -222,12 +223,14 @@ impl Merger {
             let Some(_merging) = chain.merging.try_lock() else {
                 continue;
             };
-            let Some(first) = chain.state.lock().pending.values().next().copied() else {
+            let pending: Vec<u64> = chain.state.lock().pending.values().copied().collect();
+            let has_sealed = pending.iter().any(|id| {
+                self.pool
+                    .read_table_entry(*id)
+                    .is_ok_and(|e| e.state == SegState::Sealed)
+            });
+            if !has_sealed {
                 continue;
-            };
-            match self.pool.read_table_entry(first) {
-                Ok(e) if e.state == SegState::Sealed => {}
-                _ => continue,
             }
             match self.merge_chain(kn, &chain, MergeMode::Sealed) {
                 Ok(r) => merged += r.entries.max(r.segments),

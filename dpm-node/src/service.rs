@@ -114,11 +114,25 @@ impl DpmService for DpmGrpc {
         req: Request<pb::SealSegmentRequest>,
     ) -> Result<Response<pb::SealSegmentResponse>, Status> {
         let r = req.into_inner();
-        let pending = self
-            .blocking(move |d| d.seal_segment(r.kn_id, r.epoch, r.segment_id))
+        let (pending, ids) = self
+            .blocking(move |d| {
+                let n = d.seal_segment(r.kn_id, r.epoch, r.segment_id)?;
+                Ok((n, d.pending_segment_ids(r.kn_id)))
+            })
             .await?;
         Ok(Response::new(pb::SealSegmentResponse {
             pending_segments: pending,
+            pending_ids: ids,
+        }))
+    }
+
+    async fn pending_segments(
+        &self,
+        req: Request<pb::PendingSegmentsRequest>,
+    ) -> Result<Response<pb::PendingSegmentsResponse>, Status> {
+        let kn = req.into_inner().kn_id;
+        Ok(Response::new(pb::PendingSegmentsResponse {
+            pending_ids: self.dpm.pending_segment_ids(kn),
         }))
     }
 

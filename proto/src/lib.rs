@@ -6,3 +6,12 @@ pub mod dpm {
     #![allow(missing_debug_implementations, clippy::all)]
     tonic::include_proto!("dinomo.dpm.v1");
 }
+
+/// KvService, served by KV nodes.
+pub mod kv {
+    #![allow(missing_debug_implementations, clippy::all)]
+    tonic::include_proto!("dinomo.kv.v1");
+}
+
+/// The trailer carrying a KN's cluster-map version on WRONG_OWNER answers.
+pub const MAP_VERSION_TRAILER: &str = "dinomo-map-version";

@@ -1,0 +1,556 @@
+//! The KN's DRAM cache of values and shortcuts, one instance per shard (DAC, paper §3.3).
+//!
+//! A shard owns its [`Cache`] outright: every method takes `&mut self`, there are no locks.
+//!
+//! # What is cached
+//! A key is cached either as a *value* (the value bytes plus the [`Shortcut`] to its log
+//! entry, so a hit costs 0 round trips and the KN can still verify or refresh through the
+//! shortcut) or as a *shortcut* (a hit costs one READ of the entry), never both at once.
+//! A miss costs an index traversal (the caller measures how many RTs).
+//!
+//! # Invariants
+//! * **Budget.** `value_bytes + shortcut_bytes <= budget_bytes` after every call, where a
+//!   value costs `key.len() + value.len() + VALUE_OVERHEAD` and a shortcut
+//!   `key.len() + SHORTCUT_OVERHEAD`. Under [`Policy::Static`] the value part also stays
+//!   within its share (`budget * value_percent / 100`, rounded down) and the shortcut part
+//!   within the rest.
+//! * **Freshness.** What the cache returns for a key is exactly what the last
+//!   [`Cache::on_write`] / [`Cache::on_miss_read`] / promotion told it for *that* key; the
+//!   cache never invents or mixes entries. Entries that may have gone stale (the KN found a
+//!   moved entry, or a delete) are dropped by [`Cache::invalidate`].
+//! * **Counts.** Each cached key carries its access count (lookups that found it, plus one
+//!   for the access that brought it in). The count survives promotion, demotion and
+//!   [`Cache::on_write`] of a cached key; a key that leaves the cache forgets it.
+//!
+//! # Orders (see `store`)
+//! Values are kept in LRU order, shortcuts in LFU order. Both are intrusive lists over one
+//! slab of slots found through one `hashbrown::HashTable` (the `lru` crate was not used: it
+//! would need a second map for shortcuts, so a key could be in two places, and its nodes are
+//! larger). Shortcuts sit in frequency buckets (`BTreeMap<count, list>`); within one count
+//! the shortcut that reached it first goes first. Every operation is O(1) list work plus
+//! O(log #distinct counts); nothing scans the cache.
+//!
+//! # Policies
+//! * [`Policy::Dac`] (Table 3). BEGIN: while the whole value fits in free space, misses and
+//!   writes cache the value. MISS: otherwise cache the shortcut, making room by DEMOTING the
+//!   LRU value to a shortcut (repeatedly), and only when no value is left EVICTING the LFU
+//!   shortcut. HIT of shortcut P: PROMOTE per Eq. 1: let N be the fewest LFU shortcuts
+//!   (other than P) whose eviction makes room for P's value once P's own shortcut bytes and
+//!   the free space are counted; promote iff
+//!   `hits(P) * avg_shortcut_hit_rts >= sum_{i<=N} hits(i) * avg_miss_rts`, then evict them.
+//!   A value that cannot fit even with every other shortcut gone is not promoted; values are
+//!   never evicted to promote. Writes are placed like misses (the KN knows where it wrote).
+//! * [`Policy::ShortcutOnly`] (DINOMO-S): shortcuts only, LFU eviction.
+//! * [`Policy::ValueOnly`]: values only, LRU eviction.
+//! * [`Policy::Static`]: a fixed split. Misses and writes cache the value in the value area
+//!   (LRU) if it fits there at all; the value area makes room by demoting its LRU values into
+//!   the shortcut area (LFU eviction there; dropped if the area is too small). A value larger
+//!   than the whole value area is cached as a shortcut in the shortcut area instead. A
+//!   shortcut hit moves the key back into the value area (it is now the most recently used),
+//!   so the value area holds the most recently used keys and the shortcut area the next most
+//!   frequently used ones. `static-0` behaves as shortcut-only, `static-100` as value-only.
+//!
+//! # Round-trip averages
+//! `avg_shortcut_hit_rts` and `avg_miss_rts` are exponentially weighted moving averages of the
+//! RTs reported to [`Cache::on_shortcut_read`] and [`Cache::on_miss_read`], with weight
+//! [`RTS_EWMA_ALPHA`] (= 0.05: about the last 20 observations dominate) and initial values
+//! 1.0 and 2.0 (paper: "Avg. shortcut hit RT is always one"; a miss is at least a bucket READ
+//! plus an entry READ).
+//!
+//! # Memory accounting
+//! [`VALUE_OVERHEAD`] and [`SHORTCUT_OVERHEAD`] are the bytes a cached entry really costs
+//! besides its key and value bytes, on a 64-bit target: the 88-byte slot, ~8 bytes of hash
+//! table (a `u32` index and a control byte at 7/8 load), the allocator's header/rounding of
+//! the key's boxed copy (16) and, for shortcuts, a share of a frequency bucket (24, the worst
+//! case of one bucket per shortcut); for values, the value's own allocation (16) and the
+//! shared header `bytes` allocates on first clone (32). Values are copied on insertion so the
+//! cache never pins a larger buffer (e.g. the whole READ of an entry) than it accounts for.
+//! Not counted: the slab's spare capacity after shrinking (it is released when the cache
+//! empties).
+
+mod policy;
+mod store;
+
+#[cfg(test)]
+mod sim;
+#[cfg(test)]
+mod tests;
+
+use std::fmt;
+
+use bytes::Bytes;
+use dinomo_layout::index::EntryPtr;
+
+pub use policy::{ParsePolicyError, Policy};
+use store::{shortcut_cost, value_cost, Store};
+
+/// Bytes a value entry costs besides `key.len() + value.len()`.
+pub const VALUE_OVERHEAD: usize = 160;
+/// Bytes a shortcut entry costs besides `key.len()`.
+pub const SHORTCUT_OVERHEAD: usize = 136;
+/// Weight of the newest observation in the RT moving averages.
+pub const RTS_EWMA_ALPHA: f64 = 0.05;
+/// Initial average RTs of a shortcut hit.
+pub const INITIAL_SHORTCUT_HIT_RTS: f64 = 1.0;
+/// Initial average RTs of a miss (index traversal and entry READ).
+pub const INITIAL_MISS_RTS: f64 = 2.0;
+
+/// Where a key's latest entry lies in DPM, and the version written there.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Shortcut {
+    pub ptr: EntryPtr,
+    pub version: u64,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct CacheConfig {
+    /// Bytes of DRAM this cache may account for (see the module doc for entry costs).
+    pub budget_bytes: usize,
+    pub policy: Policy,
+}
+
+/// The result of [`Cache::lookup`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Lookup {
+    /// 0 RTs. The shortcut is where the value lives, for verification or refresh.
+    Value { value: Bytes, shortcut: Shortcut },
+    /// 1 RT: the caller READs the entry, then calls [`Cache::on_shortcut_read`].
+    Shortcut(Shortcut),
+    /// The caller traverses the index, then calls [`Cache::on_miss_read`].
+    Miss,
+}
+
+#[derive(Default, Clone, Debug, PartialEq, Eq)]
+pub struct CacheStats {
+    pub value_hits: u64,
+    pub shortcut_hits: u64,
+    pub misses: u64,
+    /// Shortcuts turned into values.
+    pub promotions: u64,
+    /// Values turned into shortcuts.
+    pub demotions: u64,
+    /// Entries dropped to make room (not counting invalidations).
+    pub evictions: u64,
+    /// Keys cached as values now.
+    pub values: usize,
+    /// Keys cached as shortcuts now.
+    pub shortcuts: usize,
+    /// Budget bytes used by values now.
+    pub value_bytes: usize,
+    /// Budget bytes used by shortcuts now.
+    pub shortcut_bytes: usize,
+}
+
+/// A shard's cache. See the module documentation.
+pub struct Cache {
+    budget: usize,
+    policy: Policy,
+    store: Store,
+    value_hits: u64,
+    shortcut_hits: u64,
+    misses: u64,
+    promotions: u64,
+    demotions: u64,
+    evictions: u64,
+    avg_shortcut_hit_rts: f64,
+    avg_miss_rts: f64,
+    /// Reused by promotion checks (the victims of Eq. 1).
+    scratch: Vec<u32>,
+}
+
+impl fmt::Debug for Cache {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Cache")
+            .field("budget", &self.budget)
+            .field("policy", &self.policy)
+            .field("avg_shortcut_hit_rts", &self.avg_shortcut_hit_rts)
+            .field("avg_miss_rts", &self.avg_miss_rts)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+fn ewma(avg: &mut f64, sample: u32) {
+    *avg += RTS_EWMA_ALPHA * (f64::from(sample) - *avg);
+}
+
+impl Cache {
+    pub fn new(cfg: CacheConfig) -> Self {
+        let policy = match cfg.policy {
+            Policy::Static { value_percent } => Policy::Static {
+                value_percent: value_percent.min(100),
+            },
+            p => p,
+        };
+        Cache {
+            budget: cfg.budget_bytes,
+            policy,
+            store: Store::new(),
+            value_hits: 0,
+            shortcut_hits: 0,
+            misses: 0,
+            promotions: 0,
+            demotions: 0,
+            evictions: 0,
+            avg_shortcut_hit_rts: INITIAL_SHORTCUT_HIT_RTS,
+            avg_miss_rts: INITIAL_MISS_RTS,
+            scratch: Vec::new(),
+        }
+    }
+
+    pub fn policy(&self) -> Policy {
+        self.policy
+    }
+
+    pub fn budget(&self) -> usize {
+        self.budget
+    }
+
+    /// Looks a key up and counts the access (frequency) and the hit kind. A Value hit is
+    /// 0 round trips; a Shortcut hit means the caller will READ the entry (1 RT).
+    pub fn lookup(&mut self, key: &[u8]) -> Lookup {
+        let Some(idx) = self.store.find(key) else {
+            self.misses += 1;
+            return Lookup::Miss;
+        };
+        if self.store.slot(idx).is_value() {
+            self.value_hits += 1;
+            self.store.touch_value(idx);
+            let s = self.store.slot(idx);
+            Lookup::Value {
+                value: s.value.clone().expect("value slot"),
+                shortcut: s.shortcut,
+            }
+        } else {
+            self.shortcut_hits += 1;
+            self.store.bump_shortcut(idx);
+            Lookup::Shortcut(self.store.slot(idx).shortcut)
+        }
+    }
+
+    /// After a shortcut hit was served with `rts` round trips (normally 1): DAC may PROMOTE
+    /// the shortcut to a value per Eq. 1; static-X moves it into the value area; the other
+    /// policies keep it. `value` must be what the READ through the cached shortcut returned.
+    /// A no-op (besides the RT average) if `key` is not cached as a shortcut.
+    pub fn on_shortcut_read(&mut self, key: &[u8], value: Bytes, rts: u32) {
+        ewma(&mut self.avg_shortcut_hit_rts, rts);
+        let Some(idx) = self.store.find(key) else {
+            return;
+        };
+        if self.store.slot(idx).is_value() {
+            return;
+        }
+        match self.policy {
+            Policy::Dac => self.try_promote_dac(idx, value),
+            Policy::Static { value_percent } => {
+                let value = Bytes::copy_from_slice(&value);
+                let (value_area, _) = self.areas(value_percent);
+                if value_cost(key.len(), value.len()) <= value_area {
+                    let old = self.store.remove(idx);
+                    self.promotions += 1;
+                    self.place_value_static(&old.key, value, old.shortcut, old.hits);
+                }
+            }
+            Policy::ShortcutOnly | Policy::ValueOnly => {}
+        }
+    }
+
+    /// After a miss was served by an index traversal costing `rts` round trips (updates the
+    /// moving average of miss RTs): cache per policy (DAC: the value while it fits in free
+    /// space, else the shortcut, making room by DEMOTING LRU values, else EVICTING the LFU
+    /// shortcut). If `key` happens to be cached already, the entry is replaced and its count
+    /// kept.
+    pub fn on_miss_read(&mut self, key: &[u8], shortcut: Shortcut, value: Bytes, rts: u32) {
+        ewma(&mut self.avg_miss_rts, rts);
+        let hits = self.take(key).unwrap_or(1);
+        self.place(key, shortcut, value, hits);
+    }
+
+    /// The KN itself wrote `key` (it knows where): replace any cached entry; DAC caches the
+    /// value if there is free space (Table 3 BEGIN), otherwise the shortcut; the key's access
+    /// count is kept (a key not cached starts at 1).
+    pub fn on_write(&mut self, key: &[u8], shortcut: Shortcut, value: Bytes) {
+        let hits = self.take(key).unwrap_or(1);
+        self.place(key, shortcut, value, hits);
+    }
+
+    /// Shortcut found stale (entry moved/changed) or key deleted: drop whatever is cached
+    /// for it.
+    pub fn invalidate(&mut self, key: &[u8]) {
+        self.take(key);
+    }
+
+    /// Changes the budget (reconfiguration); demotes/evicts down to it. A larger budget is
+    /// filled by later misses, writes and promotions.
+    pub fn set_budget(&mut self, bytes: usize) {
+        self.budget = bytes;
+        match self.policy {
+            Policy::Dac => {
+                while self.store.used_bytes() > self.budget {
+                    if !self.demote_lru_or_evict_lfu() {
+                        break;
+                    }
+                }
+            }
+            Policy::ShortcutOnly => self.evict_lfu_until(self.budget, 0),
+            Policy::ValueOnly => self.evict_lru_until(self.budget, 0),
+            Policy::Static { value_percent } => {
+                let (value_area, shortcut_area) = self.areas(value_percent);
+                while self.store.value_bytes > value_area {
+                    let lru = self.store.lru_value().expect("value bytes without values");
+                    self.demote_static(lru, shortcut_area);
+                }
+                self.evict_lfu_until(shortcut_area, 0);
+            }
+        }
+        debug_assert!(self.store.used_bytes() <= self.budget);
+    }
+
+    pub fn stats(&self) -> CacheStats {
+        CacheStats {
+            value_hits: self.value_hits,
+            shortcut_hits: self.shortcut_hits,
+            misses: self.misses,
+            promotions: self.promotions,
+            demotions: self.demotions,
+            evictions: self.evictions,
+            values: self.store.values,
+            shortcuts: self.store.shortcuts,
+            value_bytes: self.store.value_bytes,
+            shortcut_bytes: self.store.shortcut_bytes,
+        }
+    }
+
+    /// Moving average of the RTs of misses (index traversal + entry READ).
+    pub fn avg_miss_rts(&self) -> f64 {
+        self.avg_miss_rts
+    }
+
+    /// Moving average of the RTs of shortcut hits.
+    pub fn avg_shortcut_hit_rts(&self) -> f64 {
+        self.avg_shortcut_hit_rts
+    }
+
+    // ----- internals -----
+
+    fn free_bytes(&self) -> usize {
+        self.budget.saturating_sub(self.store.used_bytes())
+    }
+
+    /// (value area, shortcut area) of a static split.
+    fn areas(&self, value_percent: u8) -> (usize, usize) {
+        let v = (self.budget as u128 * u128::from(value_percent) / 100) as usize;
+        (v, self.budget - v)
+    }
+
+    /// Drops `key` if cached, returning its count.
+    fn take(&mut self, key: &[u8]) -> Option<u64> {
+        let idx = self.store.find(key)?;
+        Some(self.store.remove(idx).hits)
+    }
+
+    /// Caches a key that is not cached (after a miss or a write) per the policy.
+    fn place(&mut self, key: &[u8], shortcut: Shortcut, value: Bytes, hits: u64) {
+        let vcost = value_cost(key.len(), value.len());
+        let scost = shortcut_cost(key.len());
+        match self.policy {
+            Policy::Dac => {
+                if vcost <= self.free_bytes() {
+                    let value = Bytes::copy_from_slice(&value);
+                    self.store.insert(key, Some(value), shortcut, hits);
+                } else if scost <= self.budget {
+                    while self.free_bytes() < scost {
+                        if !self.demote_lru_or_evict_lfu() {
+                            unreachable!("an empty cache has room for a shortcut that fits");
+                        }
+                    }
+                    self.store.insert(key, None, shortcut, hits);
+                }
+            }
+            Policy::ShortcutOnly => {
+                if scost <= self.budget {
+                    self.evict_lfu_until(self.budget, scost);
+                    self.store.insert(key, None, shortcut, hits);
+                }
+            }
+            Policy::ValueOnly => {
+                if vcost <= self.budget {
+                    self.evict_lru_until(self.budget, vcost);
+                    let value = Bytes::copy_from_slice(&value);
+                    self.store.insert(key, Some(value), shortcut, hits);
+                }
+            }
+            Policy::Static { value_percent } => {
+                let (value_area, shortcut_area) = self.areas(value_percent);
+                if vcost <= value_area {
+                    let value = Bytes::copy_from_slice(&value);
+                    self.place_value_static(key, value, shortcut, hits);
+                } else if scost <= shortcut_area {
+                    self.evict_lfu_until(shortcut_area, scost);
+                    self.store.insert(key, None, shortcut, hits);
+                }
+            }
+        }
+    }
+
+    /// DAC's room-making step: demote the LRU value, or if there is none evict the LFU
+    /// shortcut. False if the cache is empty.
+    fn demote_lru_or_evict_lfu(&mut self) -> bool {
+        if let Some(v) = self.store.lru_value() {
+            self.store.demote(v);
+            self.demotions += 1;
+        } else if let Some(s) = self.store.lfu_shortcut() {
+            self.store.remove(s);
+            self.evictions += 1;
+        } else {
+            return false;
+        }
+        true
+    }
+
+    /// Evicts LFU shortcuts until `shortcut_bytes + extra <= limit` (or none is left).
+    fn evict_lfu_until(&mut self, limit: usize, extra: usize) {
+        while self.store.shortcut_bytes + extra > limit {
+            let Some(s) = self.store.lfu_shortcut() else {
+                break;
+            };
+            self.store.remove(s);
+            self.evictions += 1;
+        }
+    }
+
+    /// Evicts LRU values until `value_bytes + extra <= limit` (or none is left).
+    fn evict_lru_until(&mut self, limit: usize, extra: usize) {
+        while self.store.value_bytes + extra > limit {
+            let Some(v) = self.store.lru_value() else {
+                break;
+            };
+            self.store.remove(v);
+            self.evictions += 1;
+        }
+    }
+
+    /// Eq. 1. `idx` is a shortcut that was just hit (its count includes this hit).
+    fn try_promote_dac(&mut self, idx: u32, value: Bytes) {
+        let slot = self.store.slot(idx);
+        let vcost = value_cost(slot.key.len(), value.len());
+        let released = shortcut_cost(slot.key.len());
+        if vcost > self.budget {
+            return;
+        }
+        // Room the value has once P's own shortcut is gone.
+        let room = self.free_bytes() + released;
+        let mut need = vcost.saturating_sub(room);
+        let benefit = slot.hits as f64 * self.avg_shortcut_hit_rts;
+        let mut cost = 0.0;
+        self.scratch.clear();
+        if need > 0 {
+            for j in self.store.lfu_iter() {
+                if j == idx {
+                    continue;
+                }
+                let victim = self.store.slot(j);
+                cost += victim.hits as f64 * self.avg_miss_rts;
+                if cost > benefit {
+                    // The penalty only grows with N.
+                    return;
+                }
+                self.scratch.push(j);
+                need = need.saturating_sub(shortcut_cost(victim.key.len()));
+                if need == 0 {
+                    break;
+                }
+            }
+            if need > 0 {
+                // Does not fit even with every other shortcut evicted.
+                return;
+            }
+        }
+        for i in 0..self.scratch.len() {
+            let j = self.scratch[i];
+            self.store.remove(j);
+            self.evictions += 1;
+        }
+        self.store.promote(idx, Bytes::copy_from_slice(&value));
+        self.promotions += 1;
+        debug_assert!(self.store.used_bytes() <= self.budget);
+    }
+
+    /// Static: inserts a value into the value area (the caller checked it fits the area),
+    /// demoting LRU values into the shortcut area to make room.
+    fn place_value_static(&mut self, key: &[u8], value: Bytes, shortcut: Shortcut, hits: u64) {
+        let Policy::Static { value_percent } = self.policy else {
+            unreachable!("static placement under {}", self.policy)
+        };
+        let (value_area, shortcut_area) = self.areas(value_percent);
+        let vcost = value_cost(key.len(), value.len());
+        while self.store.value_bytes + vcost > value_area {
+            let lru = self
+                .store
+                .lru_value()
+                .expect("value area over-full without values");
+            self.demote_static(lru, shortcut_area);
+        }
+        self.store.insert(key, Some(value), shortcut, hits);
+    }
+
+    /// Static: moves value `idx` to the shortcut area (LFU eviction there), or drops it if
+    /// its shortcut cannot fit the area at all.
+    fn demote_static(&mut self, idx: u32, shortcut_area: usize) {
+        let scost = shortcut_cost(self.store.slot(idx).key.len());
+        if scost <= shortcut_area {
+            self.evict_lfu_until(shortcut_area, scost);
+            self.store.demote(idx);
+            self.demotions += 1;
+        } else {
+            self.store.remove(idx);
+            self.evictions += 1;
+        }
+    }
+
+    /// What is cached for `key`, without counting an access (tests only).
+    #[cfg(test)]
+    fn peek(&self, key: &[u8]) -> Lookup {
+        match self.store.find(key) {
+            None => Lookup::Miss,
+            Some(i) => {
+                let s = self.store.slot(i);
+                match &s.value {
+                    Some(v) => Lookup::Value {
+                        value: v.clone(),
+                        shortcut: s.shortcut,
+                    },
+                    None => Lookup::Shortcut(s.shortcut),
+                }
+            }
+        }
+    }
+
+    /// The key's access count if cached (tests only).
+    #[cfg(test)]
+    fn hits(&self, key: &[u8]) -> Option<u64> {
+        self.store.find(key).map(|i| self.store.slot(i).hits)
+    }
+
+    /// Checks every invariant of the module doc that is checkable from inside (tests only).
+    #[cfg(test)]
+    fn check(&self) {
+        self.store.check();
+        assert!(
+            self.store.used_bytes() <= self.budget,
+            "over budget: {} > {}",
+            self.store.used_bytes(),
+            self.budget
+        );
+        match self.policy {
+            Policy::ShortcutOnly => assert_eq!(self.store.values, 0),
+            Policy::ValueOnly => assert_eq!(self.store.shortcuts, 0),
+            Policy::Static { value_percent } => {
+                let (va, sa) = self.areas(value_percent);
+                assert!(self.store.value_bytes <= va);
+                assert!(self.store.shortcut_bytes <= sa);
+            }
+            Policy::Dac => {}
+        }
+    }
+}

@@ -1,0 +1,717 @@
+//! Unit and property tests of the cache rules.
+
+use std::collections::HashMap;
+
+use bytes::Bytes;
+use dinomo_layout::index::EntryPtr;
+use proptest::prelude::*;
+
+use super::store::Slot;
+use super::*;
+
+const K: usize = 8; // key length used by the unit tests
+const SC: usize = K + SHORTCUT_OVERHEAD; // a shortcut's cost with an 8-byte key
+
+fn key(i: u64) -> [u8; 8] {
+    i.to_be_bytes()
+}
+
+fn sc(i: u64, version: u64) -> Shortcut {
+    Shortcut {
+        ptr: EntryPtr::new(4096 + 4096 * i, 256),
+        version,
+    }
+}
+
+fn val(len: usize, fill: u8) -> Bytes {
+    Bytes::from(vec![fill; len])
+}
+
+/// Cost of an 8-byte key with a value of `len` bytes.
+fn vc(len: usize) -> usize {
+    K + len + VALUE_OVERHEAD
+}
+
+fn cache(policy: Policy, budget: usize) -> Cache {
+    Cache::new(CacheConfig {
+        budget_bytes: budget,
+        policy,
+    })
+}
+
+fn is_value(c: &Cache, k: u64) -> bool {
+    matches!(c.peek(&key(k)), Lookup::Value { .. })
+}
+
+fn is_shortcut(c: &Cache, k: u64) -> bool {
+    matches!(c.peek(&key(k)), Lookup::Shortcut(_))
+}
+
+fn cached(c: &Cache, k: u64) -> bool {
+    !matches!(c.peek(&key(k)), Lookup::Miss)
+}
+
+/// `n` lookups of a shortcut key, each served with 1 RT (so avg shortcut-hit RTs stays 1.0).
+fn shortcut_hits(c: &mut Cache, k: u64, n: usize, value: &Bytes) {
+    for _ in 0..n {
+        assert!(matches!(c.lookup(&key(k)), Lookup::Shortcut(_)));
+        c.on_shortcut_read(&key(k), value.clone(), 1);
+    }
+}
+
+/// A DAC cache of exactly four 8-byte-key shortcuts, keys 0..4 with access counts
+/// `counts`, made by writing four 200-byte values into a large budget, looking them up
+/// (value hits never promote anything) and cutting the budget to four shortcuts (which
+/// demotes every value, keeping the counts).
+fn dac_four_shortcuts(counts: [u64; 4]) -> Cache {
+    let mut c = cache(Policy::Dac, 10 * vc(200));
+    for k in 0..4 {
+        c.on_write(&key(k), sc(k, 1), val(200, k as u8));
+        for _ in 1..counts[k as usize] {
+            assert!(matches!(c.lookup(&key(k)), Lookup::Value { .. }));
+        }
+    }
+    assert_eq!(c.stats().values, 4);
+    c.set_budget(4 * SC);
+    let s = c.stats();
+    assert_eq!((s.values, s.shortcuts, s.demotions), (0, 4, 4));
+    for k in 0..4 {
+        assert_eq!(c.hits(&key(k)), Some(counts[k as usize]));
+    }
+    c.check();
+    c
+}
+
+// ----- policy names -----
+
+#[test]
+fn policy_names_round_trip() {
+    for (s, p) in [
+        ("dac", Policy::Dac),
+        ("shortcut-only", Policy::ShortcutOnly),
+        ("value-only", Policy::ValueOnly),
+        ("static-0", Policy::Static { value_percent: 0 }),
+        ("static-50", Policy::Static { value_percent: 50 }),
+        ("static-100", Policy::Static { value_percent: 100 }),
+    ] {
+        assert_eq!(s.parse::<Policy>().unwrap(), p);
+        assert_eq!(p.to_string(), s);
+    }
+    for bad in [
+        "",
+        "DAC",
+        "static-",
+        "static-101",
+        "static-+5",
+        "static--1",
+        "static-5x",
+        "lru",
+    ] {
+        let e = bad.parse::<Policy>().unwrap_err();
+        assert!(e.to_string().contains("static-N"), "{e}");
+    }
+}
+
+// ----- memory accounting -----
+
+#[test]
+fn overheads_cover_the_real_structures() {
+    if std::mem::size_of::<usize>() != 8 {
+        return;
+    }
+    let slot = std::mem::size_of::<Slot>();
+    assert_eq!(slot, 88, "update the constants and the module doc");
+    let table = 8; // u32 index + control byte at 7/8 load
+    let key_alloc = 16; // allocator header/rounding of the boxed key
+    let bucket_share = 24; // worst case: one frequency bucket per shortcut
+    let value_alloc = 16;
+    let bytes_shared_header = 32;
+    assert!(SHORTCUT_OVERHEAD >= slot + table + key_alloc + bucket_share);
+    assert!(VALUE_OVERHEAD >= slot + table + key_alloc + value_alloc + bytes_shared_header);
+    // Demotion must always free bytes, or the miss path could loop.
+    assert!(VALUE_OVERHEAD > SHORTCUT_OVERHEAD);
+}
+
+#[test]
+fn cache_is_send() {
+    fn send<T: Send>() {}
+    send::<Cache>();
+}
+
+// ----- lookup, stats, EWMA -----
+
+#[test]
+fn lookup_counts_hits_and_value_hits_carry_the_shortcut() {
+    let mut c = cache(Policy::Dac, 10_000);
+    assert_eq!(c.lookup(&key(1)), Lookup::Miss);
+    c.on_miss_read(&key(1), sc(1, 7), val(64, 1), 3);
+    assert_eq!(
+        c.lookup(&key(1)),
+        Lookup::Value {
+            value: val(64, 1),
+            shortcut: sc(1, 7)
+        }
+    );
+    assert_eq!(c.hits(&key(1)), Some(2));
+    let s = c.stats();
+    assert_eq!((s.misses, s.value_hits, s.shortcut_hits), (1, 1, 0));
+    assert_eq!((s.values, s.value_bytes), (1, vc(64)));
+    c.check();
+}
+
+#[test]
+fn rts_averages_are_ewma_from_their_initial_values() {
+    let mut c = cache(Policy::Dac, 0);
+    assert_eq!(c.avg_miss_rts(), INITIAL_MISS_RTS);
+    assert_eq!(c.avg_shortcut_hit_rts(), INITIAL_SHORTCUT_HIT_RTS);
+    c.on_miss_read(&key(1), sc(1, 1), val(1, 1), 4);
+    assert!((c.avg_miss_rts() - (2.0 + RTS_EWMA_ALPHA * 2.0)).abs() < 1e-12);
+    c.on_shortcut_read(&key(1), val(1, 1), 3);
+    assert!((c.avg_shortcut_hit_rts() - (1.0 + RTS_EWMA_ALPHA * 2.0)).abs() < 1e-12);
+    for _ in 0..500 {
+        c.on_miss_read(&key(1), sc(1, 1), val(1, 1), 5);
+    }
+    assert!((c.avg_miss_rts() - 5.0).abs() < 1e-6);
+    // Budget 0: nothing was ever cached.
+    assert_eq!(c.stats().values + c.stats().shortcuts, 0);
+}
+
+// ----- DAC: BEGIN, miss, demotion, eviction -----
+
+#[test]
+fn dac_begins_with_values_then_demotes_the_lru_value_on_a_miss() {
+    // Room for exactly three 200-byte values; one demotion frees enough for a shortcut.
+    let mut c = cache(Policy::Dac, 3 * vc(200));
+    assert!(vc(200) - SC >= SC);
+    for k in 0..3 {
+        c.on_miss_read(&key(k), sc(k, 1), val(200, k as u8), 2);
+    }
+    assert!((0..3).all(|k| is_value(&c, k)));
+    // Key 0 becomes the most recently used; key 1 is now the LRU value.
+    assert!(matches!(c.lookup(&key(0)), Lookup::Value { .. }));
+    c.on_miss_read(&key(3), sc(3, 1), val(200, 3), 2);
+    // The cache was full: key 3 is cached as a shortcut, made room for by demoting key 1.
+    assert!(is_shortcut(&c, 3));
+    assert!(is_shortcut(&c, 1));
+    assert!(is_value(&c, 0) && is_value(&c, 2));
+    assert_eq!(c.peek(&key(1)), Lookup::Shortcut(sc(1, 1)));
+    let s = c.stats();
+    assert_eq!(
+        (s.demotions, s.evictions, s.values, s.shortcuts),
+        (1, 0, 2, 2)
+    );
+    c.check();
+}
+
+#[test]
+fn dac_demotes_as_many_values_as_needed_before_evicting() {
+    // Two values of 64 B with no slack; a miss needs one shortcut's room. One demotion
+    // frees vc(64) - SC = 88 bytes < SC, so both values are demoted and nothing is evicted.
+    let mut c = cache(Policy::Dac, 2 * vc(64));
+    for k in 0..2 {
+        c.on_write(&key(k), sc(k, 1), val(64, 0));
+    }
+    assert!(SC > vc(64) - SC && SC <= 2 * (vc(64) - SC));
+    c.on_miss_read(&key(9), sc(9, 1), val(64, 0), 2);
+    let s = c.stats();
+    assert_eq!(
+        (s.demotions, s.evictions, s.values, s.shortcuts),
+        (2, 0, 0, 3)
+    );
+    c.check();
+}
+
+#[test]
+fn dac_evicts_the_lfu_shortcut_when_no_value_is_left() {
+    let mut c = dac_four_shortcuts([3, 1, 2, 4]);
+    c.on_miss_read(&key(10), sc(10, 1), val(200, 10), 2);
+    assert!(!cached(&c, 1), "the LFU shortcut (count 1) is evicted");
+    assert!(is_shortcut(&c, 10));
+    assert_eq!(c.hits(&key(10)), Some(1));
+    c.on_miss_read(&key(11), sc(11, 1), val(200, 11), 2);
+    // Key 10 (count 1) is now the LFU.
+    assert!(!cached(&c, 10));
+    assert!(is_shortcut(&c, 11) && is_shortcut(&c, 0) && is_shortcut(&c, 2));
+    assert_eq!(c.stats().evictions, 2);
+    c.check();
+}
+
+// ----- DAC: promotion (Eq. 1) -----
+
+#[test]
+fn dac_promotes_exactly_when_eq1_holds() {
+    // P = key 3. Counts: A = key 0: 1, B = key 1: 2, C = key 2: 5.
+    let mut c = dac_four_shortcuts([1, 2, 5, 1]);
+    let v = val(200, 3);
+    // P's value costs vc(200) = 368; free 0 + P's own shortcut 144 -> 224 more are needed:
+    // N = 2 shortcuts (144 each), the LFU ones: A (1) and B (2).
+    // RHS = (1 + 2) * avg_miss_rts 2.0 = 6.0; LHS = hits(P) * 1.0.
+    assert_eq!(vc(200) - SC, 224);
+    // hits(P) = 1 + 4 = 5 -> 5 < 6: no promotion at any of these hits.
+    shortcut_hits(&mut c, 3, 4, &v);
+    assert_eq!(c.hits(&key(3)), Some(5));
+    assert!(is_shortcut(&c, 3));
+    assert_eq!(c.stats().promotions, 0);
+    assert_eq!(c.stats().shortcuts, 4);
+    // hits(P) = 6 -> 6 >= 6: promote, evicting A and B; C stays.
+    shortcut_hits(&mut c, 3, 1, &v);
+    assert_eq!(
+        c.peek(&key(3)),
+        Lookup::Value {
+            value: v.clone(),
+            shortcut: sc(3, 1)
+        }
+    );
+    assert!(!cached(&c, 0) && !cached(&c, 1) && is_shortcut(&c, 2));
+    assert_eq!(c.hits(&key(3)), Some(6), "the count survives promotion");
+    let s = c.stats();
+    assert_eq!(
+        (s.promotions, s.evictions, s.values, s.shortcuts),
+        (1, 2, 1, 1)
+    );
+    assert_eq!(s.value_bytes + s.shortcut_bytes, vc(200) + SC);
+    c.check();
+}
+
+#[test]
+fn dac_promotion_uses_the_measured_shortcut_hit_rts() {
+    // Same shape: A = 1, B = 2 -> RHS 6.0. P has 5 hits but its reads took 21 RTs once:
+    // avg shortcut-hit RTs = 1 + 0.05 * 20 = 2.0 -> LHS = 10 >= 6.
+    let mut c = dac_four_shortcuts([1, 2, 5, 1]);
+    shortcut_hits(&mut c, 3, 3, &val(200, 3));
+    assert!(matches!(c.lookup(&key(3)), Lookup::Shortcut(_)));
+    c.on_shortcut_read(&key(3), val(200, 3), 21);
+    assert!((c.avg_shortcut_hit_rts() - 2.0).abs() < 1e-12);
+    assert!(is_value(&c, 3));
+    c.check();
+}
+
+#[test]
+fn dac_promotion_uses_the_measured_miss_rts() {
+    let mut c = dac_four_shortcuts([1, 2, 5, 1]);
+    // Misses measured at 4 RTs, of a key too long to be cached at all (its shortcut alone
+    // exceeds the budget), so the cache's contents do not change.
+    let long_key = vec![7u8; 4 * SC];
+    for _ in 0..2000 {
+        c.on_miss_read(&long_key, sc(99, 1), val(1, 0), 4);
+    }
+    assert!((c.avg_miss_rts() - 4.0).abs() < 1e-9);
+    assert_eq!(c.stats().shortcuts, 4);
+    // A = 1, B = 2 -> RHS = 3 * 4.0 = 12 (it was 6 with the initial 2.0).
+    shortcut_hits(&mut c, 3, 10, &val(200, 3));
+    assert_eq!(c.hits(&key(3)), Some(11));
+    assert!(is_shortcut(&c, 3), "11 < 12");
+    shortcut_hits(&mut c, 3, 1, &val(200, 3));
+    assert!(is_value(&c, 3), "12 >= 12");
+    c.check();
+}
+
+#[test]
+fn dac_promotes_into_free_space_without_evicting() {
+    // Free space (after P's shortcut bytes are released) holds P's value: N = 0.
+    let mut c = dac_four_shortcuts([1; 4]);
+    c.set_budget(4 * SC + (vc(200) - SC));
+    shortcut_hits(&mut c, 0, 1, &val(200, 0));
+    assert!(is_value(&c, 0));
+    let s = c.stats();
+    assert_eq!((s.promotions, s.evictions, s.shortcuts), (1, 0, 3));
+    c.check();
+}
+
+#[test]
+fn dac_does_not_promote_what_cannot_fit_even_after_evicting_every_shortcut() {
+    // V is a value; P and Q are shortcuts. P's 400-byte value needs 568 bytes; with V kept
+    // only 144 (free + P) + 144 (Q) are available.
+    let budget = vc(200) + 2 * SC;
+    let mut c = cache(Policy::Dac, budget);
+    c.on_write(&key(0), sc(0, 1), val(200, 0));
+    c.on_write(&key(1), sc(1, 1), val(400, 1));
+    c.on_write(&key(2), sc(2, 1), val(200, 2));
+    assert!(is_value(&c, 0) && is_shortcut(&c, 1) && is_shortcut(&c, 2));
+    shortcut_hits(&mut c, 1, 100, &val(400, 1));
+    assert!(
+        is_shortcut(&c, 1) && is_shortcut(&c, 2),
+        "nothing evicted in vain"
+    );
+    assert_eq!(c.stats().promotions, 0);
+    assert_eq!(c.stats().evictions, 0);
+    // A value larger than the whole budget is never promoted either.
+    let mut c = dac_four_shortcuts([1; 4]);
+    shortcut_hits(&mut c, 0, 100, &val(4 * SC, 0));
+    assert!(is_shortcut(&c, 0));
+    assert_eq!(c.stats().shortcuts, 4);
+    c.check();
+}
+
+#[test]
+fn dac_counts_survive_promotion_and_demotion() {
+    // As in dac_promotes_exactly_when_eq1_holds: P = key 3 promotes at its 6th hit.
+    let mut c = dac_four_shortcuts([1, 2, 5, 1]);
+    shortcut_hits(&mut c, 3, 5, &val(200, 3));
+    assert!(is_value(&c, 3));
+    assert_eq!(c.hits(&key(3)), Some(6));
+    assert!(matches!(c.lookup(&key(3)), Lookup::Value { .. }));
+    assert_eq!(c.hits(&key(3)), Some(7));
+    // A miss needs room for a shortcut: the (only) value is demoted, its count kept.
+    c.on_miss_read(&key(20), sc(20, 1), val(200, 20), 2);
+    assert!(is_shortcut(&c, 3));
+    assert_eq!(c.hits(&key(3)), Some(7));
+    assert_eq!(c.stats().demotions, 4 + 1);
+    // A write of a cached key keeps its count too.
+    c.on_write(&key(3), sc(3, 2), val(200, 33));
+    assert_eq!(c.hits(&key(3)), Some(7));
+    assert_eq!(c.peek(&key(3)), Lookup::Shortcut(sc(3, 2)));
+    c.check();
+}
+
+#[test]
+fn dac_write_caches_the_value_only_if_it_fits_in_free_space() {
+    let mut c = cache(Policy::Dac, vc(64) + SC);
+    c.on_write(&key(0), sc(0, 1), val(64, 0));
+    assert!(is_value(&c, 0));
+    // No room for another value: the write is cached as a shortcut, no demotion needed.
+    c.on_write(&key(1), sc(1, 1), val(64, 1));
+    assert!(is_shortcut(&c, 1) && is_value(&c, 0));
+    // Rewriting key 0 releases its old value first, so the new one fits again.
+    c.on_write(&key(0), sc(0, 2), val(64, 2));
+    assert_eq!(
+        c.peek(&key(0)),
+        Lookup::Value {
+            value: val(64, 2),
+            shortcut: sc(0, 2)
+        }
+    );
+    // A bigger value no longer fits: cached as a shortcut (never both).
+    c.on_write(&key(0), sc(0, 3), val(65, 3));
+    assert_eq!(c.peek(&key(0)), Lookup::Shortcut(sc(0, 3)));
+    assert_eq!(c.stats().values, 0);
+    c.check();
+}
+
+#[test]
+fn invalidate_drops_either_kind() {
+    let mut c = cache(Policy::Dac, vc(64) + SC);
+    c.on_write(&key(0), sc(0, 1), val(64, 0));
+    c.on_write(&key(1), sc(1, 1), val(64, 1));
+    c.invalidate(&key(0));
+    c.invalidate(&key(1));
+    c.invalidate(&key(2));
+    assert!(!cached(&c, 0) && !cached(&c, 1));
+    let s = c.stats();
+    assert_eq!(
+        (
+            s.values,
+            s.shortcuts,
+            s.value_bytes,
+            s.shortcut_bytes,
+            s.evictions
+        ),
+        (0, 0, 0, 0, 0)
+    );
+    assert_eq!(c.lookup(&key(0)), Lookup::Miss);
+    c.check();
+}
+
+// ----- other policies -----
+
+#[test]
+fn shortcut_only_evicts_in_lfu_order_with_oldest_first_on_ties() {
+    let mut c = cache(Policy::ShortcutOnly, 3 * SC);
+    for k in 0..3 {
+        c.on_miss_read(&key(k), sc(k, 1), val(64, 0), 2);
+    }
+    assert!((0..3).all(|k| is_shortcut(&c, k)));
+    // Counts: 0 -> 3, 1 -> 2, 2 -> 2 (key 2 reached 2 after key 1).
+    shortcut_hits(&mut c, 0, 2, &val(64, 0));
+    shortcut_hits(&mut c, 1, 1, &val(64, 0));
+    shortcut_hits(&mut c, 2, 1, &val(64, 0));
+    assert_eq!(c.stats().promotions, 0);
+    c.on_miss_read(&key(3), sc(3, 1), val(64, 0), 2);
+    assert!(!cached(&c, 1), "count 2, reached first");
+    // Key 3 has count 1 now and is the LFU.
+    c.on_miss_read(&key(4), sc(4, 1), val(64, 0), 2);
+    assert!(!cached(&c, 3));
+    c.on_miss_read(&key(5), sc(5, 1), val(64, 0), 2);
+    assert!(!cached(&c, 4));
+    assert!(is_shortcut(&c, 0) && is_shortcut(&c, 2) && is_shortcut(&c, 5));
+    assert_eq!(c.stats().evictions, 3);
+    assert_eq!(c.stats().values, 0);
+    c.check();
+}
+
+#[test]
+fn value_only_evicts_in_lru_order() {
+    let mut c = cache(Policy::ValueOnly, 3 * vc(64));
+    for k in 0..3 {
+        c.on_miss_read(&key(k), sc(k, 1), val(64, k as u8), 2);
+    }
+    assert!(matches!(c.lookup(&key(0)), Lookup::Value { .. }));
+    c.on_miss_read(&key(3), sc(3, 1), val(64, 3), 2);
+    assert!(!cached(&c, 1));
+    c.on_write(&key(4), sc(4, 1), val(64, 4));
+    assert!(!cached(&c, 2));
+    assert!(is_value(&c, 0) && is_value(&c, 3) && is_value(&c, 4));
+    // A value larger than the budget is not cached, and evicts nothing.
+    c.on_miss_read(&key(5), sc(5, 1), val(1000, 5), 2);
+    assert!(!cached(&c, 5));
+    let s = c.stats();
+    assert_eq!(
+        (s.evictions, s.values, s.shortcuts, s.demotions),
+        (2, 3, 0, 0)
+    );
+    c.check();
+}
+
+#[test]
+fn static_split_demotes_lru_values_into_the_shortcut_area() {
+    // Value area: 2 values of 64 B; shortcut area: 2 shortcuts. 50/50 by construction.
+    let half = 2 * vc(64);
+    assert!(2 * SC <= half);
+    let mut c = cache(Policy::Static { value_percent: 50 }, 2 * half);
+    for k in 0..2 {
+        c.on_miss_read(&key(k), sc(k, 1), val(64, k as u8), 2);
+    }
+    assert!(is_value(&c, 0) && is_value(&c, 1));
+    c.on_miss_read(&key(2), sc(2, 1), val(64, 2), 2);
+    assert!(
+        is_shortcut(&c, 0),
+        "the LRU value moves to the shortcut area"
+    );
+    assert!(is_value(&c, 1) && is_value(&c, 2));
+    // A shortcut hit moves the key back to the value area (demoting the LRU value, key 1).
+    shortcut_hits(&mut c, 0, 1, &val(64, 0));
+    assert!(is_value(&c, 0) && is_shortcut(&c, 1) && is_value(&c, 2));
+    assert_eq!(c.hits(&key(0)), Some(2));
+    // A value larger than the value area is cached as a shortcut.
+    c.on_miss_read(&key(3), sc(3, 1), val(half, 3), 2);
+    assert!(is_shortcut(&c, 3));
+    let s = c.stats();
+    assert_eq!((s.values, s.shortcuts, s.promotions), (2, 2, 1));
+    assert!(s.value_bytes <= half && s.shortcut_bytes <= half);
+    c.check();
+}
+
+#[test]
+fn static_extremes_behave_like_the_pure_policies() {
+    let mut s0 = cache(Policy::Static { value_percent: 0 }, 3 * SC);
+    let mut s100 = cache(Policy::Static { value_percent: 100 }, 3 * vc(64));
+    for k in 0..10 {
+        s0.on_miss_read(&key(k), sc(k, 1), val(64, 0), 2);
+        s100.on_miss_read(&key(k), sc(k, 1), val(64, 0), 2);
+    }
+    assert_eq!((s0.stats().values, s0.stats().shortcuts), (0, 3));
+    assert_eq!((s100.stats().values, s100.stats().shortcuts), (3, 0));
+    s0.check();
+    s100.check();
+}
+
+#[test]
+fn set_budget_shrinks_per_policy_and_grows() {
+    // DAC: values are demoted first, then LFU shortcuts evicted.
+    let mut c = cache(Policy::Dac, 3 * vc(64));
+    for k in 0..3 {
+        c.on_write(&key(k), sc(k, 1), val(64, 0));
+    }
+    c.set_budget(3 * SC);
+    assert_eq!((c.stats().values, c.stats().shortcuts), (0, 3));
+    c.set_budget(2 * SC);
+    assert_eq!((c.stats().shortcuts, c.stats().evictions), (2, 1));
+    c.check();
+    c.set_budget(0);
+    assert_eq!(c.stats().shortcuts, 0);
+    c.check();
+    // Growing: the next miss caches a value again (BEGIN).
+    c.set_budget(10 * vc(64));
+    c.on_miss_read(&key(7), sc(7, 1), val(64, 0), 2);
+    assert!(is_value(&c, 7));
+    c.check();
+
+    // Value-only: LRU values evicted.
+    let mut c = cache(Policy::ValueOnly, 3 * vc(64));
+    for k in 0..3 {
+        c.on_write(&key(k), sc(k, 1), val(64, 0));
+    }
+    assert!(matches!(c.lookup(&key(0)), Lookup::Value { .. }));
+    c.set_budget(vc(64));
+    assert!(is_value(&c, 0) && !cached(&c, 1) && !cached(&c, 2));
+    c.check();
+
+    // Shortcut-only: LFU shortcuts evicted.
+    let mut c = cache(Policy::ShortcutOnly, 3 * SC);
+    for k in 0..3 {
+        c.on_write(&key(k), sc(k, 1), val(64, 0));
+    }
+    shortcut_hits(&mut c, 0, 1, &val(64, 0));
+    c.set_budget(SC);
+    assert!(is_shortcut(&c, 0) && c.stats().shortcuts == 1);
+    c.check();
+
+    // Static: both areas shrink; values demote into the (new) shortcut area.
+    let mut c = cache(Policy::Static { value_percent: 50 }, 4 * vc(64));
+    for k in 0..2 {
+        c.on_write(&key(k), sc(k, 1), val(64, 0));
+    }
+    c.set_budget(2 * vc(64));
+    assert_eq!(
+        (c.stats().values, c.stats().shortcuts, c.stats().demotions),
+        (1, 1, 1)
+    );
+    c.check();
+}
+
+// ----- property test against a model of the truth -----
+
+#[derive(Debug, Clone)]
+enum Op {
+    /// A client read: lookup, then the follow-up call the KN would make.
+    Read(u8, u32),
+    /// The KN wrote a new version of the key.
+    Write(u8, usize),
+    Delete(u8),
+    /// The entry moved (cleaner); the KN found the shortcut stale.
+    Move(u8),
+    /// on_miss_read for a key whatever its state (re-reading a cached key).
+    Refresh(u8, u32),
+    /// on_shortcut_read without a preceding shortcut hit (must not invent entries).
+    StrayShortcutRead(u8),
+    SetBudget(usize),
+}
+
+const KEYS: u8 = 12;
+
+/// Keys of different lengths so that costs differ per key.
+fn pkey(k: u8) -> Vec<u8> {
+    vec![k; 1 + (k as usize * 7) % 23]
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        6 => (0..KEYS, 1..6u32).prop_map(|(k, r)| Op::Read(k, r)),
+        3 => (0..KEYS, 0..300usize).prop_map(|(k, l)| Op::Write(k, l)),
+        1 => (0..KEYS).prop_map(Op::Delete),
+        1 => (0..KEYS).prop_map(Op::Move),
+        1 => (0..KEYS, 1..6u32).prop_map(|(k, r)| Op::Refresh(k, r)),
+        1 => (0..KEYS).prop_map(Op::StrayShortcutRead),
+        1 => prop_oneof![Just(0usize), Just(150), Just(400), 0..3000usize, Just(20_000)]
+            .prop_map(Op::SetBudget),
+    ]
+}
+
+fn any_policy() -> impl Strategy<Value = Policy> {
+    prop_oneof![
+        Just(Policy::Dac),
+        Just(Policy::ShortcutOnly),
+        Just(Policy::ValueOnly),
+        (0..=100u8).prop_map(|value_percent| Policy::Static { value_percent }),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    #[test]
+    fn cache_never_returns_stale_or_foreign_entries(
+        policy in any_policy(),
+        budget in 0..4000usize,
+        ops in prop::collection::vec(op(), 1..300),
+    ) {
+        let mut c = cache(policy, budget);
+        let mut budget = budget;
+        // The truth: the key's latest value and where it lies.
+        let mut truth: HashMap<u8, (Bytes, Shortcut)> = HashMap::new();
+        let mut next_offset = 4096u64;
+        let mut place = |len: usize| {
+            let p = EntryPtr::new(next_offset, len + 64);
+            next_offset += 8 * (1 + len as u64 / 8) + 64;
+            p
+        };
+        let mut version = 0u64;
+        let mut lookups = 0u64;
+        for op in ops {
+            match op {
+                Op::Read(k, rts) => {
+                    lookups += 1;
+                    let got = c.lookup(&pkey(k));
+                    match (&got, truth.get(&k)) {
+                        (Lookup::Value { value, shortcut }, Some((v, s))) => {
+                            prop_assert_eq!(value, v);
+                            prop_assert_eq!(shortcut, s);
+                        }
+                        (Lookup::Shortcut(shortcut), Some((v, s))) => {
+                            prop_assert_eq!(shortcut, s);
+                            c.on_shortcut_read(&pkey(k), v.clone(), rts);
+                        }
+                        (Lookup::Miss, Some((v, s))) => {
+                            c.on_miss_read(&pkey(k), *s, v.clone(), rts);
+                        }
+                        (Lookup::Miss, None) => {}
+                        (hit, None) => prop_assert!(false, "hit {:?} for absent key {}", hit, k),
+                    }
+                }
+                Op::Write(k, len) => {
+                    version += 1;
+                    let mut v = vec![k; len];
+                    if let Some(b) = v.first_mut() {
+                        *b = version as u8;
+                    }
+                    let s = Shortcut { ptr: place(len), version };
+                    truth.insert(k, (Bytes::from(v.clone()), s));
+                    c.on_write(&pkey(k), s, Bytes::from(v));
+                }
+                Op::Delete(k) => {
+                    truth.remove(&k);
+                    c.invalidate(&pkey(k));
+                }
+                Op::Move(k) => {
+                    if let Some((v, s)) = truth.get_mut(&k) {
+                        s.ptr = place(v.len());
+                    }
+                    c.invalidate(&pkey(k));
+                }
+                Op::Refresh(k, rts) => {
+                    if let Some((v, s)) = truth.get(&k) {
+                        c.on_miss_read(&pkey(k), *s, v.clone(), rts);
+                    }
+                }
+                Op::StrayShortcutRead(k) => {
+                    if let Some((v, _)) = truth.get(&k) {
+                        c.on_shortcut_read(&pkey(k), v.clone(), 1);
+                    }
+                }
+                Op::SetBudget(b) => {
+                    budget = b;
+                    c.set_budget(b);
+                }
+            }
+            c.check();
+            let s = c.stats();
+            prop_assert!(s.value_bytes + s.shortcut_bytes <= budget);
+            prop_assert_eq!(s.value_hits + s.shortcut_hits + s.misses, lookups);
+            let (mut nv, mut ns, mut vb, mut sb) = (0, 0, 0, 0);
+            for k in 0..KEYS {
+                let key = pkey(k);
+                match (c.peek(&key), truth.get(&k)) {
+                    (Lookup::Miss, _) => {}
+                    (Lookup::Value { value, shortcut }, Some((v, sc))) => {
+                        prop_assert_eq!(&value, v);
+                        prop_assert_eq!(&shortcut, sc);
+                        nv += 1;
+                        vb += key.len() + value.len() + VALUE_OVERHEAD;
+                    }
+                    (Lookup::Shortcut(shortcut), Some((_, sc))) => {
+                        prop_assert_eq!(&shortcut, sc);
+                        ns += 1;
+                        sb += key.len() + SHORTCUT_OVERHEAD;
+                    }
+                    (hit, None) => prop_assert!(false, "{:?} cached for absent key {}", hit, k),
+                }
+            }
+            prop_assert_eq!((nv, ns, vb, sb), (s.values, s.shortcuts, s.value_bytes, s.shortcut_bytes));
+            match policy {
+                Policy::ShortcutOnly => prop_assert_eq!(s.values, 0),
+                Policy::ValueOnly => prop_assert_eq!(s.shortcuts, 0),
+                _ => {}
+            }
+        }
+    }
+}

@@ -1,0 +1,304 @@
+//! The KV node as a library: registers with the DPM, starts its shards, keeps the cluster map
+//! (of record in the DPM's metadata) and routes each request to the shard that owns its key,
+//! after checking that this KN owns it.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use dinomo_placement::{ClusterMap, KnInfo};
+use parking_lot::RwLock;
+use tokio::sync::oneshot;
+
+use crate::cache::CacheConfig;
+use crate::config::KnConfig;
+use crate::dpm_link::DpmLink;
+use crate::error::{KvError, KvResult};
+use crate::shard::{self, ShardConfig, ShardHandle, ShardOp, ShardRequest};
+
+/// The map a KN uses until one is published: itself alone, version 0.
+fn bootstrap_map(kn: u32, endpoint: &str) -> ClusterMap {
+    let mut m = ClusterMap::new(
+        vec![KnInfo {
+            id: kn,
+            endpoint: endpoint.to_string(),
+        }],
+        64,
+        1,
+    )
+    .expect("a one-KN map is valid");
+    m.version = 0;
+    m
+}
+
+/// Totals across shards, for the Stats RPC and /metrics.
+#[derive(Debug, Clone, Default)]
+pub struct NodeStats {
+    pub gets: u64,
+    pub puts: u64,
+    pub deletes: u64,
+    pub value_hits: u64,
+    pub shortcut_hits: u64,
+    pub unmerged_hits: u64,
+    pub misses: u64,
+    pub wrong_owner: u64,
+    pub batches: u64,
+    pub round_trips: u64,
+    pub bytes_read: u64,
+    pub bytes_written: u64,
+    pub occupancy: f64,
+    pub cache_values: u64,
+    pub cache_shortcuts: u64,
+    pub promotions: u64,
+    pub demotions: u64,
+    pub top_keys: Vec<(Bytes, u64)>,
+}
+
+#[derive(Debug)]
+pub struct KvNode {
+    pub config: KnConfig,
+    link: Arc<DpmLink>,
+    shards: Vec<ShardHandle>,
+    map: RwLock<Arc<ClusterMap>>,
+    wrong_owner: AtomicU64,
+    occupancy: RwLock<f64>,
+}
+
+impl KvNode {
+    /// Registers with the DPM and starts the shards and the map watcher.
+    pub async fn start(config: KnConfig) -> KvResult<Arc<Self>> {
+        let link = Arc::new(DpmLink::register(&config.dpm, config.kn_id, &config.advertise).await?);
+        let largest = config.max_key_bytes + config.max_value_bytes + 64;
+        if largest as u64 > link.segment_size / 4 {
+            return Err(KvError::InvalidArgument(format!(
+                "max_key_bytes + max_value_bytes = {largest} is too large for the DPM's {}-byte segments (at most a quarter)",
+                link.segment_size
+            )));
+        }
+        tracing::info!(kn = link.kn_id, epoch = link.epoch, fabric = %link.fabric.kind, "registered with the DPM");
+        // Versions: unique per KN incarnation and increasing across incarnations.
+        let versions = Arc::new(AtomicU64::new(link.epoch << 32));
+        let per_shard = config.cache_bytes / config.shards as usize;
+        let mut shards = Vec::new();
+        for i in 0..config.shards {
+            let cfg = ShardConfig {
+                cache: CacheConfig {
+                    budget_bytes: per_shard,
+                    policy: config.cache_policy,
+                },
+                batch_bytes: config.batch_bytes,
+                batch_delay: config.batch_delay,
+                max_unmerged_segments: config.max_unmerged_segments,
+            };
+            shards.push(shard::spawn(i, cfg, link.clone(), versions.clone()).await?);
+        }
+        let map = match link.cluster_map().await? {
+            Some(b) => ClusterMap::decode(&b)
+                .map_err(|e| KvError::Internal(format!("cluster map in the DPM: {e}")))?,
+            None => bootstrap_map(link.kn_id, &config.advertise),
+        };
+        let node = Arc::new(KvNode {
+            config,
+            link,
+            shards,
+            map: RwLock::new(Arc::new(map)),
+            wrong_owner: AtomicU64::new(0),
+            occupancy: RwLock::new(0.0),
+        });
+        tokio::spawn(watch_map(Arc::downgrade(&node)));
+        tokio::spawn(measure_occupancy(Arc::downgrade(&node)));
+        Ok(node)
+    }
+
+    pub fn kn_id(&self) -> u32 {
+        self.link.kn_id
+    }
+
+    pub fn epoch(&self) -> u64 {
+        self.link.epoch
+    }
+
+    pub fn map(&self) -> Arc<ClusterMap> {
+        self.map.read().clone()
+    }
+
+    /// Installs a newer map (older or equal versions are ignored).
+    pub fn set_map(&self, map: ClusterMap) {
+        let mut cur = self.map.write();
+        if map.version > cur.version {
+            tracing::info!(
+                from = cur.version,
+                to = map.version,
+                kns = map.kns.len(),
+                "cluster map updated"
+            );
+            *cur = Arc::new(map);
+        }
+    }
+
+    fn shard_of(&self, key: &[u8]) -> usize {
+        // The local ring (salted, so one KN's keys spread evenly over its shards).
+        dinomo_placement::shard_of_hash(dinomo_layout::key_hash(key), self.shards.len() as u32)
+            as usize
+    }
+
+    fn validate_key(&self, key: &[u8]) -> KvResult<()> {
+        if key.is_empty() {
+            return Err(KvError::InvalidArgument("the key is empty".into()));
+        }
+        if key.len() > self.config.max_key_bytes {
+            return Err(KvError::InvalidArgument(format!(
+                "the key is {} bytes; the limit is {} (max_key_bytes)",
+                key.len(),
+                self.config.max_key_bytes
+            )));
+        }
+        Ok(())
+    }
+
+    /// Validates, checks ownership and runs one operation on its shard.
+    pub async fn execute(&self, op: ShardOp) -> KvResult<Option<Bytes>> {
+        let kind = match &op {
+            ShardOp::Get { .. } => "get",
+            ShardOp::Put { .. } => "put",
+            ShardOp::Delete { .. } => "delete",
+        };
+        let start = Instant::now();
+        let r = self.execute_inner(op).await;
+        metrics::histogram!("dinomo_kn_request_seconds", "op" => kind)
+            .record(start.elapsed().as_secs_f64());
+        if let Err(e) = &r {
+            metrics::counter!("dinomo_kn_request_errors_total", "op" => kind, "code" => format!("{:?}", e.code())).increment(1);
+        }
+        r
+    }
+
+    async fn execute_inner(&self, op: ShardOp) -> KvResult<Option<Bytes>> {
+        let key = match &op {
+            ShardOp::Get { key } | ShardOp::Delete { key } => key,
+            ShardOp::Put { key, value, .. } => {
+                if value.len() > self.config.max_value_bytes {
+                    return Err(KvError::InvalidArgument(format!(
+                        "the value is {} bytes; the limit is {} (max_value_bytes)",
+                        value.len(),
+                        self.config.max_value_bytes
+                    )));
+                }
+                key
+            }
+        };
+        self.validate_key(key)?;
+        let map = self.map();
+        if !map.is_owner(self.link.kn_id, key) {
+            self.wrong_owner.fetch_add(1, Ordering::Relaxed);
+            return Err(KvError::WrongOwner {
+                kn: self.link.kn_id,
+                map_version: map.version,
+            });
+        }
+        let (reply, rx) = oneshot::channel();
+        let shard = &self.shards[self.shard_of(key)];
+        shard
+            .tx
+            .send(ShardRequest { op, reply })
+            .await
+            .map_err(|_| KvError::Unavailable("the KN is stopping".into()))?;
+        rx.await
+            .map_err(|_| KvError::Unavailable("the KN is stopping".into()))?
+    }
+
+    pub fn stats(&self, top: usize) -> NodeStats {
+        let mut s = NodeStats {
+            wrong_owner: self.wrong_owner.load(Ordering::Relaxed),
+            ..Default::default()
+        };
+        let mut tops = Vec::new();
+        for sh in &self.shards {
+            let r = |c: &AtomicU64| c.load(Ordering::Relaxed);
+            s.gets += r(&sh.stats.gets);
+            s.puts += r(&sh.stats.puts);
+            s.deletes += r(&sh.stats.deletes);
+            s.value_hits += r(&sh.stats.value_hits);
+            s.shortcut_hits += r(&sh.stats.shortcut_hits);
+            s.unmerged_hits += r(&sh.stats.unmerged_hits);
+            s.misses += r(&sh.stats.misses);
+            s.batches += r(&sh.stats.batches);
+            let f = sh.fabric.stats().snapshot();
+            s.round_trips += f.round_trips;
+            s.bytes_read += f.bytes_read;
+            s.bytes_written += f.bytes_written;
+            let c = sh.cache_stats.lock().clone();
+            s.cache_values += c.values as u64;
+            s.cache_shortcuts += c.shortcuts as u64;
+            s.promotions += c.promotions;
+            s.demotions += c.demotions;
+            tops.extend(sh.top.lock().top(top));
+        }
+        tops.sort_by(|a, b| b.1.cmp(&a.1));
+        tops.truncate(top);
+        s.top_keys = tops;
+        s.occupancy = *self.occupancy.read();
+        s
+    }
+
+    /// Stops accepting requests; shards flush their open batches.
+    pub fn shutdown(&self) {
+        // Dropping the senders is done when the node is dropped; nothing else holds them.
+    }
+}
+
+async fn watch_map(node: std::sync::Weak<KvNode>) {
+    loop {
+        let Some(n) = node.upgrade() else { return };
+        let every = n.config.map_poll;
+        match n.link.cluster_map().await {
+            Ok(Some(b)) => match ClusterMap::decode(&b) {
+                Ok(m) => n.set_map(m),
+                Err(e) => tracing::warn!(error = %e, "the published cluster map does not decode"),
+            },
+            Ok(None) => {}
+            Err(e) => tracing::debug!(error = %e, "cannot read the cluster map"),
+        }
+        drop(n);
+        tokio::time::sleep(every).await;
+    }
+}
+
+/// Occupancy: the busy share of each one-second epoch, averaged over shards.
+async fn measure_occupancy(node: std::sync::Weak<KvNode>) {
+    let mut last: Option<(Instant, u64)> = None;
+    loop {
+        let Some(n) = node.upgrade() else { return };
+        let busy: u64 = n
+            .shards
+            .iter()
+            .map(|s| s.stats.busy_ns.load(Ordering::Relaxed))
+            .sum();
+        let now = Instant::now();
+        if let Some((t, b)) = last {
+            let wall = now.duration_since(t).as_nanos() as f64 * n.shards.len() as f64;
+            let occ = ((busy - b) as f64 / wall).clamp(0.0, 1.0);
+            *n.occupancy.write() = occ;
+            metrics::gauge!("dinomo_kn_occupancy").set(occ);
+            let s = n.stats(0);
+            metrics::gauge!("dinomo_kn_gets").set(s.gets as f64);
+            metrics::gauge!("dinomo_kn_puts").set(s.puts as f64);
+            metrics::gauge!("dinomo_kn_deletes").set(s.deletes as f64);
+            metrics::gauge!("dinomo_kn_value_hits").set(s.value_hits as f64);
+            metrics::gauge!("dinomo_kn_shortcut_hits").set(s.shortcut_hits as f64);
+            metrics::gauge!("dinomo_kn_unmerged_hits").set(s.unmerged_hits as f64);
+            metrics::gauge!("dinomo_kn_misses").set(s.misses as f64);
+            metrics::gauge!("dinomo_kn_wrong_owner").set(s.wrong_owner as f64);
+            metrics::gauge!("dinomo_kn_batches").set(s.batches as f64);
+            metrics::gauge!("dinomo_kn_fabric_round_trips").set(s.round_trips as f64);
+            metrics::gauge!("dinomo_kn_fabric_bytes_read").set(s.bytes_read as f64);
+            metrics::gauge!("dinomo_kn_fabric_bytes_written").set(s.bytes_written as f64);
+            metrics::gauge!("dinomo_kn_cache_values").set(s.cache_values as f64);
+            metrics::gauge!("dinomo_kn_cache_shortcuts").set(s.cache_shortcuts as f64);
+        }
+        last = Some((now, busy));
+        drop(n);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}

@@ -1,0 +1,68 @@
+//! Runs a kv-node: starts the node, serves KvService, stops on a shutdown signal.
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use dinomo_proto::kv::kv_service_server::KvServiceServer;
+
+use crate::config::KnConfig;
+use crate::error::{KvError, KvResult};
+use crate::node::KvNode;
+use crate::service::KvGrpc;
+
+#[derive(Debug, Clone)]
+pub struct Running {
+    pub addr: SocketAddr,
+    pub kn_id: u32,
+    pub epoch: u64,
+}
+
+/// Serves until `shutdown` completes. `ready` is called once serving.
+pub async fn run(
+    mut config: KnConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    ready: impl FnOnce(&Running) + Send,
+) -> KvResult<()> {
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .map_err(|e| KvError::Unavailable(format!("cannot listen on {}: {e}", config.listen)))?;
+    let addr = listener
+        .local_addr()
+        .map_err(|e| KvError::Internal(e.to_string()))?;
+    if config.advertise == config.listen.to_string() {
+        config.advertise = addr.to_string();
+    }
+    let node = KvNode::start(config).await?;
+    let running = Running {
+        addr,
+        kn_id: node.kn_id(),
+        epoch: node.epoch(),
+    };
+    tracing::info!(%addr, kn = running.kn_id, epoch = running.epoch, "kv-node serving");
+    ready(&running);
+    let (stopping_tx, stopping_rx) = tokio::sync::oneshot::channel::<()>();
+    let signal = async move {
+        shutdown.await;
+        let _ = stopping_tx.send(());
+    };
+    let serve = tonic::transport::Server::builder()
+        .add_service(
+            KvServiceServer::new(KvGrpc::new(node.clone())).max_decoding_message_size(64 << 20),
+        )
+        .serve_with_incoming_shutdown(
+            tokio_stream::wrappers::TcpListenerStream::new(listener),
+            signal,
+        );
+    let served = tokio::select! {
+        r = serve => r,
+        _ = async {
+            let _ = stopping_rx.await;
+            tokio::time::sleep(Duration::from_secs(2)).await;
+        } => Ok(()),
+    };
+    drop(node);
+    served.map_err(|e| KvError::Internal(format!("gRPC server failed: {e}")))?;
+    tracing::info!("kv-node stopped");
+    Ok(())
+}

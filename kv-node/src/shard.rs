@@ -1,0 +1,563 @@
+//! A shard: one task that owns a slice of the KN's keys, its DAC cache, its log writer and its
+//! copy of its unmerged segments. Nothing here is shared with other shards on the hot path.
+//!
+//! Ordering and linearizability: the shard handles its requests one at a time. Writes join an
+//! open batch; a batch is written with ONE one-sided WRITE (group commit: at once when the shard
+//! is idle, otherwise when the batch is full or its oldest write has waited `batch_delay`), with
+//! at most one batch WRITE in flight per shard, so only the newest batch of a log can be torn.
+//! A write is acknowledged, and becomes visible to reads, only when its batch's WRITE has
+//! completed (durable at the DPM). Reads never see unacknowledged writes; conditional writes
+//! (insert/update/delete) do see earlier unacknowledged writes of the same shard, since those
+//! are ordered before them in the log. If a batch WRITE fails, every unacknowledged write fails
+//! and the segment is abandoned (sealed as it is; its log may end in a torn batch).
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use dinomo_fabric::{Fabric, FabricExt};
+use dinomo_layout::index::EntryPtr;
+use dinomo_layout::log::{entry_len, BatchBuilder, LogOp};
+use hashbrown::{HashMap, HashSet};
+use parking_lot::Mutex;
+use tokio::sync::{mpsc, oneshot};
+
+use crate::cache::{Cache, CacheConfig, CacheStats, Lookup, Shortcut};
+use crate::dpm_link::{DpmLink, Segment};
+use crate::error::{KvError, KvResult};
+use crate::remote_index::{read_entry, RemoteIndex};
+use crate::stats::{ShardStats, TopK};
+use crate::unmerged::{Logged, Unmerged};
+
+/// Put semantics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PutMode {
+    Upsert,
+    Insert,
+    Update,
+}
+
+#[derive(Debug, Clone)]
+pub enum ShardOp {
+    Get {
+        key: Bytes,
+    },
+    Put {
+        key: Bytes,
+        value: Bytes,
+        mode: PutMode,
+    },
+    Delete {
+        key: Bytes,
+    },
+}
+
+pub type Reply = oneshot::Sender<KvResult<Option<Bytes>>>;
+
+#[derive(Debug)]
+pub struct ShardRequest {
+    pub op: ShardOp,
+    pub reply: Reply,
+}
+
+#[derive(Debug, Clone)]
+pub struct ShardConfig {
+    pub cache: CacheConfig,
+    pub batch_bytes: usize,
+    pub batch_delay: Duration,
+    pub max_unmerged_segments: usize,
+}
+
+/// What the node keeps of a running shard.
+#[derive(Debug, Clone)]
+pub struct ShardHandle {
+    pub tx: mpsc::Sender<ShardRequest>,
+    pub stats: Arc<ShardStats>,
+    pub fabric: Arc<dyn Fabric>,
+    pub top: Arc<Mutex<TopK>>,
+    pub cache_stats: Arc<Mutex<CacheStats>>,
+}
+
+#[derive(Debug)]
+struct Waiter {
+    key: Bytes,
+    value: Option<Bytes>,
+    offset: usize,
+    len: usize,
+    version: u64,
+    write_no: u64,
+    reply: Reply,
+}
+
+#[derive(Debug)]
+struct OpenBatch {
+    builder: BatchBuilder,
+    waiters: Vec<Waiter>,
+    started: Instant,
+}
+
+#[derive(Debug)]
+struct OpenSegment {
+    seg: Segment,
+    pos: u64,
+    chain: u32,
+}
+
+#[derive(Debug)]
+struct Done {
+    segment: u64,
+    base: u64,
+    waiters: Vec<Waiter>,
+    result: dinomo_fabric::Result<()>,
+}
+
+#[derive(Debug)]
+struct Shard {
+    id: u32,
+    cfg: ShardConfig,
+    link: Arc<DpmLink>,
+    fabric: Arc<dyn Fabric>,
+    cache: Cache,
+    index: RemoteIndex,
+    unmerged: Unmerged,
+    segment: Option<OpenSegment>,
+    /// Segments this shard sealed that the DPM has not reported merged yet.
+    sealed: Vec<u64>,
+    /// Segments to seal once the DPM answers again (abandoned after a failed WRITE).
+    to_seal: Vec<u64>,
+    batch: Option<OpenBatch>,
+    inflight: bool,
+    /// Latest unacknowledged write per key (None = delete) and its write number.
+    pending: HashMap<Bytes, (Option<Bytes>, u64)>,
+    next_write_no: u64,
+    versions: Arc<AtomicU64>,
+    stats: Arc<ShardStats>,
+    top: Arc<Mutex<TopK>>,
+    cache_stats: Arc<Mutex<CacheStats>>,
+}
+
+/// Starts a shard task.
+pub async fn spawn(
+    id: u32,
+    cfg: ShardConfig,
+    link: Arc<DpmLink>,
+    versions: Arc<AtomicU64>,
+) -> KvResult<ShardHandle> {
+    let fabric = link.connect_fabric().await?;
+    let (tx, rx) = mpsc::channel(1024);
+    let stats = Arc::new(ShardStats::default());
+    let top = Arc::new(Mutex::new(TopK::new(128)));
+    let cache_stats = Arc::new(Mutex::new(CacheStats::default()));
+    let shard = Shard {
+        id,
+        cache: Cache::new(cfg.cache.clone()),
+        index: RemoteIndex::new(link.index_root),
+        cfg,
+        link,
+        fabric: fabric.clone(),
+        unmerged: Unmerged::default(),
+        segment: None,
+        sealed: Vec::new(),
+        to_seal: Vec::new(),
+        batch: None,
+        inflight: false,
+        pending: HashMap::new(),
+        next_write_no: 0,
+        versions,
+        stats: stats.clone(),
+        top: top.clone(),
+        cache_stats: cache_stats.clone(),
+    };
+    tokio::spawn(shard.run(rx));
+    Ok(ShardHandle {
+        tx,
+        stats,
+        fabric,
+        top,
+        cache_stats,
+    })
+}
+
+impl Shard {
+    fn batch_len(&self) -> usize {
+        self.batch.as_ref().map_or(0, |b| b.builder.encoded_len())
+    }
+
+    /// Largest batch: bigger batches would not fit a segment comfortably.
+    fn hard_cap(&self) -> usize {
+        (self.cfg.batch_bytes * 4).min(self.link.segment_size as usize / 2)
+    }
+
+    async fn run(mut self, mut rx: mpsc::Receiver<ShardRequest>) {
+        let (done_tx, mut done_rx) = mpsc::unbounded_channel::<Done>();
+        let mut tick = tokio::time::interval(Duration::from_millis(50));
+        let mut ticks = 0u64;
+        loop {
+            let deadline = self
+                .batch
+                .as_ref()
+                .map(|b| b.started + self.cfg.batch_delay);
+            let accept = !(self.inflight && self.batch_len() >= self.hard_cap());
+            tokio::select! {
+                biased;
+                Some(done) = done_rx.recv() => {
+                    let t = Instant::now();
+                    self.complete(done);
+                    ShardStats::add(&self.stats.busy_ns, t.elapsed().as_nanos() as u64);
+                }
+                msg = rx.recv(), if accept => {
+                    let Some(req) = msg else { break };
+                    let t = Instant::now();
+                    self.handle(req).await;
+                    ShardStats::add(&self.stats.busy_ns, t.elapsed().as_nanos() as u64);
+                }
+                _ = sleep_until(deadline), if deadline.is_some() && !self.inflight => {}
+                _ = tick.tick() => {
+                    ticks += 1;
+                    self.refresh_merged().await;
+                    *self.cache_stats.lock() = self.cache.stats();
+                    if ticks % 20 == 0 {
+                        self.top.lock().decay();
+                    }
+                }
+            }
+            if !self.inflight {
+                if let Some(b) = &self.batch {
+                    let full = b.builder.encoded_len() >= self.cfg.batch_bytes;
+                    let late = b.started.elapsed() >= self.cfg.batch_delay;
+                    if rx.is_empty() || full || late {
+                        self.flush(&done_tx).await;
+                    }
+                }
+            }
+        }
+        // Channel closed: the node is stopping. Write what is open and wait for it.
+        if self.batch.is_some() && !self.inflight {
+            self.flush(&done_tx).await;
+        }
+        while self.inflight {
+            match done_rx.recv().await {
+                Some(done) => self.complete(done),
+                None => break,
+            }
+        }
+        tracing::debug!(shard = self.id, "shard stopped");
+    }
+
+    async fn handle(&mut self, req: ShardRequest) {
+        let ShardRequest { op, reply } = req;
+        match op {
+            ShardOp::Get { key } => {
+                ShardStats::add(&self.stats.gets, 1);
+                self.top.lock().record(&key);
+                let r = self
+                    .read(&key)
+                    .await
+                    .and_then(|v| v.ok_or(KvError::NotFound).map(Some));
+                let _ = reply.send(r);
+            }
+            ShardOp::Put { key, value, mode } => {
+                ShardStats::add(&self.stats.puts, 1);
+                self.top.lock().record(&key);
+                if mode != PutMode::Upsert {
+                    match self.exists(&key).await {
+                        Ok(true) if mode == PutMode::Insert => {
+                            let _ = reply.send(Err(KvError::AlreadyExists));
+                            return;
+                        }
+                        Ok(false) if mode == PutMode::Update => {
+                            let _ = reply.send(Err(KvError::UpdateMissing));
+                            return;
+                        }
+                        Ok(_) => {}
+                        Err(e) => {
+                            let _ = reply.send(Err(e));
+                            return;
+                        }
+                    }
+                }
+                self.append(LogOp::Put, key, Some(value), reply);
+            }
+            ShardOp::Delete { key } => {
+                ShardStats::add(&self.stats.deletes, 1);
+                self.top.lock().record(&key);
+                match self.exists(&key).await {
+                    Ok(true) => self.append(LogOp::Delete, key, None, reply),
+                    Ok(false) => {
+                        let _ = reply.send(Err(KvError::NotFound));
+                    }
+                    Err(e) => {
+                        let _ = reply.send(Err(e));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Does `key` exist once every earlier write of this shard (acknowledged or not) applies?
+    async fn exists(&mut self, key: &[u8]) -> KvResult<bool> {
+        if let Some((v, _)) = self.pending.get(key) {
+            return Ok(v.is_some());
+        }
+        Ok(self.read(key).await?.is_some())
+    }
+
+    /// The acknowledged value of `key`: unmerged log, then cache (value, or shortcut + 1 READ),
+    /// then the index (READs).
+    async fn read(&mut self, key: &[u8]) -> KvResult<Option<Bytes>> {
+        if let Some(l) = self.unmerged.get(key) {
+            ShardStats::add(&self.stats.unmerged_hits, 1);
+            return Ok(l.value.clone());
+        }
+        match self.cache.lookup(key) {
+            Lookup::Value { value, .. } => {
+                ShardStats::add(&self.stats.value_hits, 1);
+                return Ok(Some(value));
+            }
+            Lookup::Shortcut(sc) => {
+                let before = self.fabric.stats().snapshot();
+                match read_entry(&*self.fabric, sc.ptr, key).await? {
+                    Some(e) if e.version == sc.version && e.op == LogOp::Put => {
+                        ShardStats::add(&self.stats.shortcut_hits, 1);
+                        let rts = self.fabric.stats().snapshot().since(&before).round_trips as u32;
+                        self.cache.on_shortcut_read(key, e.value.clone(), rts);
+                        return Ok(Some(e.value));
+                    }
+                    _ => {
+                        // The entry moved (cleaned) or its segment was reused: go to the index.
+                        ShardStats::add(&self.stats.stale_shortcuts, 1);
+                        self.cache.invalidate(key);
+                    }
+                }
+            }
+            Lookup::Miss => {}
+        }
+        ShardStats::add(&self.stats.misses, 1);
+        let before = self.fabric.stats().snapshot();
+        let found = self.index.lookup(&*self.fabric, key).await?;
+        let rts = self.fabric.stats().snapshot().since(&before).round_trips as u32;
+        Ok(found.map(|e| {
+            self.cache.on_miss_read(
+                key,
+                Shortcut {
+                    ptr: e.ptr,
+                    version: e.version,
+                },
+                e.value.clone(),
+                rts,
+            );
+            e.value
+        }))
+    }
+
+    fn append(&mut self, op: LogOp, key: Bytes, value: Option<Bytes>, reply: Reply) {
+        let version = self.versions.fetch_add(1, Ordering::Relaxed);
+        let write_no = self.next_write_no;
+        self.next_write_no += 1;
+        let batch = self.batch.get_or_insert_with(|| OpenBatch {
+            builder: BatchBuilder::new(),
+            waiters: Vec::new(),
+            started: Instant::now(),
+        });
+        let v: &[u8] = value.as_deref().unwrap_or(&[]);
+        let offset = batch.builder.push(op, version, &key, v);
+        let len = entry_len(key.len(), v.len());
+        self.pending.insert(key.clone(), (value.clone(), write_no));
+        batch.waiters.push(Waiter {
+            key,
+            value,
+            offset,
+            len,
+            version,
+            write_no,
+            reply,
+        });
+    }
+
+    /// Writes the open batch with one WRITE (switching segments first if it does not fit).
+    async fn flush(&mut self, done_tx: &mpsc::UnboundedSender<Done>) {
+        let Some(batch) = self.batch.take() else {
+            return;
+        };
+        let need = batch.builder.encoded_len() as u64;
+        if let Err(e) = self.make_room(need).await {
+            tracing::warn!(shard = self.id, error = %e, "cannot get log space; failing the batch");
+            self.fail_all(batch.waiters, &e);
+            return;
+        }
+        let s = self
+            .segment
+            .as_mut()
+            .expect("make_room leaves an open segment");
+        let (bytes, chain) = batch.builder.finish(s.chain);
+        let base = s.seg.offset + s.pos;
+        s.pos += bytes.len() as u64;
+        s.chain = chain;
+        let segment = s.seg.id;
+        self.inflight = true;
+        ShardStats::add(&self.stats.batches, 1);
+        let fabric = self.fabric.clone();
+        let done_tx = done_tx.clone();
+        let waiters = batch.waiters;
+        tokio::spawn(async move {
+            let result = fabric.write(base, Bytes::from(bytes)).await;
+            let _ = done_tx.send(Done {
+                segment,
+                base,
+                waiters,
+                result,
+            });
+        });
+    }
+
+    async fn make_room(&mut self, need: u64) -> KvResult<()> {
+        if let Some(s) = &self.segment {
+            if s.pos + need <= s.seg.len {
+                return Ok(());
+            }
+        }
+        if let Some(s) = self.segment.take() {
+            self.seal(s.seg.id).await;
+        }
+        self.wait_for_merge().await?;
+        let seg = self.link.allocate().await?;
+        if seg.first_batch + need > seg.len {
+            return Err(KvError::Internal(format!(
+                "a batch of {need} bytes does not fit a {}-byte segment",
+                seg.len
+            )));
+        }
+        self.segment = Some(OpenSegment {
+            seg,
+            pos: seg.first_batch,
+            chain: seg.chain_seed,
+        });
+        Ok(())
+    }
+
+    async fn seal(&mut self, id: u64) {
+        match self.link.seal(id).await {
+            Ok(pending) => {
+                self.sealed.push(id);
+                self.apply_pending(&pending);
+            }
+            Err(e) => {
+                tracing::warn!(shard = self.id, segment = id, error = %e, "sealing failed; will retry");
+                self.to_seal.push(id);
+            }
+        }
+    }
+
+    fn apply_pending(&mut self, pending: &[u64]) {
+        let set: HashSet<u64> = pending.iter().copied().collect();
+        self.sealed.retain(|id| set.contains(id));
+        self.unmerged.retain_pending(&set);
+    }
+
+    /// DINOMO: writes wait while more than N sealed segments are unmerged.
+    async fn wait_for_merge(&mut self) -> KvResult<()> {
+        let mut waited = Duration::ZERO;
+        while self.sealed.len() > self.cfg.max_unmerged_segments {
+            let pending = self.link.pending().await?;
+            self.apply_pending(&pending);
+            if self.sealed.len() <= self.cfg.max_unmerged_segments {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+            waited += Duration::from_millis(1);
+            if waited > Duration::from_secs(30) {
+                return Err(KvError::Unavailable(
+                    "the DPM has not merged this KN's log for 30 s".into(),
+                ));
+            }
+        }
+        if !waited.is_zero() {
+            metrics::counter!("dinomo_kn_merge_wait_seconds_total")
+                .increment(waited.as_millis() as u64 / 1000);
+        }
+        Ok(())
+    }
+
+    async fn refresh_merged(&mut self) {
+        for id in std::mem::take(&mut self.to_seal) {
+            self.seal(id).await;
+        }
+        if !self.sealed.is_empty() {
+            if let Ok(pending) = self.link.pending().await {
+                self.apply_pending(&pending);
+            }
+        }
+    }
+
+    fn complete(&mut self, done: Done) {
+        self.inflight = false;
+        match done.result {
+            Ok(()) => {
+                for w in done.waiters {
+                    let shortcut = Shortcut {
+                        ptr: EntryPtr::new(done.base + w.offset as u64, w.len),
+                        version: w.version,
+                    };
+                    self.unmerged.insert(
+                        done.segment,
+                        w.key.clone(),
+                        Logged {
+                            shortcut,
+                            value: w.value.clone(),
+                        },
+                    );
+                    match &w.value {
+                        Some(v) => self.cache.on_write(&w.key, shortcut, v.clone()),
+                        None => self.cache.invalidate(&w.key),
+                    }
+                    if self
+                        .pending
+                        .get(&w.key)
+                        .is_some_and(|(_, n)| *n == w.write_no)
+                    {
+                        self.pending.remove(&w.key);
+                    }
+                    let _ = w.reply.send(Ok(None));
+                }
+            }
+            Err(e) => {
+                let err = KvError::Unavailable(format!("log write failed: {e}"));
+                tracing::warn!(shard = self.id, segment = done.segment, error = %e, "log WRITE failed; abandoning the segment");
+                if self
+                    .segment
+                    .as_ref()
+                    .is_some_and(|s| s.seg.id == done.segment)
+                {
+                    self.segment = None;
+                    self.to_seal.push(done.segment);
+                }
+                let mut all = done.waiters;
+                if let Some(b) = self.batch.take() {
+                    all.extend(b.waiters);
+                }
+                self.fail_all(all, &err);
+            }
+        }
+    }
+
+    fn fail_all(&mut self, waiters: Vec<Waiter>, e: &KvError) {
+        for w in waiters {
+            let _ = w.reply.send(Err(e.clone()));
+        }
+        // Whatever was pending was decided on top of writes that just failed.
+        if let Some(b) = self.batch.take() {
+            for w in b.waiters {
+                let _ = w.reply.send(Err(e.clone()));
+            }
+        }
+        self.pending.clear();
+    }
+}
+
+async fn sleep_until(deadline: Option<Instant>) {
+    match deadline {
+        Some(d) => tokio::time::sleep_until(d.into()).await,
+        None => std::future::pending().await,
+    }
+}
