@@ -27,7 +27,7 @@ use crate::index::{heap_alloc, Index};
 use crate::merge::{MergeMode, MergeReport, Merger};
 use crate::metastore::MetaStore;
 use crate::pool::Pool;
-use crate::segments::{SegmentGrant, Segments, CLEANER_KN};
+use crate::segments::{LogId, SegmentGrant, Segments, CLEANER_KN};
 
 /// What a KN learns when it registers.
 #[derive(Debug, Clone)]
@@ -109,14 +109,10 @@ impl Dpm {
         let index = Arc::new(Index::open(pool.clone(), config.initial_index_buckets)?);
         let segments = Arc::new(Segments::open(pool.clone())?);
         // The cleaner's open segment of a previous run is finished as it is.
-        if let Some((_, chain)) = segments
-            .chains()
-            .into_iter()
-            .find(|(k, _)| *k == CLEANER_KN)
-        {
+        for (_, chain) in segments.chains_of(CLEANER_KN) {
             let mut c = chain.state.lock();
             for (_, id) in std::mem::take(&mut c.pending) {
-                segments.set_state(id, CLEANER_KN, SegState::Merged)?;
+                segments.set_state(id, SegState::Merged)?;
             }
         }
         let mut rebuild = Ok(());
@@ -300,9 +296,16 @@ impl Dpm {
         Ok(())
     }
 
-    pub fn allocate_segment(&self, kn: u32, epoch: u64) -> Result<SegmentGrant> {
+    /// Allocates the next segment of one of the KN's logs (`stream`: one per shard).
+    pub fn allocate_segment(&self, kn: u32, stream: u16, epoch: u64) -> Result<SegmentGrant> {
         self.check_epoch(kn, epoch)?;
-        self.segments.allocate(kn, epoch)
+        if kn == CLEANER_KN {
+            return Err(DpmError::KnOutOfRange {
+                kn,
+                max: Roots::MAX_KNS,
+            });
+        }
+        self.segments.allocate(LogId { kn, stream }, epoch)
     }
 
     /// Marks a segment sealed and wakes the merge workers; returns how many segments of this
@@ -316,18 +319,15 @@ impl Dpm {
 
     /// Segments of `kn` not yet fully merged (open ones included).
     pub fn pending_segments(&self, kn: u32) -> u64 {
-        self.segments.chain(kn).state.lock().pending.len() as u64
+        self.pending_segment_ids(kn).len() as u64
     }
 
     /// Ids of the segments of `kn` not yet fully merged, in chain order.
     pub fn pending_segment_ids(&self, kn: u32) -> Vec<u64> {
         self.segments
-            .chain(kn)
-            .state
-            .lock()
-            .pending
-            .values()
-            .copied()
+            .chains_of(kn)
+            .into_iter()
+            .flat_map(|(_, c)| c.state.lock().pending.values().copied().collect::<Vec<_>>())
             .collect()
     }
 
@@ -428,9 +428,11 @@ impl Dpm {
                 .segments
                 .chains()
                 .into_iter()
-                .filter(|(k, _)| *k != CLEANER_KN)
-                .map(|(k, c)| (k, c.state.lock().pending.len() as u64))
-                .collect(),
+                .filter(|(k, _)| k.kn != CLEANER_KN)
+                .fold(HashMap::new(), |mut m, (k, c)| {
+                    *m.entry(k.kn).or_insert(0) += c.state.lock().pending.len() as u64;
+                    m
+                }),
         }
     }
 

@@ -21,7 +21,7 @@ use parking_lot::Mutex;
 use crate::error::Result;
 use crate::index::Index;
 use crate::pool::Pool;
-use crate::segments::{Progress, SegmentGrant, Segments, CLEANER_KN};
+use crate::segments::{Progress, SegmentGrant, Segments, CLEANER_LOG};
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct GcReport {
@@ -180,12 +180,12 @@ impl Gc {
         if full {
             let t = guard.take().expect("checked");
             self.segments
-                .set_state(t.grant.segment_id, CLEANER_KN, SegState::Merged)?;
-            let chain = self.segments.chain(CLEANER_KN);
+                .set_state(t.grant.segment_id, SegState::Merged)?;
+            let chain = self.segments.chain(CLEANER_LOG);
             chain.state.lock().pending.remove(&t.grant.chain_seq);
         }
         if guard.is_none() {
-            let grant = self.segments.allocate(CLEANER_KN, 0)?;
+            let grant = self.segments.allocate(CLEANER_LOG, 0)?;
             *guard = Some(Target {
                 grant,
                 pos: grant.first_batch,
@@ -199,9 +199,9 @@ impl Gc {
     pub fn close(&self) -> Result<()> {
         if let Some(t) = self.target.lock().take() {
             self.segments
-                .set_state(t.grant.segment_id, CLEANER_KN, SegState::Merged)?;
+                .set_state(t.grant.segment_id, SegState::Merged)?;
             self.segments
-                .chain(CLEANER_KN)
+                .chain(CLEANER_LOG)
                 .state
                 .lock()
                 .pending

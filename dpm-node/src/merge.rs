@@ -23,15 +23,14 @@ use parking_lot::{Condvar, Mutex};
 use crate::error::{DpmError, Result};
 use crate::index::Index;
 use crate::pool::Pool;
-use crate::segments::{ChainHandle, Progress, Segments};
+use crate::segments::{ChainHandle, LogId, Progress, Segments};
 
 /// Which segments of a chain a merge covers.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum MergeMode {
-    /// Sealed segments only, skipping open ones (background workers). A KN's shards each
-    /// write their own segments; a shard seals a segment before it writes the next, so within
-    /// one writer chain order is sealing order, and segments of different shards hold
-    /// different keys, so skipping another shard's open segment keeps every key in order.
+    /// Sealed segments only, in chain order, stopping at the first open one (background
+    /// workers): a log's later segments wait for an earlier one that is still open (e.g. one
+    /// abandoned after a failed WRITE and not sealed yet).
     Sealed,
     /// Everything written so far, open segments included, which stay open (reconfiguration:
     /// the KN lives on).
@@ -153,14 +152,16 @@ impl Merger {
         Ok((report, clean))
     }
 
-    /// Merges the chain of `kn` according to `mode`. The caller holds `chain.merging`; the
-    /// chain's bookkeeping is locked only briefly, so allocation and sealing go on meanwhile.
+    /// Merges one log's chain according to `mode`, in chain order. The caller holds
+    /// `chain.merging`; the chain's bookkeeping is locked only briefly, so allocation and
+    /// sealing go on meanwhile.
     pub fn merge_chain(
         &self,
-        kn: u32,
+        log: LogId,
         chain: &ChainHandle,
         mode: MergeMode,
     ) -> Result<MergeReport> {
+        let kn = log.kn;
         let mut report = MergeReport::default();
         let pending: Vec<(u64, u64)> = chain
             .state
@@ -173,10 +174,10 @@ impl Merger {
             let state = self.pool.read_table_entry(id)?.state;
             let sealed = match (state, mode) {
                 (SegState::Sealed, _) => true,
-                (SegState::Open, MergeMode::Sealed) => continue,
+                (SegState::Open, MergeMode::Sealed) => break,
                 (SegState::Open, MergeMode::All) => false,
                 (SegState::Open, MergeMode::AllAndSeal) => {
-                    self.segments.set_state(id, kn, SegState::Sealed)?;
+                    self.segments.set_state(id, SegState::Sealed)?;
                     true
                 }
                 (other, _) => {
@@ -193,7 +194,7 @@ impl Merger {
             let (r, _) = self.merge_segment(kn, id)?;
             report.add(r);
             if sealed {
-                self.segments.set_state(id, kn, SegState::Merged)?;
+                self.segments.set_state(id, SegState::Merged)?;
                 chain.state.lock().pending.remove(&seq);
                 report.segments += 1;
                 metrics::counter!("dinomo_dpm_merged_segments_total").increment(1);
@@ -202,11 +203,14 @@ impl Merger {
         Ok(report)
     }
 
-    /// Synchronous MergeAll for one KN.
+    /// Synchronous MergeAll for one KN: every one of its logs.
     pub fn merge_all(&self, kn: u32, mode: MergeMode) -> Result<MergeReport> {
-        let chain = self.segments.chain(kn);
-        let _merging = chain.merging.lock();
-        self.merge_chain(kn, &chain, mode)
+        let mut report = MergeReport::default();
+        for (log, chain) in self.segments.chains_of(kn) {
+            let _merging = chain.merging.lock();
+            report.add(self.merge_chain(log, &chain, mode)?);
+        }
+        Ok(report)
     }
 
     /// One pass of a background worker over every chain with sealed work; returns the entries
@@ -219,20 +223,22 @@ impl Merger {
         let n = chains.len();
         chains.rotate_left(worker % n);
         let mut merged = 0;
-        for (kn, chain) in chains {
+        for (log, chain) in chains {
             let Some(_merging) = chain.merging.try_lock() else {
                 continue;
             };
-            let pending: Vec<u64> = chain.state.lock().pending.values().copied().collect();
-            let has_sealed = pending.iter().any(|id| {
-                self.pool
-                    .read_table_entry(*id)
-                    .is_ok_and(|e| e.state == SegState::Sealed)
-            });
-            if !has_sealed {
+            let Some(first) = chain.state.lock().pending.values().next().copied() else {
+                continue;
+            };
+            if !self
+                .pool
+                .read_table_entry(first)
+                .is_ok_and(|e| e.state == SegState::Sealed)
+            {
                 continue;
             }
-            match self.merge_chain(kn, &chain, MergeMode::Sealed) {
+            let kn = log.kn;
+            match self.merge_chain(log, &chain, MergeMode::Sealed) {
                 Ok(r) => merged += r.entries.max(r.segments),
                 Err(e) => {
                     metrics::counter!("dinomo_dpm_merge_errors_total").increment(1);

@@ -23,6 +23,11 @@ use crate::pool::Pool;
 
 /// The owner id of segments the cleaner writes (not a KN).
 pub const CLEANER_KN: u32 = u32::MAX;
+/// The cleaner's log.
+pub const CLEANER_LOG: LogId = LogId {
+    kn: CLEANER_KN,
+    stream: 0,
+};
 
 /// What a KN is told about a segment it may append to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -58,7 +63,15 @@ impl Progress {
     }
 }
 
-/// One KN's unmerged segments (Open or Sealed), by chain position.
+/// A log: one KN writes one log per shard (its stream). Merge order is chain order within a
+/// log; logs are independent (their keys are disjoint).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct LogId {
+    pub kn: u32,
+    pub stream: u16,
+}
+
+/// One log's unmerged segments (Open or Sealed), by chain position.
 #[derive(Debug, Default)]
 pub struct Chain {
     pub pending: BTreeMap<u64, u64>,
@@ -79,7 +92,7 @@ pub struct Segments {
     pool: Arc<Pool>,
     free: Mutex<VecDeque<u64>>,
     live_bytes: Vec<AtomicU64>,
-    chains: Mutex<HashMap<u32, Arc<ChainHandle>>>,
+    chains: Mutex<HashMap<LogId, Arc<ChainHandle>>>,
 }
 
 impl Segments {
@@ -87,18 +100,28 @@ impl Segments {
     pub fn open(pool: Arc<Pool>) -> Result<Self> {
         let count = pool.superblock().segment_count;
         let mut free = VecDeque::new();
-        let mut chains: HashMap<u32, Chain> = HashMap::new();
+        let mut chains: HashMap<LogId, Chain> = HashMap::new();
         for id in 0..count {
             let e = pool.read_table_entry(id)?;
             match e.state {
                 SegState::Free => free.push_back(id),
                 SegState::Open | SegState::Sealed => {
-                    let c = chains.entry(e.kn_id).or_default();
+                    let c = chains
+                        .entry(LogId {
+                            kn: e.kn_id,
+                            stream: e.stream,
+                        })
+                        .or_default();
                     c.pending.insert(e.chain_seq, id);
                     c.next_seq = c.next_seq.max(e.chain_seq + 1);
                 }
                 SegState::Merged => {
-                    let c = chains.entry(e.kn_id).or_default();
+                    let c = chains
+                        .entry(LogId {
+                            kn: e.kn_id,
+                            stream: e.stream,
+                        })
+                        .or_default();
                     c.next_seq = c.next_seq.max(e.chain_seq + 1);
                 }
             }
@@ -132,21 +155,35 @@ impl Segments {
         self.free.lock().len()
     }
 
-    pub fn chain(&self, kn: u32) -> Arc<ChainHandle> {
-        self.chains.lock().entry(kn).or_default().clone()
+    pub fn chain(&self, log: LogId) -> Arc<ChainHandle> {
+        self.chains.lock().entry(log).or_default().clone()
     }
 
-    pub fn chains(&self) -> Vec<(u32, Arc<ChainHandle>)> {
-        self.chains
+    /// Every chain, ordered by log id.
+    pub fn chains(&self) -> Vec<(LogId, Arc<ChainHandle>)> {
+        let mut v: Vec<_> = self
+            .chains
             .lock()
             .iter()
             .map(|(k, c)| (*k, c.clone()))
+            .collect();
+        v.sort_by_key(|(k, _)| *k);
+        v
+    }
+
+    /// The chains of one KN (one per stream), ordered by stream.
+    pub fn chains_of(&self, kn: u32) -> Vec<(LogId, Arc<ChainHandle>)> {
+        self.chains()
+            .into_iter()
+            .filter(|(k, _)| k.kn == kn)
             .collect()
     }
 
-    /// Hands a free segment to `kn` (or the cleaner) as the next segment of its chain.
-    pub fn allocate(&self, kn: u32, epoch: u64) -> Result<SegmentGrant> {
-        let chain = self.chain(kn);
+    /// Hands a free segment to a log (a KN's stream, or the cleaner) as the next segment of its
+    /// chain.
+    pub fn allocate(&self, log: LogId, epoch: u64) -> Result<SegmentGrant> {
+        let kn = log.kn;
+        let chain = self.chain(log);
         let mut chain = chain.state.lock();
         let id = self
             .free
@@ -168,6 +205,7 @@ impl Segments {
             segment_id: id,
             generation,
             chain_seq,
+            stream: log.stream,
         };
         let sb = self.pool.superblock();
         let offset = sb.segment_offset(id);
@@ -180,8 +218,11 @@ impl Segments {
         self.pool.store_table_word(id, 1, generation)?;
         self.pool.store_table_word(id, 2, chain_seq)?;
         self.pool.store_table_word(id, 3, start.word())?;
-        self.pool
-            .store_table_word(id, 0, TableEntry::state_word(SegState::Open, kn))?;
+        self.pool.store_table_word(
+            id,
+            0,
+            TableEntry::state_word(SegState::Open, kn, log.stream),
+        )?;
         self.live_bytes[id as usize].store(0, Ordering::Relaxed);
         chain.pending.insert(chain_seq, id);
         chain.next_seq += 1;
@@ -221,15 +262,16 @@ impl Segments {
     pub fn seal(&self, kn: u32, id: u64) -> Result<()> {
         let e = self.entry_of(kn, id)?;
         if e.state == SegState::Open {
-            self.pool
-                .store_table_word(id, 0, TableEntry::state_word(SegState::Sealed, kn))?;
+            self.set_state(id, SegState::Sealed)?;
         }
         Ok(())
     }
 
-    pub fn set_state(&self, id: u64, kn: u32, state: SegState) -> Result<()> {
+    /// Changes a segment's state, keeping its owner and stream.
+    pub fn set_state(&self, id: u64, state: SegState) -> Result<()> {
+        let e = self.pool.read_table_entry(id)?;
         self.pool
-            .store_table_word(id, 0, TableEntry::state_word(state, kn))
+            .store_table_word(id, 0, TableEntry::state_word(state, e.kn_id, e.stream))
     }
 
     pub fn set_progress(&self, id: u64, p: Progress) -> Result<()> {
@@ -239,7 +281,7 @@ impl Segments {
     /// Returns a merged segment with no live entry to the free list.
     pub fn free(&self, id: u64) -> Result<()> {
         self.pool
-            .store_table_word(id, 0, TableEntry::state_word(SegState::Free, 0))?;
+            .store_table_word(id, 0, TableEntry::state_word(SegState::Free, 0, 0))?;
         self.free.lock().push_back(id);
         metrics::counter!("dinomo_dpm_segments_freed_total").increment(1);
         Ok(())

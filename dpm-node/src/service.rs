@@ -96,8 +96,11 @@ impl DpmService for DpmGrpc {
         req: Request<pb::AllocateSegmentRequest>,
     ) -> Result<Response<pb::AllocateSegmentResponse>, Status> {
         let r = req.into_inner();
+        let stream = u16::try_from(r.stream).map_err(|_| {
+            Status::invalid_argument(format!("stream {} is out of range (0..65536)", r.stream))
+        })?;
         let g = self
-            .blocking(move |d| d.allocate_segment(r.kn_id, r.epoch))
+            .blocking(move |d| d.allocate_segment(r.kn_id, stream, r.epoch))
             .await?;
         Ok(Response::new(pb::AllocateSegmentResponse {
             segment_id: g.segment_id,

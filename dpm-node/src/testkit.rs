@@ -33,7 +33,7 @@ pub struct LocalSource {
 #[async_trait]
 impl SegmentSource for LocalSource {
     async fn allocate(&self) -> Result<SegmentGrant> {
-        self.dpm.allocate_segment(self.kn, self.epoch)
+        self.dpm.allocate_segment(self.kn, 0, self.epoch)
     }
     async fn seal(&self, segment: u64) -> Result<u64> {
         self.dpm.seal_segment(self.kn, self.epoch, segment)
@@ -138,6 +138,7 @@ impl SegmentSource for GrpcSource {
             .allocate_segment(dinomo_proto::dpm::AllocateSegmentRequest {
                 kn_id: self.kn,
                 epoch: self.epoch,
+                stream: 0,
             })
             .await
             .map_err(status)?

@@ -9,16 +9,25 @@ use proptest::prelude::*;
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
         (any::<u64>(), any::<u32>()).prop_map(|(offset, len)| Op::Read { offset, len }),
-        (any::<u64>(), proptest::collection::vec(any::<u8>(), 0..300))
-            .prop_map(|(offset, d)| Op::Write { offset, data: Bytes::from(d) }),
-        (any::<u64>(), any::<u64>(), any::<u64>()).prop_map(|(offset, expected, new)| Op::Cas { offset, expected, new }),
+        (any::<u64>(), proptest::collection::vec(any::<u8>(), 0..300)).prop_map(|(offset, d)| {
+            Op::Write {
+                offset,
+                data: Bytes::from(d),
+            }
+        }),
+        (any::<u64>(), any::<u64>(), any::<u64>()).prop_map(|(offset, expected, new)| Op::Cas {
+            offset,
+            expected,
+            new
+        }),
         (any::<u64>(), any::<u64>()).prop_map(|(offset, add)| Op::Faa { offset, add }),
     ]
 }
 
 fn completion() -> impl Strategy<Value = Completion> {
     prop_oneof![
-        proptest::collection::vec(any::<u8>(), 0..300).prop_map(|d| Completion::Read(Bytes::from(d))),
+        proptest::collection::vec(any::<u8>(), 0..300)
+            .prop_map(|d| Completion::Read(Bytes::from(d))),
         Just(Completion::Written),
         any::<u64>().prop_map(|old| Completion::Cas { old }),
         any::<u64>().prop_map(|old| Completion::Faa { old }),

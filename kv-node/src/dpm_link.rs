@@ -97,13 +97,15 @@ impl DpmLink {
         }
     }
 
-    pub async fn allocate(&self) -> KvResult<Segment> {
+    /// The next segment of log `stream` (one log per shard).
+    pub async fn allocate(&self, stream: u16) -> KvResult<Segment> {
         let r = self
             .client
             .clone()
             .allocate_segment(pb::AllocateSegmentRequest {
                 kn_id: self.kn_id,
                 epoch: self.epoch,
+                stream: u32::from(stream),
             })
             .await
             .map_err(|s| unavailable("allocate", s))?

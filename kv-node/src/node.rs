@@ -235,7 +235,7 @@ impl KvNode {
             s.demotions += c.demotions;
             tops.extend(sh.top.lock().top(top));
         }
-        tops.sort_by(|a, b| b.1.cmp(&a.1));
+        tops.sort_by_key(|t| std::cmp::Reverse(t.1));
         tops.truncate(top);
         s.top_keys = tops;
         s.occupancy = *self.occupancy.read();

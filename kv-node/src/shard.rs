@@ -217,7 +217,7 @@ impl Shard {
                     ticks += 1;
                     self.refresh_merged().await;
                     *self.cache_stats.lock() = self.cache.stats();
-                    if ticks % 20 == 0 {
+                    if ticks.is_multiple_of(20) {
                         self.top.lock().decay();
                     }
                 }
@@ -417,11 +417,16 @@ impl Shard {
                 return Ok(());
             }
         }
+        // Abandoned segments first: the DPM merges a log's segments in order, so later ones
+        // wait for them.
+        for id in std::mem::take(&mut self.to_seal) {
+            self.seal(id).await;
+        }
         if let Some(s) = self.segment.take() {
             self.seal(s.seg.id).await;
         }
         self.wait_for_merge().await?;
-        let seg = self.link.allocate().await?;
+        let seg = self.link.allocate(self.id as u16).await?;
         if seg.first_batch + need > seg.len {
             return Err(KvError::Internal(format!(
                 "a batch of {need} bytes does not fit a {}-byte segment",
@@ -459,6 +464,9 @@ impl Shard {
     async fn wait_for_merge(&mut self) -> KvResult<()> {
         let mut waited = Duration::ZERO;
         while self.sealed.len() > self.cfg.max_unmerged_segments {
+            for id in std::mem::take(&mut self.to_seal) {
+                self.seal(id).await;
+            }
             let pending = self.link.pending().await?;
             self.apply_pending(&pending);
             if self.sealed.len() <= self.cfg.max_unmerged_segments {

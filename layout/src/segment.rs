@@ -21,8 +21,10 @@ pub struct SegmentHeader {
     pub segment_id: u64,
     /// Allocation generation of this segment (from the segment table).
     pub generation: u64,
-    /// Position in the KN's log chain (0, 1, 2, ...): merge order across segments.
+    /// Position in the log's chain (0, 1, 2, ...): merge order across segments.
     pub chain_seq: u64,
+    /// Which of the KN's logs (one per shard) this segment belongs to.
+    pub stream: u16,
 }
 
 impl SegmentHeader {
@@ -35,6 +37,7 @@ impl SegmentHeader {
         b[24..32].copy_from_slice(&self.segment_id.to_le_bytes());
         b[32..40].copy_from_slice(&self.generation.to_le_bytes());
         b[40..48].copy_from_slice(&self.chain_seq.to_le_bytes());
+        b[48..50].copy_from_slice(&self.stream.to_le_bytes());
         let crc = crc32c::crc32c(&b[..60]);
         b[60..64].copy_from_slice(&crc.to_le_bytes());
         b
@@ -73,6 +76,7 @@ impl SegmentHeader {
             segment_id: u64_at(b, 24),
             generation: u64_at(b, 32),
             chain_seq: u64_at(b, 40),
+            stream: u16::from_le_bytes([b[48], b[49]]),
         })
     }
 
@@ -115,11 +119,13 @@ impl SegState {
 }
 
 /// One segment-table entry. Word 0 packs state and owner so that a state change is a single
-/// atomic 8-byte store: `state u8 | 0 u8 | 0 u16 | kn_id u32`.
+/// atomic 8-byte store: `state u8 | 0 u8 | stream u16 | kn_id u32`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct TableEntry {
     pub state: SegState,
     pub kn_id: u32,
+    /// The KN's log (one per shard) the segment belongs to; merge order is per (kn, stream).
+    pub stream: u16,
     pub generation: u64,
     pub chain_seq: u64,
     /// Offset inside the segment up to which batches are merged (the start of the next batch).
@@ -130,18 +136,19 @@ impl TableEntry {
     pub const FREE: TableEntry = TableEntry {
         state: SegState::Free,
         kn_id: 0,
+        stream: 0,
         generation: 0,
         chain_seq: 0,
         merged_upto: 0,
     };
 
-    pub fn state_word(state: SegState, kn_id: u32) -> u64 {
-        (state as u64) | (u64::from(kn_id) << 32)
+    pub fn state_word(state: SegState, kn_id: u32, stream: u16) -> u64 {
+        (state as u64) | (u64::from(stream) << 16) | (u64::from(kn_id) << 32)
     }
 
     pub fn words(&self) -> [u64; 4] {
         [
-            Self::state_word(self.state, self.kn_id),
+            Self::state_word(self.state, self.kn_id, self.stream),
             self.generation,
             self.chain_seq,
             self.merged_upto,
@@ -152,6 +159,7 @@ impl TableEntry {
         Ok(TableEntry {
             state: SegState::from_u8(w[0] as u8)?,
             kn_id: (w[0] >> 32) as u32,
+            stream: (w[0] >> 16) as u16,
             generation: w[1],
             chain_seq: w[2],
             merged_upto: w[3],

@@ -88,6 +88,7 @@ fn seg_header() -> impl Strategy<Value = SegmentHeader> {
                 segment_id,
                 generation,
                 chain_seq,
+                stream: (generation % 7) as u16,
             },
         )
 }
@@ -438,7 +439,8 @@ proptest! {
         prop_assert_eq!(&enc[8..12], &h.kn_id.to_le_bytes());
         prop_assert_eq!(&enc[12..16], &FORMAT_VERSION.to_le_bytes());
         prop_assert_eq!(&enc[32..40], &h.generation.to_le_bytes());
-        prop_assert!(enc[48..60].iter().all(|&b| b == 0), "reserved bytes are zero");
+        prop_assert_eq!(&enc[48..50], &h.stream.to_le_bytes());
+        prop_assert!(enc[50..60].iter().all(|&b| b == 0), "reserved bytes are zero");
         prop_assert_eq!(&enc[60..64], &h.chain_seed().to_le_bytes());
         prop_assert_eq!(SegmentHeader::decode(&enc), Ok(h));
         let mut longer = enc.to_vec();
@@ -511,14 +513,15 @@ proptest! {
             Just(SegState::Merged)
         ],
         kn_id in any::<u32>(),
+        stream in any::<u16>(),
         generation in any::<u64>(),
         chain_seq in any::<u64>(),
         merged_upto in any::<u64>(),
     ) {
-        let e = TableEntry { state, kn_id, generation, chain_seq, merged_upto };
+        let e = TableEntry { state, kn_id, stream, generation, chain_seq, merged_upto };
         let w = e.words();
-        prop_assert_eq!(w[0], state as u64 | (u64::from(kn_id) << 32));
-        prop_assert_eq!(w[0], TableEntry::state_word(state, kn_id));
+        prop_assert_eq!(w[0], state as u64 | (u64::from(stream) << 16) | (u64::from(kn_id) << 32));
+        prop_assert_eq!(w[0], TableEntry::state_word(state, kn_id, stream));
         prop_assert_eq!(&w[1..], &[generation, chain_seq, merged_upto][..]);
         prop_assert_eq!(TableEntry::from_words(w), Ok(e));
         prop_assert_eq!(SegState::from_u8(state as u8), Ok(state));

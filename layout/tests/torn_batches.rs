@@ -40,6 +40,7 @@ fn header(kn_id: u32, generation: u64) -> SegmentHeader {
         segment_id: 42,
         generation,
         chain_seq: 3,
+        stream: 1,
     }
 }
 

@@ -166,7 +166,7 @@ struct DeferredSeals {
 #[async_trait]
 impl SegmentSource for DeferredSeals {
     async fn allocate(&self) -> dinomo_dpm_node::Result<SegmentGrant> {
-        self.dpm.allocate_segment(self.kn, self.epoch)
+        self.dpm.allocate_segment(self.kn, 0, self.epoch)
     }
 
     async fn seal(&self, segment: u64) -> dinomo_dpm_node::Result<u64> {

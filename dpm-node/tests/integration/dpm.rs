@@ -243,7 +243,7 @@ async fn fenced_kn_loses_fabric_access_and_control_calls() {
     let err = w.append(&[put("f", "2", 2)]).await.unwrap_err();
     assert!(matches!(err, DpmError::Fabric(_)), "{err}");
     assert!(matches!(
-        dpm.allocate_segment(6, 1),
+        dpm.allocate_segment(6, 0, 1),
         Err(DpmError::Fenced { .. })
     ));
     dpm.merge_all(6, true).unwrap();
@@ -278,7 +278,7 @@ async fn restart_keeps_index_metadata_cells_and_fences() {
     assert_eq!(value(&dpm, "p").as_deref(), Some("persisted"));
     assert_eq!(dpm.get_metadata("cluster/map").as_deref(), Some(&b"v2"[..]));
     assert!(matches!(
-        dpm.allocate_segment(7, 1),
+        dpm.allocate_segment(7, 0, 1),
         Err(DpmError::Fenced { .. })
     ));
     let cell = dpm.install_cell(b"p").unwrap();

@@ -36,6 +36,7 @@ async fn control_calls_and_their_errors() {
         .allocate_segment(AllocateSegmentRequest {
             kn_id: r.kn_id,
             epoch: r.epoch,
+            stream: 0,
         })
         .await
         .unwrap()
@@ -64,6 +65,7 @@ async fn control_calls_and_their_errors() {
         .allocate_segment(AllocateSegmentRequest {
             kn_id: 77,
             epoch: 1,
+            stream: 0,
         })
         .await
         .unwrap_err();
@@ -81,6 +83,7 @@ async fn control_calls_and_their_errors() {
         .allocate_segment(AllocateSegmentRequest {
             kn_id: 100_000,
             epoch: 1,
+            stream: 0,
         })
         .await
         .unwrap_err();
@@ -92,6 +95,7 @@ async fn control_calls_and_their_errors() {
         .allocate_segment(AllocateSegmentRequest {
             kn_id: r.kn_id,
             epoch: r.epoch,
+            stream: 0,
         })
         .await
         .unwrap_err();

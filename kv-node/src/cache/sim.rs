@@ -1,5 +1,7 @@
-//! A deterministic reproduction of the trend of DINOMO Fig. 3: RTs per read for each policy
-//! across cache sizes, uniform reads over a working set of 8-byte keys and 64-byte values.
+//! A deterministic reproduction of the trend of DINOMO Fig. 3: round trips per read for each
+//! policy across cache sizes, reads over a working set of 8-byte keys and 64-byte values.
+//! A value hit costs 0 RTs, a shortcut hit 1, a miss [`MISS_RTS`]. Run with `--nocapture` to
+//! see the tables (`CACHE_SIM_DEBUG=1` also prints each cache's final stats).
 
 use bytes::Bytes;
 use dinomo_layout::index::EntryPtr;
@@ -10,9 +12,19 @@ const KEY_LEN: usize = 8;
 const VALUE_LEN: usize = 64;
 /// RTs of a miss (index bucket READ(s) + entry READ) in the model.
 const MISS_RTS: u32 = 3;
-const WORKING_SET: u64 = 1000;
-const WARMUP_OPS: u64 = 30 * WORKING_SET;
-const MEASURED_OPS: u64 = 30 * WORKING_SET;
+const WORKING_SET: u64 = 400;
+const WARMUP_OPS: u64 = 15 * WORKING_SET;
+const MEASURED_OPS: u64 = 20 * WORKING_SET;
+
+const POLICIES: [Policy; 4] = [
+    Policy::Dac,
+    Policy::ShortcutOnly,
+    Policy::ValueOnly,
+    Policy::Static { value_percent: 50 },
+];
+/// Budgets as a multiple of the working set's raw key+value bytes (the paper's x axis is the
+/// cache as a share of the data set; its working set is 5% of the data set).
+const COLUMNS: [f64; 8] = [0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5];
 
 /// xorshift64*: deterministic and dependency-free.
 struct Rng(u64);
@@ -25,6 +37,30 @@ impl Rng {
     }
 }
 
+#[derive(Clone, Copy, Debug)]
+enum Workload {
+    /// Every key of the working set equally likely (the paper's Fig. 3 workload).
+    Uniform,
+    /// 90% of the reads go to the first 10% of the keys, uniformly; the rest to the others.
+    HotSet,
+}
+
+impl Workload {
+    fn key(self, rng: &mut Rng) -> u64 {
+        match self {
+            Workload::Uniform => rng.next() % WORKING_SET,
+            Workload::HotSet => {
+                let hot = WORKING_SET / 10;
+                if rng.next() % 10 < 9 {
+                    rng.next() % hot
+                } else {
+                    hot + rng.next() % (WORKING_SET - hot)
+                }
+            }
+        }
+    }
+}
+
 fn shortcut_of(k: u64) -> Shortcut {
     Shortcut {
         ptr: EntryPtr::new(4096 + 128 * k, 96),
@@ -32,19 +68,20 @@ fn shortcut_of(k: u64) -> Shortcut {
     }
 }
 
-/// RTs/op of uniform reads after a warm-up.
-fn run(policy: Policy, budget: usize) -> f64 {
+/// RTs/op of reads after a warm-up, starting from an empty cache.
+fn run(workload: Workload, policy: Policy, budget: usize, aging: bool) -> f64 {
     let mut cache = Cache::new(CacheConfig {
         budget_bytes: budget,
         policy,
     });
+    cache.set_count_aging(aging);
     let values: Vec<Bytes> = (0..WORKING_SET)
         .map(|k| Bytes::from(vec![k as u8; VALUE_LEN]))
         .collect();
     let mut rng = Rng(0x9e37_79b9_7f4a_7c15);
     let mut rts = 0u64;
     for op in 0..WARMUP_OPS + MEASURED_OPS {
-        let k = rng.next() % WORKING_SET;
+        let k = workload.key(&mut rng);
         let key = k.to_be_bytes();
         let cost = match cache.lookup(&key) {
             Lookup::Value { .. } => 0,
@@ -62,56 +99,93 @@ fn run(policy: Policy, budget: usize) -> f64 {
         }
     }
     cache.check();
+    if std::env::var_os("CACHE_SIM_DEBUG").is_some() {
+        println!(
+            "  {workload:?} {policy} aging={aging} budget {budget}: {:?}",
+            cache.stats()
+        );
+    }
     rts as f64 / MEASURED_OPS as f64
 }
 
-#[test]
-fn fig3_trend_dac_tracks_the_best_policy() {
+fn print_row(name: &str, row: &[f64]) {
+    print!("{name:>16}");
+    for r in row {
+        print!("{r:>8.3}");
+    }
+    println!();
+}
+
+/// Prints the RTs/op table of `workload` and returns it (rows in [`POLICIES`] order).
+fn table(workload: Workload) -> Vec<Vec<f64>> {
     let raw = WORKING_SET as usize * (KEY_LEN + VALUE_LEN);
     let all_shortcuts = WORKING_SET as usize * shortcut_cost(KEY_LEN);
     let all_values = WORKING_SET as usize * value_cost(KEY_LEN, VALUE_LEN);
-    let policies = [
-        Policy::Dac,
-        Policy::ShortcutOnly,
-        Policy::ValueOnly,
-        Policy::Static { value_percent: 50 },
-    ];
-    // Budgets as a multiple of the working set's raw key+value bytes.
-    let columns = [0.25, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0, 3.5];
+    let budget = |c: f64| (raw as f64 * c) as usize;
     println!(
-        "working set {WORKING_SET} keys x ({KEY_LEN} B key + {VALUE_LEN} B value) = {raw} B; \
-         all as shortcuts {all_shortcuts} B, all as values {all_values} B; miss = {MISS_RTS} RTs"
+        "{workload:?} reads, RTs/op: working set {WORKING_SET} keys x ({KEY_LEN} B key + \
+         {VALUE_LEN} B value) = {raw} B raw; all as shortcuts {all_shortcuts} B, all as values \
+         {all_values} B; miss = {MISS_RTS} RTs"
     );
     print!("{:>16}", "budget/raw");
-    for c in columns {
+    for c in COLUMNS {
         print!("{c:>8.2}");
     }
     println!();
-    let table: Vec<Vec<f64>> = policies
+    let rows: Vec<Vec<f64>> = POLICIES
         .iter()
         .map(|&p| {
-            columns
+            COLUMNS
                 .iter()
-                .map(|&c| run(p, (raw as f64 * c) as usize))
+                .map(|&c| run(workload, p, budget(c), true))
                 .collect()
         })
         .collect();
-    for (p, row) in policies.iter().zip(&table) {
-        print!("{:>16}", p.to_string());
-        for r in row {
-            print!("{r:>8.3}");
-        }
-        println!();
+    for (p, row) in POLICIES.iter().zip(&rows) {
+        print_row(&p.to_string(), row);
     }
-    for (ci, c) in columns.iter().enumerate() {
-        let best = table
-            .iter()
-            .map(|row| row[ci])
-            .fold(f64::INFINITY, f64::min);
-        let dac = table[0][ci];
+    // For the record (not asserted): DAC with plain access counts instead of LFU-DA.
+    let plain: Vec<f64> = COLUMNS
+        .iter()
+        .map(|&c| run(workload, Policy::Dac, budget(c), false))
+        .collect();
+    print_row("dac, plain LFU", &plain);
+    rows
+}
+
+/// DAC's RTs/op at most `factor` times the best policy's, in every column.
+fn assert_dac_within(rows: &[Vec<f64>], factor: f64) {
+    for (ci, c) in COLUMNS.iter().enumerate() {
+        let best = rows.iter().map(|row| row[ci]).fold(f64::INFINITY, f64::min);
+        let dac = rows[0][ci];
         assert!(
-            dac <= best * 1.10 + 1e-9,
+            dac <= best * factor + 1e-9,
             "budget {c}x raw: DAC {dac:.3} RTs/op vs best {best:.3}"
+        );
+    }
+}
+
+#[test]
+fn fig3_uniform_dac_tracks_the_best_policy() {
+    let rows = table(Workload::Uniform);
+    assert_dac_within(&rows, 1.10);
+    // The Fig. 3 trend itself: shortcuts win small caches, values win large ones.
+    let (so, vo) = (&rows[1], &rows[2]);
+    assert!(so[1] < vo[1], "small cache: shortcut-only beats value-only");
+    assert!(vo[7] < so[7], "large cache: value-only beats shortcut-only");
+}
+
+/// Not part of Fig. 3: a skewed workload, where values pay off early. Table 3 demotes the
+/// LRU value on every miss that needs room, and here the values are the hot keys, so DAC
+/// pays some demote/re-promote churn: it is asserted within 25% of the best policy, not 10%.
+#[test]
+fn hot_set_dac_stays_near_the_best_policy() {
+    let rows = table(Workload::HotSet);
+    assert_dac_within(&rows, 1.25);
+    for (dac, shortcut_only) in rows[0].iter().zip(&rows[1]) {
+        assert!(
+            dac < shortcut_only,
+            "values pay off: DAC beats shortcut-only"
         );
     }
 }

@@ -3,9 +3,11 @@
 //!
 //! * Every cached key has exactly one [`Slot`] in `slots`, found through `table` (a
 //!   `hashbrown::HashTable<u32>` of slot indices, keyed by a hash of the key bytes). A slot
-//!   is either a *value* (`value.is_some()`) or a *shortcut*; there is no way to hold a key
-//!   twice, which is what makes "never both a value and a shortcut" structural rather than a
-//!   convention.
+//!   is either a *value* (its `value` indexes the value bytes in `vals`) or a *shortcut*
+//!   (`value == NIL`); there is no way to hold a key twice, which is what makes "never both a
+//!   value and a shortcut" structural rather than a convention. Value bytes live in a
+//!   separate slab so that shortcut slots (the many small entries) do not pay for a `Bytes`
+//!   handle.
 //! * Values are threaded on an intrusive doubly linked list in recency order (head = least
 //!   recently used). Shortcuts are threaded on per-count lists ("frequency buckets") kept in a
 //!   `BTreeMap<count, bucket>`; within a bucket the head is the shortcut that reached that
@@ -44,18 +46,18 @@ pub(crate) fn shortcut_cost(key_len: usize) -> usize {
     key_len.saturating_add(SHORTCUT_OVERHEAD)
 }
 
-/// One cached key. Field order keeps it at 88 bytes on 64-bit targets (checked by a test
-/// against the overhead constants).
+/// One cached key: 64 bytes on 64-bit targets (checked by a test against the overhead
+/// constants).
 #[derive(Debug)]
 pub(crate) struct Slot {
     pub key: Box<[u8]>,
-    /// `Some` for a value entry, `None` for a shortcut entry.
-    pub value: Option<Bytes>,
     pub shortcut: Shortcut,
     /// Access count; survives promotion and demotion.
     pub hits: u64,
     prev: u32,
     next: u32,
+    /// Index of the value in `Store::vals`, or `NIL` for a shortcut entry.
+    value: u32,
 }
 
 impl Default for Slot {
@@ -63,7 +65,6 @@ impl Default for Slot {
     fn default() -> Self {
         Slot {
             key: Box::default(),
-            value: None,
             shortcut: Shortcut {
                 ptr: EntryPtr { offset: 0, len: 0 },
                 version: 0,
@@ -71,20 +72,14 @@ impl Default for Slot {
             hits: 0,
             prev: NIL,
             next: NIL,
+            value: NIL,
         }
     }
 }
 
 impl Slot {
     pub fn is_value(&self) -> bool {
-        self.value.is_some()
-    }
-
-    fn cost(&self) -> usize {
-        match &self.value {
-            Some(v) => value_cost(self.key.len(), v.len()),
-            None => shortcut_cost(self.key.len()),
-        }
+        self.value != NIL
     }
 }
 
@@ -109,6 +104,10 @@ pub(crate) struct Store {
     slots: Vec<Slot>,
     /// Indices of unused slots in `slots`.
     free: Vec<u32>,
+    /// Value bytes of the value slots (unused entries hold an empty, unallocated `Bytes`).
+    vals: Vec<Bytes>,
+    /// Indices of unused entries in `vals`.
+    vals_free: Vec<u32>,
     /// LRU end of the value list.
     lru_head: u32,
     /// MRU end of the value list.
@@ -135,6 +134,38 @@ impl Store {
 
     pub fn slot(&self, idx: u32) -> &Slot {
         &self.slots[idx as usize]
+    }
+
+    /// The value bytes of a value slot, `None` for a shortcut.
+    pub fn value(&self, idx: u32) -> Option<&Bytes> {
+        let v = self.slots[idx as usize].value;
+        (v != NIL).then(|| &self.vals[v as usize])
+    }
+
+    fn cost(&self, idx: u32) -> usize {
+        let s = &self.slots[idx as usize];
+        match self.value(idx) {
+            Some(v) => value_cost(s.key.len(), v.len()),
+            None => shortcut_cost(s.key.len()),
+        }
+    }
+
+    fn alloc_value(&mut self, value: Bytes) -> u32 {
+        match self.vals_free.pop() {
+            Some(i) => {
+                self.vals[i as usize] = value;
+                i
+            }
+            None => {
+                self.vals.push(value);
+                (self.vals.len() - 1) as u32
+            }
+        }
+    }
+
+    fn free_value(&mut self, v: u32) {
+        self.vals[v as usize] = Bytes::new();
+        self.vals_free.push(v);
     }
 
     pub fn find(&self, key: &[u8]) -> Option<u32> {
@@ -173,13 +204,17 @@ impl Store {
         hits: u64,
     ) -> u32 {
         debug_assert!(self.find(key).is_none(), "key inserted twice");
+        let value = match value {
+            Some(v) => self.alloc_value(v),
+            None => NIL,
+        };
         let slot = Slot {
             key: key.into(),
-            value,
             shortcut,
             hits,
             prev: NIL,
             next: NIL,
+            value,
         };
         let idx = match self.free.pop() {
             Some(i) => {
@@ -214,10 +249,15 @@ impl Store {
         }
         let slot = std::mem::take(&mut self.slots[idx as usize]);
         self.free.push(idx);
+        if slot.value != NIL {
+            self.free_value(slot.value);
+        }
         if self.table.is_empty() {
-            // Nothing is cached: give the slab back (e.g. after a budget cut to zero).
+            // Nothing is cached: give the slabs back (e.g. after a budget cut to zero).
             self.slots = Vec::new();
             self.free = Vec::new();
+            self.vals = Vec::new();
+            self.vals_free = Vec::new();
         }
         Removed {
             key: slot.key,
@@ -246,7 +286,8 @@ impl Store {
     pub fn demote(&mut self, idx: u32) {
         debug_assert!(self.slots[idx as usize].is_value());
         self.unlink(idx);
-        self.slots[idx as usize].value = None;
+        let v = std::mem::replace(&mut self.slots[idx as usize].value, NIL);
+        self.free_value(v);
         self.link(idx);
     }
 
@@ -255,14 +296,14 @@ impl Store {
     pub fn promote(&mut self, idx: u32, value: Bytes) {
         debug_assert!(!self.slots[idx as usize].is_value());
         self.unlink(idx);
-        self.slots[idx as usize].value = Some(value);
+        self.slots[idx as usize].value = self.alloc_value(value);
         self.link(idx);
     }
 
     /// Puts a slot on its list (LRU tail for values, its count's bucket tail for shortcuts)
     /// and adds its cost.
     fn link(&mut self, idx: u32) {
-        let cost = self.slots[idx as usize].cost();
+        let cost = self.cost(idx);
         let tail = if self.slots[idx as usize].is_value() {
             self.values += 1;
             self.value_bytes += cost;
@@ -293,9 +334,10 @@ impl Store {
 
     /// Takes a slot off its list and subtracts its cost.
     fn unlink(&mut self, idx: u32) {
-        let (prev, next, cost, is_value, hits) = {
+        let cost = self.cost(idx);
+        let (prev, next, is_value, hits) = {
             let s = &self.slots[idx as usize];
-            (s.prev, s.next, s.cost(), s.is_value(), s.hits)
+            (s.prev, s.next, s.is_value(), s.hits)
         };
         if prev != NIL {
             self.slots[prev as usize].next = next;
@@ -340,16 +382,17 @@ impl Store {
         let live: Vec<u32> = self.table.iter().copied().collect();
         assert_eq!(live.len(), self.values + self.shortcuts);
         assert_eq!(live.len() + self.free.len(), self.slots.len());
+        assert_eq!(self.values + self.vals_free.len(), self.vals.len());
         let (mut vb, mut sb, mut nv, mut ns) = (0, 0, 0, 0);
         for &i in &live {
             let s = self.slot(i);
             assert_eq!(self.find(&s.key), Some(i));
             if s.is_value() {
                 nv += 1;
-                vb += s.cost();
+                vb += self.cost(i);
             } else {
                 ns += 1;
-                sb += s.cost();
+                sb += self.cost(i);
             }
         }
         assert_eq!(

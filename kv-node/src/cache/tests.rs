@@ -11,6 +11,9 @@ use super::*;
 
 const K: usize = 8; // key length used by the unit tests
 const SC: usize = K + SHORTCUT_OVERHEAD; // a shortcut's cost with an 8-byte key
+/// A value length whose value entry costs exactly three shortcuts: promoting a shortcut to
+/// it in a full cache of shortcuts needs room for two more shortcuts (N = 2).
+const V2: usize = 3 * SC - K - VALUE_OVERHEAD;
 
 fn key(i: u64) -> [u8; 8] {
     i.to_be_bytes()
@@ -60,13 +63,13 @@ fn shortcut_hits(c: &mut Cache, k: u64, n: usize, value: &Bytes) {
 }
 
 /// A DAC cache of exactly four 8-byte-key shortcuts, keys 0..4 with access counts
-/// `counts`, made by writing four 200-byte values into a large budget, looking them up
+/// `counts`, made by writing four `V2`-byte values into a large budget, looking them up
 /// (value hits never promote anything) and cutting the budget to four shortcuts (which
 /// demotes every value, keeping the counts).
 fn dac_four_shortcuts(counts: [u64; 4]) -> Cache {
-    let mut c = cache(Policy::Dac, 10 * vc(200));
+    let mut c = cache(Policy::Dac, 10 * vc(V2));
     for k in 0..4 {
-        c.on_write(&key(k), sc(k, 1), val(200, k as u8));
+        c.on_write(&key(k), sc(k, 1), val(V2, k as u8));
         for _ in 1..counts[k as usize] {
             assert!(matches!(c.lookup(&key(k)), Lookup::Value { .. }));
         }
@@ -120,16 +123,19 @@ fn overheads_cover_the_real_structures() {
         return;
     }
     let slot = std::mem::size_of::<Slot>();
-    assert_eq!(slot, 88, "update the constants and the module doc");
+    assert_eq!(slot, 64, "update the constants and the module doc");
     let table = 8; // u32 index + control byte at 7/8 load
     let key_alloc = 16; // allocator header/rounding of the boxed key
-    let bucket_share = 24; // worst case: one frequency bucket per shortcut
+    let bucket_share = 24; // one frequency bucket (u64 count -> two u32) per shortcut
+    let value_handle = std::mem::size_of::<Bytes>();
+    assert_eq!(value_handle, 32);
     let value_alloc = 16;
     let bytes_shared_header = 32;
     assert!(SHORTCUT_OVERHEAD >= slot + table + key_alloc + bucket_share);
-    assert!(VALUE_OVERHEAD >= slot + table + key_alloc + value_alloc + bytes_shared_header);
-    // Demotion must always free bytes, or the miss path could loop.
-    assert!(VALUE_OVERHEAD > SHORTCUT_OVERHEAD);
+    assert!(
+        VALUE_OVERHEAD
+            >= slot + table + key_alloc + value_handle + value_alloc + bytes_shared_header
+    );
 }
 
 #[test]
@@ -180,16 +186,16 @@ fn rts_averages_are_ewma_from_their_initial_values() {
 
 #[test]
 fn dac_begins_with_values_then_demotes_the_lru_value_on_a_miss() {
-    // Room for exactly three 200-byte values; one demotion frees enough for a shortcut.
-    let mut c = cache(Policy::Dac, 3 * vc(200));
-    assert!(vc(200) - SC >= SC);
+    // Room for exactly three values; one demotion frees enough for a shortcut.
+    let mut c = cache(Policy::Dac, 3 * vc(V2));
+    assert!(vc(V2) - SC >= SC);
     for k in 0..3 {
-        c.on_miss_read(&key(k), sc(k, 1), val(200, k as u8), 2);
+        c.on_miss_read(&key(k), sc(k, 1), val(V2, k as u8), 2);
     }
     assert!((0..3).all(|k| is_value(&c, k)));
     // Key 0 becomes the most recently used; key 1 is now the LRU value.
     assert!(matches!(c.lookup(&key(0)), Lookup::Value { .. }));
-    c.on_miss_read(&key(3), sc(3, 1), val(200, 3), 2);
+    c.on_miss_read(&key(3), sc(3, 1), val(V2, 3), 2);
     // The cache was full: key 3 is cached as a shortcut, made room for by demoting key 1.
     assert!(is_shortcut(&c, 3));
     assert!(is_shortcut(&c, 1));
@@ -205,14 +211,14 @@ fn dac_begins_with_values_then_demotes_the_lru_value_on_a_miss() {
 
 #[test]
 fn dac_demotes_as_many_values_as_needed_before_evicting() {
-    // Two values of 64 B with no slack; a miss needs one shortcut's room. One demotion
-    // frees vc(64) - SC = 88 bytes < SC, so both values are demoted and nothing is evicted.
-    let mut c = cache(Policy::Dac, 2 * vc(64));
+    // Two values of 32 B with no slack; a miss needs one shortcut's room. One demotion
+    // frees vc(32) - SC bytes < SC, so both values are demoted and nothing is evicted.
+    let mut c = cache(Policy::Dac, 2 * vc(32));
     for k in 0..2 {
-        c.on_write(&key(k), sc(k, 1), val(64, 0));
+        c.on_write(&key(k), sc(k, 1), val(32, 0));
     }
-    assert!(SC > vc(64) - SC && SC <= 2 * (vc(64) - SC));
-    c.on_miss_read(&key(9), sc(9, 1), val(64, 0), 2);
+    assert!(SC > vc(32) - SC && SC <= 2 * (vc(32) - SC));
+    c.on_miss_read(&key(9), sc(9, 1), val(32, 0), 2);
     let s = c.stats();
     assert_eq!(
         (s.demotions, s.evictions, s.values, s.shortcuts),
@@ -224,11 +230,11 @@ fn dac_demotes_as_many_values_as_needed_before_evicting() {
 #[test]
 fn dac_evicts_the_lfu_shortcut_when_no_value_is_left() {
     let mut c = dac_four_shortcuts([3, 1, 2, 4]);
-    c.on_miss_read(&key(10), sc(10, 1), val(200, 10), 2);
+    c.on_miss_read(&key(10), sc(10, 1), val(V2, 10), 2);
     assert!(!cached(&c, 1), "the LFU shortcut (count 1) is evicted");
     assert!(is_shortcut(&c, 10));
     assert_eq!(c.hits(&key(10)), Some(1));
-    c.on_miss_read(&key(11), sc(11, 1), val(200, 11), 2);
+    c.on_miss_read(&key(11), sc(11, 1), val(V2, 11), 2);
     // Key 10 (count 1) is now the LFU.
     assert!(!cached(&c, 10));
     assert!(is_shortcut(&c, 11) && is_shortcut(&c, 0) && is_shortcut(&c, 2));
@@ -242,11 +248,11 @@ fn dac_evicts_the_lfu_shortcut_when_no_value_is_left() {
 fn dac_promotes_exactly_when_eq1_holds() {
     // P = key 3. Counts: A = key 0: 1, B = key 1: 2, C = key 2: 5.
     let mut c = dac_four_shortcuts([1, 2, 5, 1]);
-    let v = val(200, 3);
-    // P's value costs vc(200) = 368; free 0 + P's own shortcut 144 -> 224 more are needed:
-    // N = 2 shortcuts (144 each), the LFU ones: A (1) and B (2).
+    let v = val(V2, 3);
+    // P's value costs vc(V2) = 3 SC; free 0 + P's own shortcut SC -> 2 SC more are needed:
+    // N = 2 shortcuts, the LFU ones: A (1) and B (2).
     // RHS = (1 + 2) * avg_miss_rts 2.0 = 6.0; LHS = hits(P) * 1.0.
-    assert_eq!(vc(200) - SC, 224);
+    assert_eq!(vc(V2) - SC, 2 * SC);
     // hits(P) = 1 + 4 = 5 -> 5 < 6: no promotion at any of these hits.
     shortcut_hits(&mut c, 3, 4, &v);
     assert_eq!(c.hits(&key(3)), Some(5));
@@ -269,7 +275,7 @@ fn dac_promotes_exactly_when_eq1_holds() {
         (s.promotions, s.evictions, s.values, s.shortcuts),
         (1, 2, 1, 1)
     );
-    assert_eq!(s.value_bytes + s.shortcut_bytes, vc(200) + SC);
+    assert_eq!(s.value_bytes + s.shortcut_bytes, vc(V2) + SC);
     c.check();
 }
 
@@ -278,9 +284,9 @@ fn dac_promotion_uses_the_measured_shortcut_hit_rts() {
     // Same shape: A = 1, B = 2 -> RHS 6.0. P has 5 hits but its reads took 21 RTs once:
     // avg shortcut-hit RTs = 1 + 0.05 * 20 = 2.0 -> LHS = 10 >= 6.
     let mut c = dac_four_shortcuts([1, 2, 5, 1]);
-    shortcut_hits(&mut c, 3, 3, &val(200, 3));
+    shortcut_hits(&mut c, 3, 3, &val(V2, 3));
     assert!(matches!(c.lookup(&key(3)), Lookup::Shortcut(_)));
-    c.on_shortcut_read(&key(3), val(200, 3), 21);
+    c.on_shortcut_read(&key(3), val(V2, 3), 21);
     assert!((c.avg_shortcut_hit_rts() - 2.0).abs() < 1e-12);
     assert!(is_value(&c, 3));
     c.check();
@@ -298,10 +304,10 @@ fn dac_promotion_uses_the_measured_miss_rts() {
     assert!((c.avg_miss_rts() - 4.0).abs() < 1e-9);
     assert_eq!(c.stats().shortcuts, 4);
     // A = 1, B = 2 -> RHS = 3 * 4.0 = 12 (it was 6 with the initial 2.0).
-    shortcut_hits(&mut c, 3, 10, &val(200, 3));
+    shortcut_hits(&mut c, 3, 10, &val(V2, 3));
     assert_eq!(c.hits(&key(3)), Some(11));
     assert!(is_shortcut(&c, 3), "11 < 12");
-    shortcut_hits(&mut c, 3, 1, &val(200, 3));
+    shortcut_hits(&mut c, 3, 1, &val(V2, 3));
     assert!(is_value(&c, 3), "12 >= 12");
     c.check();
 }
@@ -310,8 +316,8 @@ fn dac_promotion_uses_the_measured_miss_rts() {
 fn dac_promotes_into_free_space_without_evicting() {
     // Free space (after P's shortcut bytes are released) holds P's value: N = 0.
     let mut c = dac_four_shortcuts([1; 4]);
-    c.set_budget(4 * SC + (vc(200) - SC));
-    shortcut_hits(&mut c, 0, 1, &val(200, 0));
+    c.set_budget(4 * SC + (vc(V2) - SC));
+    shortcut_hits(&mut c, 0, 1, &val(V2, 0));
     assert!(is_value(&c, 0));
     let s = c.stats();
     assert_eq!((s.promotions, s.evictions, s.shortcuts), (1, 0, 3));
@@ -320,13 +326,13 @@ fn dac_promotes_into_free_space_without_evicting() {
 
 #[test]
 fn dac_does_not_promote_what_cannot_fit_even_after_evicting_every_shortcut() {
-    // V is a value; P and Q are shortcuts. P's 400-byte value needs 568 bytes; with V kept
-    // only 144 (free + P) + 144 (Q) are available.
-    let budget = vc(200) + 2 * SC;
+    // V is a value; P and Q are shortcuts. P's 400-byte value needs vc(400) bytes; with V
+    // kept only 2 SC (free space + P's own shortcut + Q) can be had.
+    let budget = vc(V2) + 2 * SC;
     let mut c = cache(Policy::Dac, budget);
-    c.on_write(&key(0), sc(0, 1), val(200, 0));
+    c.on_write(&key(0), sc(0, 1), val(V2, 0));
     c.on_write(&key(1), sc(1, 1), val(400, 1));
-    c.on_write(&key(2), sc(2, 1), val(200, 2));
+    c.on_write(&key(2), sc(2, 1), val(V2, 2));
     assert!(is_value(&c, 0) && is_shortcut(&c, 1) && is_shortcut(&c, 2));
     shortcut_hits(&mut c, 1, 100, &val(400, 1));
     assert!(
@@ -347,18 +353,18 @@ fn dac_does_not_promote_what_cannot_fit_even_after_evicting_every_shortcut() {
 fn dac_counts_survive_promotion_and_demotion() {
     // As in dac_promotes_exactly_when_eq1_holds: P = key 3 promotes at its 6th hit.
     let mut c = dac_four_shortcuts([1, 2, 5, 1]);
-    shortcut_hits(&mut c, 3, 5, &val(200, 3));
+    shortcut_hits(&mut c, 3, 5, &val(V2, 3));
     assert!(is_value(&c, 3));
     assert_eq!(c.hits(&key(3)), Some(6));
     assert!(matches!(c.lookup(&key(3)), Lookup::Value { .. }));
     assert_eq!(c.hits(&key(3)), Some(7));
     // A miss needs room for a shortcut: the (only) value is demoted, its count kept.
-    c.on_miss_read(&key(20), sc(20, 1), val(200, 20), 2);
+    c.on_miss_read(&key(20), sc(20, 1), val(V2, 20), 2);
     assert!(is_shortcut(&c, 3));
     assert_eq!(c.hits(&key(3)), Some(7));
     assert_eq!(c.stats().demotions, 4 + 1);
     // A write of a cached key keeps its count too.
-    c.on_write(&key(3), sc(3, 2), val(200, 33));
+    c.on_write(&key(3), sc(3, 2), val(V2, 33));
     assert_eq!(c.hits(&key(3)), Some(7));
     assert_eq!(c.peek(&key(3)), Lookup::Shortcut(sc(3, 2)));
     c.check();
@@ -415,7 +421,7 @@ fn invalidate_drops_either_kind() {
 // ----- other policies -----
 
 #[test]
-fn shortcut_only_evicts_in_lfu_order_with_oldest_first_on_ties() {
+fn shortcut_only_evicts_in_lfu_order_oldest_first_and_newcomers_start_at_the_aging_base() {
     let mut c = cache(Policy::ShortcutOnly, 3 * SC);
     for k in 0..3 {
         c.on_miss_read(&key(k), sc(k, 1), val(64, 0), 2);
@@ -428,15 +434,32 @@ fn shortcut_only_evicts_in_lfu_order_with_oldest_first_on_ties() {
     assert_eq!(c.stats().promotions, 0);
     c.on_miss_read(&key(3), sc(3, 1), val(64, 0), 2);
     assert!(!cached(&c, 1), "count 2, reached first");
-    // Key 3 has count 1 now and is the LFU.
+    // LFU-DA: the newcomer starts at the evicted count (2), behind key 2 in that bucket.
+    assert_eq!(c.hits(&key(3)), Some(2));
     c.on_miss_read(&key(4), sc(4, 1), val(64, 0), 2);
-    assert!(!cached(&c, 3));
+    assert!(!cached(&c, 2));
     c.on_miss_read(&key(5), sc(5, 1), val(64, 0), 2);
-    assert!(!cached(&c, 4));
-    assert!(is_shortcut(&c, 0) && is_shortcut(&c, 2) && is_shortcut(&c, 5));
+    assert!(!cached(&c, 3));
+    assert!(is_shortcut(&c, 0) && is_shortcut(&c, 4) && is_shortcut(&c, 5));
+    assert_eq!(c.hits(&key(0)), Some(3));
+    assert_eq!(c.hits(&key(5)), Some(2));
     assert_eq!(c.stats().evictions, 3);
     assert_eq!(c.stats().values, 0);
+    // With plain counts, the same sequence keeps evicting each newcomer (count 1).
+    let mut p = cache(Policy::ShortcutOnly, 3 * SC);
+    p.set_count_aging(false);
+    for k in 0..3 {
+        p.on_miss_read(&key(k), sc(k, 1), val(64, 0), 2);
+    }
+    shortcut_hits(&mut p, 0, 2, &val(64, 0));
+    shortcut_hits(&mut p, 1, 1, &val(64, 0));
+    shortcut_hits(&mut p, 2, 1, &val(64, 0));
+    for k in 3..6 {
+        p.on_miss_read(&key(k), sc(k, 1), val(64, 0), 2);
+    }
+    assert!(is_shortcut(&p, 0) && is_shortcut(&p, 2) && is_shortcut(&p, 5));
     c.check();
+    p.check();
 }
 
 #[test]
