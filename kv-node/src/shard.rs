@@ -242,6 +242,13 @@ impl Shard {
                 None => break,
             }
         }
+        // A clean stop seals the log, so the DPM merges all of it without a MergeAll.
+        for id in std::mem::take(&mut self.to_seal) {
+            self.seal(id).await;
+        }
+        if let Some(s) = self.segment.take() {
+            self.seal(s.seg.id).await;
+        }
         tracing::debug!(shard = self.id, "shard stopped");
     }
 

@@ -2,8 +2,9 @@
 //!
 //! Loads N keys (8-byte keys, 64-byte values) through a KV node into an in-process dpm-node
 //! (shm fabric), then, for each cache policy (DAC, shortcut-only, value-only, static-50%) and
-//! cache size (1, 2, 4, 8, 16% of the dataset's key+value bytes), starts a fresh KV node with an
-//! empty cache, warms it up, and runs a read-only workload drawn uniformly from a 5% working set.
+//! cache size (1, 2, 4, 8, 16% of the dataset's key+value bytes), starts a KV node with an empty
+//! cache, warms it up, and runs a read-only workload drawn uniformly from a 5% working set, in
+//! rounds interleaved across the policies (the median round is reported).
 //! Each cell reports ops/s and round trips per op (counted by the fabric, not timed).
 //!
 //! This is a program that prints a table, not a test. Absolute ops/s on a small shared machine
@@ -44,11 +45,14 @@ struct Args {
     )]
     policies: Vec<String>,
     /// Reads measured per cell (after the warm-up).
-    #[arg(long, default_value_t = 40_000)]
+    #[arg(long, default_value_t = 20_000)]
     reads: u64,
     /// Warm-up reads per cell, in multiples of the working set.
     #[arg(long, default_value_t = 3)]
     warmup_rounds: u64,
+    /// Measured rounds per cell (interleaved across policies; the median round is reported).
+    #[arg(long, default_value_t = 5)]
+    repeat: u64,
     /// Concurrent readers.
     #[arg(long, default_value_t = 4)]
     clients: u64,
@@ -91,14 +95,46 @@ fn value(i: u64) -> Bytes {
     Bytes::from(v)
 }
 
+/// Reads `count` keys drawn uniformly from the first `ws` keys, with `clients` concurrent
+/// readers, checking every value.
+async fn read_uniform(
+    kn: &Arc<KvNode>,
+    count: u64,
+    clients: u64,
+    ws: u64,
+    seed: u64,
+) -> anyhow::Result<()> {
+    let mut tasks = Vec::new();
+    for c in 0..clients {
+        let kn = kn.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut rng = StdRng::seed_from_u64(seed * 1000 + c);
+            for _ in 0..count / clients {
+                let i = rng.random_range(0..ws);
+                let v = kn.execute(ShardOp::Get { key: key(i) }).await?;
+                anyhow::ensure!(
+                    v.as_deref() == Some(&value(i)[..]),
+                    "wrong value for key {i}"
+                );
+            }
+            anyhow::Ok(())
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    Ok(())
+}
+
 async fn start_kn(
     dpm: &str,
+    kn_id: u32,
     policy: &str,
     cache_bytes: u64,
     shards: u32,
 ) -> anyhow::Result<Arc<KvNode>> {
     let cfg = KnConfigFile {
-        kn_id: Some(0),
+        kn_id: Some(kn_id),
         listen: "127.0.0.1:0".into(),
         dpm: dpm.to_string(),
         shards,
@@ -152,7 +188,7 @@ async fn main() -> anyhow::Result<()> {
     // Load.
     let t = Instant::now();
     {
-        let kn = start_kn(&dpm, "dac", 1 << 20, args.shards).await?;
+        let kn = start_kn(&dpm, 0, "dac", 1 << 20, args.shards).await?;
         let mut tasks = Vec::new();
         for c in 0..args.clients {
             let kn = kn.clone();
@@ -175,6 +211,14 @@ async fn main() -> anyhow::Result<()> {
             t.await??;
         }
     }
+    // The loading KN is gone: merge its log before others read (as failover would).
+    dinomo_proto::dpm::dpm_service_client::DpmServiceClient::connect(dpm.clone())
+        .await?
+        .merge_all(dinomo_proto::dpm::MergeAllRequest {
+            kn_id: 0,
+            seal_open: true,
+        })
+        .await?;
     println!(
         "loaded {} keys ({} bytes of keys+values) in {:.1}s",
         args.keys,
@@ -191,41 +235,35 @@ async fn main() -> anyhow::Result<()> {
     let mut results = Vec::new();
     for &pct in &args.cache_percent {
         let cache_bytes = (dataset as f64 * pct / 100.0) as u64;
-        for policy in &args.policies {
-            // A new KN incarnation: empty cache; the previous one's log is merged at registration.
-            let kn = start_kn(&dpm, policy, cache_bytes, args.shards).await?;
-            let run = |count: u64, seed: u64| {
-                let kn = kn.clone();
-                let clients = args.clients;
-                async move {
-                    let mut tasks = Vec::new();
-                    for c in 0..clients {
-                        let kn = kn.clone();
-                        tasks.push(tokio::spawn(async move {
-                            let mut rng = StdRng::seed_from_u64(seed * 1000 + c);
-                            for _ in 0..count / clients {
-                                let i = rng.random_range(0..ws);
-                                let v = kn.execute(ShardOp::Get { key: key(i) }).await?;
-                                anyhow::ensure!(
-                                    v.as_deref() == Some(&value(i)[..]),
-                                    "wrong value for key {i}"
-                                );
-                            }
-                            anyhow::Ok(())
-                        }));
-                    }
-                    for t in tasks {
-                        t.await??;
-                    }
-                    anyhow::Ok(())
-                }
-            };
-            run(ws * args.warmup_rounds, 1).await?;
-            let before = kn.stats(0);
-            let t = Instant::now();
-            run(args.reads, 2).await?;
-            let elapsed = t.elapsed();
-            let after = kn.stats(0);
+        // One KN per policy (ids 1.., each with an empty cache, all reading the loaded data
+        // through the index), warmed up, then measured in interleaved rounds so that drift on
+        // this shared machine hits every policy alike; each cell is the median round.
+        let mut kns = Vec::new();
+        for (i, policy) in args.policies.iter().enumerate() {
+            let kn = start_kn(&dpm, i as u32 + 1, policy, cache_bytes, args.shards).await?;
+            read_uniform(&kn, ws * args.warmup_rounds, args.clients, ws, 1).await?;
+            kns.push(kn);
+        }
+        let mut rounds: Vec<
+            Vec<(
+                f64,
+                dinomo_kv_node::node::NodeStats,
+                dinomo_kv_node::node::NodeStats,
+            )>,
+        > = vec![Vec::new(); kns.len()];
+        for round in 0..args.repeat {
+            for (i, kn) in kns.iter().enumerate() {
+                let before = kn.stats(0);
+                let t = Instant::now();
+                read_uniform(kn, args.reads, args.clients, ws, 2 + round).await?;
+                let secs = t.elapsed().as_secs_f64();
+                rounds[i].push((secs, before, kn.stats(0)));
+            }
+        }
+        for (i, policy) in args.policies.iter().enumerate() {
+            let mut r = rounds[i].clone();
+            r.sort_by(|a, b| a.0.total_cmp(&b.0));
+            let (secs, before, after) = r[r.len() / 2].clone();
             let reads = after.gets - before.gets;
             let d = |a: u64, b: u64| (a - b) as f64 / reads as f64;
             results.push(CellResult {
@@ -233,15 +271,15 @@ async fn main() -> anyhow::Result<()> {
                 cache_percent: pct,
                 cache_bytes,
                 reads,
-                ops_per_sec: reads as f64 / elapsed.as_secs_f64(),
+                ops_per_sec: reads as f64 / secs,
                 rts_per_op: d(after.round_trips, before.round_trips),
                 value_hit_ratio: d(after.value_hits, before.value_hits),
                 shortcut_hit_ratio: d(after.shortcut_hits, before.shortcut_hits),
                 miss_ratio: d(after.misses, before.misses),
             });
-            drop(kn);
-            tokio::time::sleep(Duration::from_millis(50)).await;
         }
+        drop(kns);
+        tokio::time::sleep(Duration::from_millis(50)).await;
     }
 
     // Tables: one row per policy, one column per cache size.
