@@ -5,8 +5,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         // SAFETY: build scripts are single-threaded at this point.
         unsafe { std::env::set_var("PROTOC", protoc_bin_vendored::protoc_bin_path()?) };
     }
-    tonic_prost_build::configure()
-        .compile_protos(&["proto/dpm.proto", "proto/kv.proto"], &["proto"])?;
+    tonic_prost_build::configure().compile_protos(
+        &["proto/dpm.proto", "proto/kv.proto", "proto/routing.proto"],
+        &["proto"],
+    )?;
     println!("cargo:rerun-if-changed=proto");
     Ok(())
 }

@@ -10,6 +10,8 @@
 //! meaningful is the ratio between backends measured in the same run, and the round trips per
 //! operation, which are counted, not timed, and so are exact.
 
+pub mod ycsb;
+
 use std::fmt::Write as _;
 use std::path::Path;
 use std::time::Duration;

@@ -6,6 +6,7 @@
 //! (allocator, log chains, live bytes), [`merge`] (log -> index), [`gc`], [`metastore`],
 //! [`dpm`] (the whole node as a library), [`service`] (gRPC), [`config`], [`server`] (runs it).
 
+pub mod cli;
 pub mod config;
 pub mod dpm;
 pub mod error;

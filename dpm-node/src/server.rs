@@ -62,10 +62,7 @@ pub async fn run(
     };
     let serve = tonic::transport::Server::builder()
         .add_service(svc)
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            signal,
-        );
+        .serve_with_incoming_shutdown(dinomo_proto::nodelay_incoming(listener), signal);
     let served = tokio::select! {
         r = serve => r,
         _ = async {

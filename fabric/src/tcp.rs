@@ -64,7 +64,17 @@ fn need(buf: &impl Buf, n: usize) -> Result<()> {
 pub fn encode_request(id: u64, key: AccessKey, ops: &[Op]) -> Result<Bytes> {
     let n =
         u16::try_from(ops.len()).map_err(|_| proto("more than 65535 operations in one post"))?;
-    let payload: usize = ops.iter().map(|o| 25 + o.payload_len() as usize).sum();
+    // Only WRITEs carry data in a request (a READ's length is what comes back).
+    let payload: usize = ops
+        .iter()
+        .map(|o| {
+            25 + if let Op::Write { data, .. } = o {
+                data.len()
+            } else {
+                0
+            }
+        })
+        .sum();
     let mut b = BytesMut::with_capacity(4 + 22 + payload);
     b.put_u32_le(0);
     b.put_u64_le(id);

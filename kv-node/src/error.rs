@@ -17,6 +17,8 @@ pub enum KvError {
     WrongOwner { kn: u32, map_version: u64 },
     #[error("unavailable: {0}; retry after a backoff")]
     Unavailable(String),
+    #[error("outcome unknown: {0}; the write may or may not have been applied")]
+    OutcomeUnknown(String),
     #[error("internal error: {0}")]
     Internal(String),
 }
@@ -29,6 +31,7 @@ impl KvError {
             KvError::AlreadyExists => Code::AlreadyExists,
             KvError::WrongOwner { .. } => Code::FailedPrecondition,
             KvError::Unavailable(_) => Code::Unavailable,
+            KvError::OutcomeUnknown(_) => Code::Unknown,
             KvError::Internal(_) => Code::Internal,
         }
     }
@@ -44,6 +47,11 @@ impl KvError {
 impl From<KvError> for Status {
     fn from(e: KvError) -> Status {
         let mut s = Status::new(e.code(), e.to_string());
+        // Marks the status as the KN's own answer (not a transport failure on the way).
+        s.metadata_mut().insert(
+            dinomo_proto::KN_ANSWER_TRAILER,
+            tonic::metadata::MetadataValue::from_static("1"),
+        );
         if let KvError::WrongOwner { map_version, .. } = e {
             if let Ok(v) = map_version.to_string().parse() {
                 s.metadata_mut().insert(MAP_VERSION_TRAILER, v);

@@ -10,6 +10,7 @@
 //! [`server`].
 
 pub mod cache;
+pub mod cli;
 pub mod config;
 pub mod dpm_link;
 pub mod error;

@@ -15,7 +15,7 @@ use crate::cache::CacheConfig;
 use crate::config::KnConfig;
 use crate::dpm_link::DpmLink;
 use crate::error::{KvError, KvResult};
-use crate::shard::{self, ShardConfig, ShardHandle, ShardOp, ShardRequest};
+use crate::shard::{self, Control, ShardConfig, ShardHandle, ShardOp, ShardRequest};
 
 /// The map a KN uses until one is published: itself alone, version 0.
 fn bootstrap_map(kn: u32, endpoint: &str) -> ClusterMap {
@@ -63,6 +63,9 @@ pub struct KvNode {
     map: RwLock<Arc<ClusterMap>>,
     wrong_owner: AtomicU64,
     occupancy: RwLock<f64>,
+    /// The map being moved to (between PrepareMap and CommitMap).
+    transition: RwLock<Option<Arc<ClusterMap>>>,
+    install_lock: tokio::sync::Mutex<()>,
 }
 
 impl KvNode {
@@ -105,6 +108,8 @@ impl KvNode {
             map: RwLock::new(Arc::new(map)),
             wrong_owner: AtomicU64::new(0),
             occupancy: RwLock::new(0.0),
+            transition: RwLock::new(None),
+            install_lock: tokio::sync::Mutex::new(()),
         });
         tokio::spawn(watch_map(Arc::downgrade(&node)));
         tokio::spawn(measure_occupancy(Arc::downgrade(&node)));
@@ -123,17 +128,70 @@ impl KvNode {
         self.map.read().clone()
     }
 
-    /// Installs a newer map (older or equal versions are ignored).
-    pub fn set_map(&self, map: ClusterMap) {
-        let mut cur = self.map.write();
-        if map.version > cur.version {
-            tracing::info!(
-                from = cur.version,
-                to = map.version,
-                kns = map.kns.len(),
-                "cluster map updated"
-            );
-            *cur = Arc::new(map);
+    /// Installs a newer map (older or equal versions are ignored). When the KN's ownership
+    /// changes under it, every shard is reset first (caches, and copies of merged segments), so
+    /// a key it gains is never served from state cached under an older ownership.
+    pub async fn install_map(&self, map: ClusterMap) {
+        let _g = self.install_lock.lock().await;
+        let cur = self.map();
+        if map.version <= cur.version {
+            return;
+        }
+        let me = self.link.kn_id;
+        let changes = cur.changed_ranges(&map);
+        if changes.contains(&me) {
+            self.control_all(Control::Reset).await;
+        }
+        tracing::info!(
+            from = cur.version,
+            to = map.version,
+            kns = map.kns.len(),
+            ownership_changed = changes.contains(&me),
+            "cluster map installed"
+        );
+        *self.map.write() = Arc::new(map);
+    }
+
+    /// Reconfiguration step 1 (DINOMO 3.5): stop serving every key whose owner changes under
+    /// `next` and this KN is part of, and write out and seal the logs, so that a MergeAll at the
+    /// DPM covers every write this KN acknowledged.
+    pub async fn prepare_map(&self, next: ClusterMap) -> KvResult<u64> {
+        let cur = self.map();
+        if next.version <= cur.version {
+            return Ok(cur.version);
+        }
+        let v = next.version;
+        *self.transition.write() = Some(Arc::new(next));
+        self.control_all(Control::SealLog).await;
+        tracing::info!(
+            from = cur.version,
+            to = v,
+            "prepared for a map change: moving keys paused, logs sealed"
+        );
+        Ok(v)
+    }
+
+    /// Reconfiguration step 3: take the new map and resume.
+    pub async fn commit_map(&self, next: ClusterMap) -> KvResult<u64> {
+        let v = next.version;
+        self.install_map(next).await;
+        let mut t = self.transition.write();
+        if t.as_ref().is_some_and(|m| m.version <= v) {
+            *t = None;
+        }
+        Ok(self.map().version)
+    }
+
+    async fn control_all(&self, ctl: Control) {
+        let mut acks = Vec::new();
+        for sh in &self.shards {
+            let (tx, rx) = oneshot::channel();
+            if sh.control.send((ctl, tx)).await.is_ok() {
+                acks.push(rx);
+            }
+        }
+        for a in acks {
+            let _ = a.await;
         }
     }
 
@@ -190,6 +248,18 @@ impl KvNode {
         };
         self.validate_key(key)?;
         let map = self.map();
+        let me = self.link.kn_id;
+        if let Some(next) = self.transition.read().clone() {
+            if next.version > map.version
+                && map.owners(key) != next.owners(key)
+                && (map.is_owner(me, key) || next.is_owner(me, key))
+            {
+                return Err(KvError::Unavailable(format!(
+                    "the key is moving between KNs (map version {} -> {})",
+                    map.version, next.version
+                )));
+            }
+        }
         if !map.is_owner(self.link.kn_id, key) {
             self.wrong_owner.fetch_add(1, Ordering::Relaxed);
             return Err(KvError::WrongOwner {
@@ -254,7 +324,7 @@ async fn watch_map(node: std::sync::Weak<KvNode>) {
         let every = n.config.map_poll;
         match n.link.cluster_map().await {
             Ok(Some(b)) => match ClusterMap::decode(&b) {
-                Ok(m) => n.set_map(m),
+                Ok(m) => n.install_map(m).await,
                 Err(e) => tracing::warn!(error = %e, "the published cluster map does not decode"),
             },
             Ok(None) => {}

@@ -50,10 +50,7 @@ pub async fn run(
         .add_service(
             KvServiceServer::new(KvGrpc::new(node.clone())).max_decoding_message_size(64 << 20),
         )
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            signal,
-        );
+        .serve_with_incoming_shutdown(dinomo_proto::nodelay_incoming(listener), signal);
     let served = tokio::select! {
         r = serve => r,
         _ = async {

@@ -73,6 +73,11 @@ fn response(id: u64, r: KvResult<Option<Bytes>>) -> pb::KvResponse {
     }
 }
 
+fn decode_map(b: &[u8]) -> KvResult<dinomo_placement::ClusterMap> {
+    dinomo_placement::ClusterMap::decode(b)
+        .map_err(|e| KvError::InvalidArgument(format!("cluster map: {e}")))
+}
+
 fn key_of(r: &pb::KvRequest) -> Option<&[u8]> {
     match &r.op {
         Some(pb::kv_request::Op::Get(g)) => Some(&g.key),
@@ -168,6 +173,24 @@ impl KvService for KvGrpc {
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(rx),
         )))
+    }
+
+    async fn prepare_map(
+        &self,
+        req: Request<pb::MapRequest>,
+    ) -> Result<Response<pb::MapReply>, Status> {
+        let map = decode_map(&req.into_inner().map)?;
+        let v = self.node.prepare_map(map).await?;
+        Ok(Response::new(pb::MapReply { map_version: v }))
+    }
+
+    async fn commit_map(
+        &self,
+        req: Request<pb::MapRequest>,
+    ) -> Result<Response<pb::MapReply>, Status> {
+        let map = decode_map(&req.into_inner().map)?;
+        let v = self.node.commit_map(map).await?;
+        Ok(Response::new(pb::MapReply { map_version: v }))
     }
 
     async fn stats(

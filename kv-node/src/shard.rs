@@ -61,6 +61,16 @@ pub struct ShardRequest {
     pub reply: Reply,
 }
 
+/// Control messages (reconfiguration).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Control {
+    /// Write out the open batch, wait for the WRITE in flight, seal the log's open segment.
+    SealLog,
+    /// Drop cached values and shortcuts and the copies of merged segments (the shard is about
+    /// to serve keys it may have cached under an older ownership).
+    Reset,
+}
+
 #[derive(Debug, Clone)]
 pub struct ShardConfig {
     pub cache: CacheConfig,
@@ -73,6 +83,7 @@ pub struct ShardConfig {
 #[derive(Debug, Clone)]
 pub struct ShardHandle {
     pub tx: mpsc::Sender<ShardRequest>,
+    pub control: mpsc::Sender<(Control, oneshot::Sender<()>)>,
     pub stats: Arc<ShardStats>,
     pub fabric: Arc<dyn Fabric>,
     pub top: Arc<Mutex<TopK>>,
@@ -146,6 +157,7 @@ pub async fn spawn(
 ) -> KvResult<ShardHandle> {
     let fabric = link.connect_fabric().await?;
     let (tx, rx) = mpsc::channel(1024);
+    let (control, control_rx) = mpsc::channel(16);
     let stats = Arc::new(ShardStats::default());
     let top = Arc::new(Mutex::new(TopK::new(128)));
     let cache_stats = Arc::new(Mutex::new(CacheStats::default()));
@@ -169,9 +181,10 @@ pub async fn spawn(
         top: top.clone(),
         cache_stats: cache_stats.clone(),
     };
-    tokio::spawn(shard.run(rx));
+    tokio::spawn(shard.run(rx, control_rx));
     Ok(ShardHandle {
         tx,
+        control,
         stats,
         fabric,
         top,
@@ -189,7 +202,11 @@ impl Shard {
         (self.cfg.batch_bytes * 4).min(self.link.segment_size as usize / 2)
     }
 
-    async fn run(mut self, mut rx: mpsc::Receiver<ShardRequest>) {
+    async fn run(
+        mut self,
+        mut rx: mpsc::Receiver<ShardRequest>,
+        mut control: mpsc::Receiver<(Control, oneshot::Sender<()>)>,
+    ) {
         let (done_tx, mut done_rx) = mpsc::unbounded_channel::<Done>();
         let mut tick = tokio::time::interval(Duration::from_millis(50));
         let mut ticks = 0u64;
@@ -205,6 +222,10 @@ impl Shard {
                     let t = Instant::now();
                     self.complete(done);
                     ShardStats::add(&self.stats.busy_ns, t.elapsed().as_nanos() as u64);
+                }
+                Some((ctl, ack)) = control.recv() => {
+                    self.control(ctl, &done_tx, &mut done_rx).await;
+                    let _ = ack.send(());
                 }
                 msg = rx.recv(), if accept => {
                     let Some(req) = msg else { break };
@@ -250,6 +271,42 @@ impl Shard {
             self.seal(s.seg.id).await;
         }
         tracing::debug!(shard = self.id, "shard stopped");
+    }
+
+    async fn control(
+        &mut self,
+        ctl: Control,
+        done_tx: &mpsc::UnboundedSender<Done>,
+        done_rx: &mut mpsc::UnboundedReceiver<Done>,
+    ) {
+        match ctl {
+            Control::SealLog => {
+                loop {
+                    if self.inflight {
+                        match done_rx.recv().await {
+                            Some(done) => self.complete(done),
+                            None => break,
+                        }
+                    } else if self.batch.is_some() {
+                        self.flush(done_tx).await;
+                    } else {
+                        break;
+                    }
+                }
+                for id in std::mem::take(&mut self.to_seal) {
+                    self.seal(id).await;
+                }
+                if let Some(s) = self.segment.take() {
+                    self.seal(s.seg.id).await;
+                }
+            }
+            Control::Reset => {
+                if let Ok(pending) = self.link.pending().await {
+                    self.apply_pending(&pending);
+                }
+                self.cache = Cache::new(self.cfg.cache.clone());
+            }
+        }
     }
 
     async fn handle(&mut self, req: ShardRequest) {
@@ -537,7 +594,10 @@ impl Shard {
                 }
             }
             Err(e) => {
-                let err = KvError::Unavailable(format!("log write failed: {e}"));
+                // The WRITE may have reached the DPM before it failed: its writes' outcome is
+                // unknown. Writes of the open batch were never sent: they were not applied.
+                let err = KvError::OutcomeUnknown(format!("log write failed: {e}"));
+                let not_sent = KvError::Unavailable(format!("an earlier log write failed: {e}"));
                 tracing::warn!(shard = self.id, segment = done.segment, error = %e, "log WRITE failed; abandoning the segment");
                 if self
                     .segment
@@ -547,11 +607,12 @@ impl Shard {
                     self.segment = None;
                     self.to_seal.push(done.segment);
                 }
-                let mut all = done.waiters;
                 if let Some(b) = self.batch.take() {
-                    all.extend(b.waiters);
+                    for w in b.waiters {
+                        let _ = w.reply.send(Err(not_sent.clone()));
+                    }
                 }
-                self.fail_all(all, &err);
+                self.fail_all(done.waiters, &err);
             }
         }
     }

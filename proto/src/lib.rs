@@ -13,5 +13,29 @@ pub mod kv {
     tonic::include_proto!("dinomo.kv.v1");
 }
 
+/// Present on every error status a KN itself returns, so that clients can tell its answers
+/// from transport failures (which may hide whether a write was applied).
+pub const KN_ANSWER_TRAILER: &str = "dinomo-kn";
+
 /// The trailer carrying a KN's cluster-map version on WRONG_OWNER answers.
 pub const MAP_VERSION_TRAILER: &str = "dinomo-map-version";
+
+/// RoutingService, served by routing nodes.
+pub mod routing {
+    #![allow(missing_debug_implementations, clippy::all)]
+    tonic::include_proto!("dinomo.routing.v1");
+}
+
+/// Accepted connections of `listener` with TCP_NODELAY set. Every server uses this: without it
+/// small gRPC responses wait for Nagle's algorithm and the peer's delayed ACK (~40 ms).
+pub fn nodelay_incoming(
+    listener: tokio::net::TcpListener,
+) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    use tokio_stream::StreamExt;
+    tokio_stream::wrappers::TcpListenerStream::new(listener).map(|s| {
+        if let Ok(s) = &s {
+            let _ = s.set_nodelay(true);
+        }
+        s
+    })
+}

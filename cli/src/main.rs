@@ -1,0 +1,64 @@
+//! `dinomo`: one binary for everything. `dinomo up` starts a whole local cluster (as child
+//! processes of this same binary); `dinomo kv`, `dinomo status` talk to a cluster; and
+//! `dinomo dpm-node|kv-node|routing-node` run single nodes (the same code as the standalone
+//! binaries).
+
+mod kv;
+mod status;
+mod up;
+
+use clap::{Parser, Subcommand};
+
+/// Dinomo: a key-value store for disaggregated persistent memory.
+#[derive(Debug, Parser)]
+#[command(version, about, long_about = None, propagate_version = true)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Start a local cluster (dpm-node, KV nodes, routing node) with embedded defaults; Ctrl-C
+    /// stops it; running it again reopens the same data.
+    Up(up::UpArgs),
+    /// Get, put, insert, update or delete a key.
+    Kv(kv::KvArgs),
+    /// Show the cluster: nodes, ownership, hit ratios, round trips per op, DPM state.
+    Status(status::StatusArgs),
+    /// YCSB workloads (load, a, b, c, d, f) and the DINOMO paper's mixes against Dinomo or
+    /// Redis (`--target redis://HOST:PORT`): throughput, latency percentiles, hit ratios, RTs/op.
+    Bench(dinomo_bench::ycsb::BenchArgs),
+    /// Run a dpm-node.
+    DpmNode(dinomo_dpm_node::cli::Args),
+    /// Run a KV node.
+    KvNode(dinomo_kv_node::cli::Args),
+    /// Run a routing node.
+    RoutingNode(dinomo_routing_node::cli::Args),
+}
+
+#[tokio::main]
+async fn main() -> anyhow::Result<()> {
+    let cli = Cli::parse();
+    match cli.command {
+        Command::Up(a) => {
+            dinomo_dpm_node::cli::init_tracing();
+            up::run(a).await
+        }
+        Command::Kv(a) => kv::run(a).await,
+        Command::Status(a) => status::run(a).await,
+        Command::Bench(a) => dinomo_bench::ycsb::run(a).await.map(|_| ()),
+        Command::DpmNode(a) => {
+            dinomo_dpm_node::cli::init_tracing();
+            dinomo_dpm_node::cli::run(a).await
+        }
+        Command::KvNode(a) => {
+            dinomo_kv_node::cli::init_tracing();
+            dinomo_kv_node::cli::run(a).await
+        }
+        Command::RoutingNode(a) => {
+            dinomo_routing_node::cli::init_tracing();
+            dinomo_routing_node::cli::run(a).await
+        }
+    }
+}

@@ -1,0 +1,123 @@
+//! `dinomo status`: the cluster as the routing node and the nodes themselves report it.
+
+use std::time::Duration;
+
+use anyhow::Context;
+use clap::Args;
+use dinomo_client::Client;
+use dinomo_proto::dpm::dpm_service_client::DpmServiceClient;
+use dinomo_proto::dpm::StatsRequest;
+use dinomo_proto::kv::kv_service_client::KvServiceClient;
+use dinomo_proto::kv::KnStatsRequest;
+
+#[derive(Debug, Args)]
+pub struct StatusArgs {
+    /// A routing node (host:port).
+    #[arg(long, env = "DINOMO_ROUTING", default_value = "127.0.0.1:7900")]
+    routing: String,
+    /// The dpm-node (host:port).
+    #[arg(long, env = "DINOMO_DPM", default_value = "127.0.0.1:7700")]
+    dpm: String,
+}
+
+fn ratio(a: u64, b: u64) -> String {
+    if b == 0 {
+        "-".into()
+    } else {
+        format!("{:.2}", a as f64 / b as f64)
+    }
+}
+
+pub async fn run(a: StatusArgs) -> anyhow::Result<()> {
+    let client = Client::connect(&[&a.routing])
+        .await
+        .with_context(|| format!("routing node {}", a.routing))?;
+    let map = client.map();
+    // Ownership share, measured on sampled keys with the ring code clients use.
+    let samples = 20_000u64;
+    let mut owned = std::collections::HashMap::new();
+    for i in 0..samples {
+        if let Some(kn) = map.owner(format!("sample-{i}").as_bytes()) {
+            *owned.entry(kn).or_insert(0u64) += 1;
+        }
+    }
+    println!(
+        "cluster map version {} ({} KV nodes, {} vnodes each, {} replicated keys)",
+        map.version,
+        map.kns.len(),
+        map.vnodes,
+        map.replicated.len()
+    );
+    println!(
+        "{:>4}  {:<21} {:>6} {:>9} {:>9} {:>7} {:>7} {:>7} {:>7} {:>7} {:>6}",
+        "kn",
+        "endpoint",
+        "share",
+        "gets",
+        "puts",
+        "value",
+        "short",
+        "unmerg",
+        "miss",
+        "RTs/op",
+        "busy"
+    );
+    for kn in &map.kns {
+        let share = format!(
+            "{:.1}%",
+            100.0 * *owned.get(&kn.id).unwrap_or(&0) as f64 / samples as f64
+        );
+        let stats = async {
+            let ch = tonic::transport::Endpoint::from_shared(format!("http://{}", kn.endpoint))?
+                .connect_timeout(Duration::from_secs(1))
+                .connect()
+                .await?;
+            anyhow::Ok(
+                KvServiceClient::new(ch)
+                    .stats(KnStatsRequest { top_keys: 0 })
+                    .await?
+                    .into_inner(),
+            )
+        }
+        .await;
+        match stats {
+            Ok(s) => {
+                let reads = s.gets.max(1);
+                println!(
+                    "{:>4}  {:<21} {:>6} {:>9} {:>9} {:>7} {:>7} {:>7} {:>7} {:>7} {:>5.0}%",
+                    kn.id,
+                    kn.endpoint,
+                    share,
+                    s.gets,
+                    s.puts,
+                    ratio(s.value_hits, reads),
+                    ratio(s.shortcut_hits, reads),
+                    ratio(s.unmerged_hits, reads),
+                    ratio(s.misses, reads),
+                    ratio(s.round_trips, s.gets + s.puts + s.deletes),
+                    s.occupancy * 100.0
+                );
+            }
+            Err(e) => println!(
+                "{:>4}  {:<21} {:>6}  unreachable: {e}",
+                kn.id, kn.endpoint, share
+            ),
+        }
+    }
+    let dpm = if a.dpm.starts_with("http") {
+        a.dpm.clone()
+    } else {
+        format!("http://{}", a.dpm)
+    };
+    match DpmServiceClient::connect(dpm).await {
+        Ok(mut d) => {
+            let s = d.stats(StatsRequest {}).await?.into_inner();
+            println!(
+                "dpm-node {}: {} of {} segments free, {} keys indexed ({} buckets, {} resizes), {} entries merged, pending segments {:?}, durability {}",
+                a.dpm, s.segments_free, s.segments_total, s.index_items, s.index_buckets, s.index_resizes, s.entries_merged, s.pending_segments, s.durability
+            );
+        }
+        Err(e) => println!("dpm-node {}: unreachable: {e}", a.dpm),
+    }
+    Ok(())
+}

@@ -1,0 +1,248 @@
+//! `dinomo up`: a whole local cluster as child processes of this binary: a dpm-node (shm
+//! fabric, pool under the data directory), N KV nodes and a routing node. It publishes the
+//! cluster map (or reconfigures the published one when the set of KNs changed since the last
+//! run), prints the endpoints, and stops everything cleanly on Ctrl-C or SIGTERM.
+
+use std::io::{BufRead, BufReader};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{bail, Context};
+use clap::Args;
+use dinomo_client::admin;
+use dinomo_placement::{ClusterMap, KnInfo};
+
+#[derive(Debug, Args, Clone)]
+pub struct UpArgs {
+    /// Where the pool and the logs live; reused on the next run.
+    #[arg(long, default_value = ".dinomo")]
+    pub data_dir: PathBuf,
+    /// KV nodes to start.
+    #[arg(long, default_value_t = 2)]
+    pub kns: u32,
+    /// Ports: dpm-node = BASE, its fabric = BASE+1, KV node i = BASE+100+i, routing = BASE+200;
+    /// metrics at BASE+2000 (dpm), BASE+2100+i (KNs), BASE+2200 (routing).
+    #[arg(long, default_value_t = 7700)]
+    pub port_base: u16,
+    /// Size of a new pool.
+    #[arg(long, default_value = "1GiB")]
+    pub pool_size: String,
+    /// Shards per KV node.
+    #[arg(long, default_value_t = 2)]
+    pub shards: u32,
+    /// Cache per KV node.
+    #[arg(long, default_value = "256MiB")]
+    pub cache_size: String,
+    /// dac | shortcut-only | value-only | static-N.
+    #[arg(long, default_value = "dac")]
+    pub cache_policy: String,
+    /// Virtual nodes per KV node on the hash ring.
+    #[arg(long, default_value_t = 128)]
+    pub vnodes: u32,
+}
+
+/// A child node and the line it printed when ready.
+struct Node {
+    name: String,
+    child: Child,
+}
+
+fn spawn(name: &str, args: &[String], log: &Path) -> anyhow::Result<(Node, String)> {
+    let exe = std::env::current_exe().context("locating the dinomo binary")?;
+    let stderr = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .with_context(|| format!("opening {}", log.display()))?;
+    let mut child = Command::new(exe)
+        .args(args)
+        .arg("--print-ready")
+        .stdout(Stdio::piped())
+        .stderr(stderr)
+        .spawn()
+        .with_context(|| format!("starting {name}"))?;
+    let stdout = child.stdout.take().expect("piped");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
+            if line.starts_with("READY") {
+                let _ = tx.send(line);
+            }
+        }
+    });
+    let start = Instant::now();
+    loop {
+        if let Ok(line) = rx.recv_timeout(Duration::from_millis(100)) {
+            return Ok((
+                Node {
+                    name: name.to_string(),
+                    child,
+                },
+                line,
+            ));
+        }
+        if let Some(status) = child.try_wait()? {
+            bail!(
+                "{name} exited ({status}) before it was ready; see {}",
+                log.display()
+            );
+        }
+        if start.elapsed() > Duration::from_secs(60) {
+            let _ = child.kill();
+            bail!("{name} was not ready after 60 s; see {}", log.display());
+        }
+    }
+}
+
+fn stop(nodes: &mut Vec<Node>) {
+    // Reverse start order: routing, KNs (they seal their logs), then the DPM.
+    while let Some(mut n) = nodes.pop() {
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(n.child.id() as i32, libc::SIGTERM) };
+        let start = Instant::now();
+        loop {
+            match n.child.try_wait() {
+                Ok(Some(_)) => break,
+                Ok(None) if start.elapsed() < Duration::from_secs(15) => {
+                    std::thread::sleep(Duration::from_millis(20))
+                }
+                _ => {
+                    eprintln!("{} did not stop in 15 s; killing it", n.name);
+                    let _ = n.child.kill();
+                    let _ = n.child.wait();
+                    break;
+                }
+            }
+        }
+    }
+}
+
+pub async fn run(a: UpArgs) -> anyhow::Result<()> {
+    if a.kns == 0 {
+        bail!("--kns must be at least 1");
+    }
+    let logs = a.data_dir.join("logs");
+    std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
+    let b = a.port_base;
+    let port = |off: u16| -> anyhow::Result<String> {
+        Ok(format!(
+            "127.0.0.1:{}",
+            b.checked_add(off).context("--port-base too high")?
+        ))
+    };
+    let dpm = port(0)?;
+    let mut nodes = Vec::new();
+    let result = async {
+        let (n, _) = spawn(
+            "dpm-node",
+            &[
+                "dpm-node".into(),
+                "--pool".into(),
+                a.data_dir.join("dinomo.pool").display().to_string(),
+                "--pool-size".into(),
+                a.pool_size.clone(),
+                "--listen".into(),
+                dpm.clone(),
+                "--fabric-listen".into(),
+                port(1)?,
+                "--metrics-listen".into(),
+                port(2000)?,
+            ],
+            &logs.join("dpm-node.log"),
+        )?;
+        nodes.push(n);
+        let mut kns = Vec::new();
+        for i in 0..a.kns {
+            let listen = port(100 + i as u16)?;
+            let (n, _) = spawn(
+                &format!("kv-node {i}"),
+                &[
+                    "kv-node".into(),
+                    "--kn-id".into(),
+                    i.to_string(),
+                    "--listen".into(),
+                    listen.clone(),
+                    "--dpm".into(),
+                    dpm.clone(),
+                    "--shards".into(),
+                    a.shards.to_string(),
+                    "--cache-size".into(),
+                    a.cache_size.clone(),
+                    "--cache-policy".into(),
+                    a.cache_policy.clone(),
+                    "--metrics-listen".into(),
+                    port(2100 + i as u16)?,
+                ],
+                &logs.join(format!("kv-node-{i}.log")),
+            )?;
+            nodes.push(n);
+            kns.push(KnInfo { id: i, endpoint: listen });
+        }
+        let desired = ClusterMap::new(kns, a.vnodes, a.shards)?;
+        match admin::published_map(&dpm).await? {
+            None => admin::publish_map(&dpm, &desired).await?,
+            Some(cur) if cur.kns == desired.kns && cur.vnodes == desired.vnodes => {}
+            Some(cur) => {
+                let mut next = desired.clone();
+                next.version = cur.version + 1;
+                let next = ClusterMap::decode(&next.encode())?;
+                let r = admin::reconfigure(&dpm, &cur, &next).await?;
+                println!("cluster map {} -> {} (KNs changed since the last run)", r.from_version, r.to_version);
+            }
+        }
+        let routing = port(200)?;
+        let (n, _) = spawn(
+            "routing-node",
+            &[
+                "routing-node".into(),
+                "--listen".into(),
+                routing.clone(),
+                "--dpm".into(),
+                dpm.clone(),
+                "--metrics-listen".into(),
+                port(2200)?,
+            ],
+            &logs.join("routing-node.log"),
+        )?;
+        nodes.push(n);
+        println!("Dinomo is up ({} KV nodes, data in {}).", a.kns, a.data_dir.display());
+        println!("  routing node   {routing}    <- clients connect here (dinomo kv --routing {routing} ...)");
+        println!("  dpm-node       {dpm}    (metrics http://{}/metrics)", port(2000)?);
+        for i in 0..a.kns {
+            println!("  kv-node {i}      {}    (metrics http://{}/metrics)", port(100 + i as u16)?, port(2100 + i as u16)?);
+        }
+        println!("  logs           {}", logs.display());
+        println!("Press Ctrl-C to stop.");
+        anyhow::Ok(())
+    }
+    .await;
+    if let Err(e) = result {
+        stop(&mut nodes);
+        return Err(e);
+    }
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let exited = loop {
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => break None,
+            _ = term.recv() => break None,
+            _ = tokio::time::sleep(Duration::from_millis(200)) => {
+                if let Some(n) = nodes.iter_mut().find_map(|n| matches!(n.child.try_wait(), Ok(Some(_))).then(|| n.name.clone())) {
+                    break Some(n);
+                }
+            }
+        }
+    };
+    println!("stopping...");
+    stop(&mut nodes);
+    match exited {
+        Some(name) => bail!(
+            "{name} exited unexpectedly; the cluster was stopped (see {})",
+            logs.display()
+        ),
+        None => {
+            println!("stopped.");
+            Ok(())
+        }
+    }
+}

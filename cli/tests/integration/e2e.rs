@@ -1,0 +1,228 @@
+//! The SDK against real clusters, with every operation recorded and the histories checked for
+//! linearizability (dinomo-checker).
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use dinomo_checker::{check, History, Op, Res};
+use dinomo_client::{Client, ClientError};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+
+use super::cluster::Cluster;
+
+/// Counts of what clients saw.
+#[derive(Debug, Default)]
+struct Seen {
+    ops: AtomicU64,
+    /// Errors that reached a caller: anything but a value or a semantic answer.
+    errors: AtomicU64,
+    unknown: AtomicU64,
+}
+
+/// One client: random operations over `keys` keys until `stop` (at most `max_ops`).
+async fn client_loop(
+    client: Client,
+    id: u64,
+    keys: u32,
+    max_ops: u64,
+    history: Arc<History>,
+    seen: Arc<Seen>,
+    stop: Arc<AtomicBool>,
+) {
+    let mut rng = StdRng::seed_from_u64(id * 7919 + 1);
+    for n in 0..max_ops {
+        if stop.load(Ordering::Relaxed) {
+            break;
+        }
+        let key = format!("key{}", rng.random_range(0..keys)).into_bytes();
+        let value = format!("c{id}-{n}").into_bytes();
+        let op = match rng.random_range(0..10) {
+            0..=4 => Op::Get { key },
+            5..=6 => Op::Put { key, value },
+            7 => Op::Insert { key, value },
+            8 => Op::Update { key, value },
+            _ => Op::Delete { key },
+        };
+        let h = history.invoke(id, op.clone());
+        let r: Result<Res, ClientError> = match op {
+            Op::Get { key } => client
+                .get(key)
+                .await
+                .map(|v| Res::Value(v.map(|b| b.to_vec()))),
+            Op::Put { key, value } => client.put(key, value).await.map(|_| Res::Ok),
+            Op::Insert { key, value } => match client.insert(key, value).await {
+                Err(ClientError::AlreadyExists) => Ok(Res::AlreadyExists),
+                r => r.map(|_| Res::Ok),
+            },
+            Op::Update { key, value } => match client.update(key, value).await {
+                Err(ClientError::NotFound) => Ok(Res::NotFound),
+                r => r.map(|_| Res::Ok),
+            },
+            Op::Delete { key } => {
+                client
+                    .delete(key)
+                    .await
+                    .map(|existed| if existed { Res::Ok } else { Res::NotFound })
+            }
+        };
+        seen.ops.fetch_add(1, Ordering::Relaxed);
+        match r {
+            Ok(res) => history.complete(h, res),
+            Err(e) => {
+                seen.errors.fetch_add(1, Ordering::Relaxed);
+                if matches!(e, ClientError::InvalidArgument(_)) {
+                    history.complete(h, Res::Fail);
+                } else {
+                    seen.unknown.fetch_add(1, Ordering::Relaxed);
+                    history.complete_unknown(h);
+                }
+                eprintln!("client {id}: {e}");
+            }
+        }
+    }
+}
+
+struct Load {
+    history: Arc<History>,
+    seen: Arc<Seen>,
+    stop: Arc<AtomicBool>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+async fn start_load(cluster: &Cluster, clients: u64, keys: u32, max_ops: u64) -> Load {
+    let history = Arc::new(History::new());
+    let seen = Arc::new(Seen::default());
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut tasks = Vec::new();
+    for id in 0..clients {
+        let client = cluster.client().await;
+        tasks.push(tokio::spawn(client_loop(
+            client,
+            id,
+            keys,
+            max_ops,
+            history.clone(),
+            seen.clone(),
+            stop.clone(),
+        )));
+    }
+    Load {
+        history,
+        seen,
+        stop,
+        tasks,
+    }
+}
+
+impl Load {
+    /// Stops the clients (after their current operation) and waits for them.
+    async fn finish(self) -> (Arc<History>, Arc<Seen>) {
+        self.stop.store(true, Ordering::Relaxed);
+        self.join().await
+    }
+
+    /// Waits for the clients to run all their operations.
+    async fn join(self) -> (Arc<History>, Arc<Seen>) {
+        for t in self.tasks {
+            tokio::time::timeout(Duration::from_secs(60), t)
+                .await
+                .expect("clients finish")
+                .unwrap();
+        }
+        (self.history, self.seen)
+    }
+}
+
+fn assert_linearizable(history: &History, what: &str) {
+    match check(history) {
+        Ok(report) => println!("{what}: linearizable: {report:?}"),
+        Err(v) => panic!("{what}: NOT linearizable:\n{v}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn crud_across_three_kns_is_linearizable() {
+    let cluster = Cluster::start(3).await;
+    let load = start_load(&cluster, 4, 24, 250).await;
+    let (history, seen) = load.join().await;
+    assert_eq!(
+        seen.errors.load(Ordering::Relaxed),
+        0,
+        "no error may reach a caller in a healthy cluster"
+    );
+    assert!(seen.ops.load(Ordering::Relaxed) >= 1000);
+    assert_linearizable(&history, "3 KNs");
+    // Every KN served part of the load.
+    let client = cluster.client().await;
+    let map = client.map();
+    for kn in &map.kns {
+        assert!(
+            (0..24).any(|k| map.owner(format!("key{k}").as_bytes()) == Some(kn.id)),
+            "KN {} owns no test key",
+            kn.id
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn map_changes_under_load_reach_no_caller() {
+    let mut cluster = Cluster::start(2).await;
+    let load = start_load(&cluster, 4, 24, 100_000).await;
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let added = cluster.add_kn(2).await;
+    println!("added KN 2: {added:?}");
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let removed = cluster.remove_kn(0).await;
+    println!("removed KN 0: {removed:?}");
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    let (history, seen) = load.finish().await;
+    println!(
+        "ops {} errors {}",
+        seen.ops.load(Ordering::Relaxed),
+        seen.errors.load(Ordering::Relaxed)
+    );
+    assert!(!added.affected.is_empty() && !removed.affected.is_empty());
+    assert!(
+        added.fenced.is_empty() && removed.fenced.is_empty(),
+        "graceful changes fence nobody"
+    );
+    assert_eq!(
+        seen.errors.load(Ordering::Relaxed),
+        0,
+        "a map change must not surface errors to callers"
+    );
+    assert!(seen.ops.load(Ordering::Relaxed) > 200);
+    assert_linearizable(&history, "add KN 2, then remove KN 0");
+    // The data is all there after the changes.
+    let client = cluster.client().await;
+    assert_eq!(
+        client.map().kns.iter().map(|k| k.id).collect::<Vec<_>>(),
+        vec![1, 2]
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kn_killed_under_load_loses_no_acknowledged_write() {
+    let mut cluster = Cluster::start(3).await;
+    let load = start_load(&cluster, 4, 24, 100_000).await;
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    cluster.kns.get_mut(&1).unwrap().kill9();
+    let t = std::time::Instant::now();
+    let r = cluster.remove_kn(1).await;
+    println!("failover of KN 1 in {:?}: {r:?}", t.elapsed());
+    assert_eq!(r.fenced, vec![1], "the dead KN is fenced");
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let (history, seen) = load.finish().await;
+    println!(
+        "ops {} errors {} (unknown outcome {})",
+        seen.ops.load(Ordering::Relaxed),
+        seen.errors.load(Ordering::Relaxed),
+        seen.unknown.load(Ordering::Relaxed)
+    );
+    assert!(seen.ops.load(Ordering::Relaxed) > 200);
+    // Acknowledged writes of the dead KN are read back by its successors: the checker sees
+    // every acknowledged write and every later read.
+    assert_linearizable(&history, "KN 1 killed and failed over");
+}

@@ -1,0 +1,390 @@
+//! dinomo-client: the Rust SDK of Dinomo.
+//!
+//! A [`Client`] fetches the cluster map from a routing node, caches it, and sends each request
+//! straight to the KV node that owns the key (computed with the same ring code the KV nodes
+//! use). When a KV node answers WRONG_OWNER, or is unavailable while the cluster reconfigures,
+//! the client refreshes its map and retries with a bounded, jittered backoff until the request's
+//! deadline. A write whose outcome cannot be known (the node or the connection died while it
+//! was in flight) is never retried blindly: it fails with [`ClientError::OutcomeUnknown`].
+//! Clones share the map and the connection pool (one multiplexed HTTP/2 channel per node), so
+//! many concurrent calls from one client are pipelined on few connections.
+//!
+//! ```no_run
+//! # async fn demo() -> Result<(), dinomo_client::ClientError> {
+//! use dinomo_client::Client;
+//! let client = Client::connect(&["127.0.0.1:7900"]).await?;
+//! client.put("greeting", "hello").await?;
+//! assert_eq!(client.get("greeting").await?.as_deref(), Some(&b"hello"[..]));
+//! client.insert("counter", "0").await?; // AlreadyExists if it is there
+//! client.update("counter", "1").await?; // NotFound if it is not
+//! assert!(client.delete("counter").await?);
+//! let results = client
+//!     .batch(vec![dinomo_client::Op::get("greeting"), dinomo_client::Op::put("k", "v")])
+//!     .await?;
+//! assert_eq!(results.len(), 2);
+//! # Ok(()) }
+//! ```
+
+pub mod admin;
+mod error;
+
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use dinomo_placement::ClusterMap;
+use dinomo_proto::kv as pb;
+use dinomo_proto::kv::kv_service_client::KvServiceClient;
+use dinomo_proto::routing::routing_service_client::RoutingServiceClient;
+use dinomo_proto::routing::GetClusterMapRequest;
+use parking_lot::{Mutex, RwLock};
+use tonic::transport::{Channel, Endpoint};
+use tonic::Code;
+
+pub use error::{ClientError, Result};
+
+/// Settings of a client.
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    /// Routing nodes (host:port); tried in turn.
+    pub routing: Vec<String>,
+    /// How long one call may keep retrying.
+    pub deadline: Duration,
+    /// First retry delay; doubles up to `max_backoff`, with jitter.
+    pub min_backoff: Duration,
+    pub max_backoff: Duration,
+    /// Per-attempt RPC timeout.
+    pub rpc_timeout: Duration,
+}
+
+impl ClientConfig {
+    pub fn new(routing: &[impl AsRef<str>]) -> Self {
+        ClientConfig {
+            routing: routing.iter().map(|r| r.as_ref().to_string()).collect(),
+            deadline: Duration::from_secs(10),
+            min_backoff: Duration::from_millis(2),
+            max_backoff: Duration::from_millis(200),
+            rpc_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// One operation of a [`Client::batch`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Op {
+    Get(Bytes),
+    Put(Bytes, Bytes),
+    Insert(Bytes, Bytes),
+    Update(Bytes, Bytes),
+    Delete(Bytes),
+}
+
+impl Op {
+    pub fn get(k: impl Into<Bytes>) -> Op {
+        Op::Get(k.into())
+    }
+    pub fn put(k: impl Into<Bytes>, v: impl Into<Bytes>) -> Op {
+        Op::Put(k.into(), v.into())
+    }
+    pub fn key(&self) -> &Bytes {
+        match self {
+            Op::Get(k) | Op::Put(k, _) | Op::Insert(k, _) | Op::Update(k, _) | Op::Delete(k) => k,
+        }
+    }
+    fn idempotent(&self) -> bool {
+        matches!(self, Op::Get(_))
+    }
+    fn to_request(&self, id: u64) -> pb::KvRequest {
+        use pb::kv_request::Op as R;
+        let put = |k: &Bytes, v: &Bytes, mode: pb::PutMode| {
+            R::Put(pb::PutRequest {
+                key: k.to_vec(),
+                value: v.to_vec(),
+                mode: mode as i32,
+            })
+        };
+        let op = match self {
+            Op::Get(k) => R::Get(pb::GetRequest { key: k.to_vec() }),
+            Op::Put(k, v) => put(k, v, pb::PutMode::Upsert),
+            Op::Insert(k, v) => put(k, v, pb::PutMode::Insert),
+            Op::Update(k, v) => put(k, v, pb::PutMode::Update),
+            Op::Delete(k) => R::Delete(pb::DeleteRequest { key: k.to_vec() }),
+        };
+        pb::KvRequest { id, op: Some(op) }
+    }
+}
+
+/// What an operation returned: a value for Get (None = not found), `true`/`false` for Delete
+/// (whether it existed) as `Some(empty)`/`None`, and `None` for writes.
+pub type OpResult = Result<Option<Bytes>>;
+
+#[derive(Debug)]
+struct Shared {
+    cfg: ClientConfig,
+    /// None only until `connect` has fetched the first map.
+    map: RwLock<Option<Arc<ClusterMap>>>,
+    routing: Mutex<(usize, HashMap<String, RoutingServiceClient<Channel>>)>,
+    nodes: Mutex<HashMap<String, KvServiceClient<Channel>>>,
+}
+
+/// A Dinomo client. Cheap to clone; clones share the map and the connections.
+#[derive(Debug, Clone)]
+pub struct Client {
+    shared: Arc<Shared>,
+}
+
+fn channel(endpoint: &str, timeout: Duration) -> Result<Channel> {
+    let uri = if endpoint.starts_with("http") {
+        endpoint.to_string()
+    } else {
+        format!("http://{endpoint}")
+    };
+    Ok(Endpoint::from_shared(uri)
+        .map_err(|e| ClientError::InvalidArgument(format!("bad endpoint {endpoint:?}: {e}")))?
+        .connect_timeout(Duration::from_secs(2))
+        .timeout(timeout)
+        .tcp_nodelay(true)
+        .connect_lazy())
+}
+
+/// Was this status produced by a KV node (not by the transport)?
+fn from_kn(s: &tonic::Status) -> bool {
+    s.metadata().get(dinomo_proto::KN_ANSWER_TRAILER).is_some()
+}
+
+/// A transport failure that happened before the request could reach the node.
+fn never_sent(s: &tonic::Status) -> bool {
+    let m = s.message().to_ascii_lowercase();
+    let src = format!("{:?}", s).to_ascii_lowercase();
+    m.contains("connect") || src.contains("connection refused") || src.contains("connecterror")
+}
+
+impl Client {
+    /// Connects through the routing nodes at `routing` (host:port) with default settings.
+    pub async fn connect(routing: &[impl AsRef<str>]) -> Result<Client> {
+        Self::connect_with(ClientConfig::new(routing)).await
+    }
+
+    pub async fn connect_with(cfg: ClientConfig) -> Result<Client> {
+        if cfg.routing.is_empty() {
+            return Err(ClientError::InvalidArgument("no routing node given".into()));
+        }
+        let mut routing = HashMap::new();
+        for r in &cfg.routing {
+            routing.insert(
+                r.clone(),
+                RoutingServiceClient::new(channel(r, cfg.rpc_timeout)?),
+            );
+        }
+        let client = Client {
+            shared: Arc::new(Shared {
+                map: RwLock::new(None),
+                routing: Mutex::new((0, routing)),
+                nodes: Mutex::new(HashMap::new()),
+                cfg,
+            }),
+        };
+        let start = Instant::now();
+        let mut last = String::new();
+        while start.elapsed() < client.shared.cfg.deadline {
+            match client.refresh_map(None).await {
+                Ok(()) => return Ok(client),
+                Err(e) => last = e.to_string(),
+            }
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Err(ClientError::NoMap(last))
+    }
+
+    /// The cluster map in use.
+    pub fn map(&self) -> Arc<ClusterMap> {
+        self.shared
+            .map
+            .read()
+            .clone()
+            .expect("connect fetched a map")
+    }
+
+    /// Fetches the map from a routing node (waiting briefly for one newer than `newer_than`).
+    pub async fn refresh_map(&self, newer_than: Option<u64>) -> Result<()> {
+        let n = self.shared.cfg.routing.len();
+        let mut last = String::new();
+        for _ in 0..n {
+            let (name, mut rc) = {
+                let g = self.shared.routing.lock();
+                let i = g.0 % n;
+                let name = self.shared.cfg.routing[i].clone();
+                (name.clone(), g.1.get(&name).expect("registered").clone())
+            };
+            match rc
+                .get_cluster_map(GetClusterMapRequest { newer_than })
+                .await
+            {
+                Ok(r) => {
+                    let r = r.into_inner();
+                    let map = ClusterMap::decode(&r.map)
+                        .map_err(|e| ClientError::NoMap(format!("{name}: {e}")))?;
+                    let mut cur = self.shared.map.write();
+                    if cur.as_ref().is_none_or(|c| map.version > c.version) {
+                        *cur = Some(Arc::new(map));
+                    }
+                    return Ok(());
+                }
+                Err(e) => {
+                    last = format!("{name}: {}", e.message());
+                    self.shared.routing.lock().0 += 1;
+                }
+            }
+        }
+        Err(ClientError::NoMap(last))
+    }
+
+    fn node(&self, endpoint: &str) -> Result<KvServiceClient<Channel>> {
+        let mut nodes = self.shared.nodes.lock();
+        if let Some(c) = nodes.get(endpoint) {
+            return Ok(c.clone());
+        }
+        let c = KvServiceClient::new(channel(endpoint, self.shared.cfg.rpc_timeout)?)
+            .max_decoding_message_size(64 << 20);
+        nodes.insert(endpoint.to_string(), c.clone());
+        Ok(c)
+    }
+
+    /// Runs one operation at the key's owner, retrying as the module doc says.
+    async fn execute(&self, op: Op) -> OpResult {
+        let cfg = &self.shared.cfg;
+        let start = Instant::now();
+        let mut backoff = cfg.min_backoff;
+        let mut attempts = 0u32;
+        loop {
+            attempts += 1;
+            let map = self.map();
+            let last = match map
+                .owner(op.key())
+                .and_then(|kn| map.endpoint(kn).map(str::to_string))
+            {
+                None => format!("no KV node owns the key under map version {}", map.version),
+                Some(endpoint) => {
+                    let mut node = self.node(&endpoint)?;
+                    let r = node
+                        .batch(pb::BatchRequest {
+                            requests: vec![op.to_request(0)],
+                        })
+                        .await;
+                    match r {
+                        Ok(resp) => {
+                            let Some(x) = resp.into_inner().responses.pop() else {
+                                return Err(ClientError::Other("empty batch response".into()));
+                            };
+                            match Code::from_i32(x.code) {
+                                Code::Ok => {
+                                    return Ok(match op {
+                                        Op::Get(_) => Some(Bytes::from(x.value)),
+                                        Op::Delete(_) => Some(Bytes::new()),
+                                        _ => None,
+                                    })
+                                }
+                                Code::NotFound => {
+                                    return match op {
+                                        Op::Get(_) | Op::Delete(_) => Ok(None),
+                                        _ => Err(ClientError::NotFound),
+                                    }
+                                }
+                                Code::AlreadyExists => return Err(ClientError::AlreadyExists),
+                                Code::InvalidArgument => {
+                                    return Err(ClientError::InvalidArgument(x.message))
+                                }
+                                Code::Unknown if !op.idempotent() => {
+                                    return Err(ClientError::OutcomeUnknown(x.message))
+                                }
+                                Code::FailedPrecondition => {
+                                    let _ = self.refresh_map(Some(map.version)).await;
+                                    x.message
+                                }
+                                _ => x.message,
+                            }
+                        }
+                        Err(s) if from_kn(&s) => match s.code() {
+                            Code::InvalidArgument | Code::NotFound | Code::AlreadyExists => {
+                                return Err(ClientError::from_final_status(&s))
+                            }
+                            _ => s.message().to_string(),
+                        },
+                        Err(s) => {
+                            // Transport failure: a write may or may not have been applied,
+                            // unless it never left this process.
+                            if !op.idempotent() && !never_sent(&s) {
+                                return Err(ClientError::OutcomeUnknown(format!(
+                                    "{endpoint}: {}",
+                                    s.message()
+                                )));
+                            }
+                            let _ = self.refresh_map(None).await;
+                            format!("{endpoint}: {}", s.message())
+                        }
+                    }
+                }
+            };
+            if start.elapsed() >= cfg.deadline {
+                return Err(ClientError::DeadlineExceeded { attempts, last });
+            }
+            let jitter = rand::random::<f64>() * 0.5 + 0.75;
+            tokio::time::sleep(
+                backoff
+                    .mul_f64(jitter)
+                    .min(cfg.deadline.saturating_sub(start.elapsed())),
+            )
+            .await;
+            backoff = (backoff * 2).min(cfg.max_backoff);
+        }
+    }
+
+    /// The value of `key`, or `None` if it does not exist.
+    pub async fn get(&self, key: impl Into<Bytes>) -> Result<Option<Bytes>> {
+        self.execute(Op::Get(key.into())).await
+    }
+
+    /// Creates or replaces.
+    pub async fn put(&self, key: impl Into<Bytes>, value: impl Into<Bytes>) -> Result<()> {
+        self.execute(Op::Put(key.into(), value.into()))
+            .await
+            .map(|_| ())
+    }
+
+    /// Creates; [`ClientError::AlreadyExists`] if the key exists.
+    pub async fn insert(&self, key: impl Into<Bytes>, value: impl Into<Bytes>) -> Result<()> {
+        self.execute(Op::Insert(key.into(), value.into()))
+            .await
+            .map(|_| ())
+    }
+
+    /// Replaces; [`ClientError::NotFound`] if the key does not exist.
+    pub async fn update(&self, key: impl Into<Bytes>, value: impl Into<Bytes>) -> Result<()> {
+        self.execute(Op::Update(key.into(), value.into()))
+            .await
+            .map(|_| ())
+    }
+
+    /// Deletes; returns whether the key existed.
+    pub async fn delete(&self, key: impl Into<Bytes>) -> Result<bool> {
+        self.execute(Op::Delete(key.into()))
+            .await
+            .map(|r| r.is_some())
+    }
+
+    /// Runs several operations, concurrently across keys (each with the retry rules of a single
+    /// call); results come back in order. Operations on the same key run in the order given.
+    pub async fn batch(&self, ops: Vec<Op>) -> Result<Vec<OpResult>> {
+        let mut seen = std::collections::HashSet::new();
+        if ops.iter().all(|o| seen.insert(o.key().clone())) {
+            Ok(futures::future::join_all(ops.into_iter().map(|op| self.execute(op))).await)
+        } else {
+            let mut out = Vec::with_capacity(ops.len());
+            for op in ops {
+                out.push(self.execute(op).await);
+            }
+            Ok(out)
+        }
+    }
+}

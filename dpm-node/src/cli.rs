@@ -1,0 +1,111 @@
+//! The dpm-node's command line (flags, config file, environment) -> [`crate::server::run`].
+//! Used by the `dpm-node` binary and by `dinomo dpm-node`.
+
+use std::path::PathBuf;
+
+use crate::config::DpmConfigFile;
+use anyhow::Context;
+use clap::Parser;
+
+/// The Dinomo DPM node: owns the persistent-memory pool, merges KV-node logs into the index,
+/// collects garbage and keeps cluster metadata.
+#[derive(Debug, Clone, Parser)]
+#[command(version, about, long_about = None)]
+pub struct Args {
+    /// Configuration file (TOML; see config/dpm-node.toml). Without it, defaults apply.
+    #[arg(long, short, env = "DINOMO_DPM_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// Pool file (overrides pool_path).
+    #[arg(long, env = "DINOMO_DPM_POOL")]
+    pub pool: Option<PathBuf>,
+    /// Size of a new pool, e.g. 1GiB (overrides pool_size).
+    #[arg(long, env = "DINOMO_DPM_POOL_SIZE")]
+    pub pool_size: Option<String>,
+    /// gRPC address (overrides listen).
+    #[arg(long, env = "DINOMO_DPM_LISTEN")]
+    pub listen: Option<String>,
+    /// Fabric NIC address (overrides fabric_listen).
+    #[arg(long, env = "DINOMO_DPM_FABRIC_LISTEN")]
+    pub fabric_listen: Option<String>,
+    /// shm or tcp (overrides fabric).
+    #[arg(long, env = "DINOMO_DPM_FABRIC")]
+    pub fabric: Option<String>,
+    /// Metrics address, "" to disable (overrides metrics_listen).
+    #[arg(long, env = "DINOMO_DPM_METRICS_LISTEN")]
+    pub metrics_listen: Option<String>,
+    /// Merge worker threads (overrides merge_workers).
+    #[arg(long, env = "DINOMO_DPM_MERGE_WORKERS")]
+    pub merge_workers: Option<usize>,
+    /// Print "READY grpc=<addr> fabric=<addr>" on stdout once serving (for harnesses).
+    #[arg(long)]
+    pub print_ready: bool,
+}
+
+/// Initialises logging to stderr (DINOMO_LOG, an EnvFilter string; default info).
+pub fn init_tracing() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("DINOMO_LOG")
+                .unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .try_init()
+        .ok();
+}
+
+/// Runs the node with these arguments until SIGINT or SIGTERM.
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    let mut file = match &args.config {
+        Some(p) => DpmConfigFile::from_toml(
+            &std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
+        )
+        .with_context(|| format!("parsing {}", p.display()))?,
+        None => DpmConfigFile::default(),
+    };
+    if let Some(v) = args.pool {
+        file.pool_path = v;
+    }
+    if let Some(v) = args.pool_size {
+        file.pool_size = v;
+    }
+    if let Some(v) = args.listen {
+        file.listen = v;
+    }
+    if let Some(v) = args.fabric_listen {
+        file.fabric_listen = v;
+    }
+    if let Some(v) = args.fabric {
+        file.fabric = v;
+    }
+    if let Some(v) = args.metrics_listen {
+        file.metrics_listen = v;
+    }
+    if let Some(v) = args.merge_workers {
+        file.merge_workers = v;
+    }
+    let config = file.validate().context("invalid configuration")?;
+    if let Some(addr) = config.metrics_listen {
+        metrics_exporter_prometheus::PrometheusBuilder::new()
+            .with_http_listener(addr)
+            .install()
+            .with_context(|| format!("starting the metrics endpoint on {addr}"))?;
+        tracing::info!(%addr, "metrics at http://{addr}/metrics");
+    }
+    let print_ready = args.print_ready;
+    let shutdown = async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("SIGTERM handler");
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        tracing::info!("shutting down");
+    };
+    crate::server::run(config, shutdown, |r| {
+        if print_ready {
+            println!("READY grpc={} fabric={}", r.grpc, r.fabric);
+        }
+    })
+    .await?;
+    Ok(())
+}

@@ -1,0 +1,114 @@
+//! The kv-node's command line (flags, config file, environment) -> [`crate::server::run`].
+//! Used by the `kv-node` binary and by `dinomo kv-node`.
+
+use std::path::PathBuf;
+
+use crate::config::KnConfigFile;
+use anyhow::Context;
+use clap::Parser;
+
+/// A Dinomo KV node: owns key ranges, caches values and shortcuts (DAC), and writes batched
+/// logs to the dpm-node with one-sided operations.
+#[derive(Debug, Clone, Parser)]
+#[command(version, about, long_about = None)]
+pub struct Args {
+    /// Configuration file (TOML; see config/kv-node.toml). Without it, defaults apply.
+    #[arg(long, short, env = "DINOMO_KN_CONFIG")]
+    pub config: Option<PathBuf>,
+    /// KN id to register as (overrides kn_id).
+    #[arg(long, env = "DINOMO_KN_ID")]
+    pub kn_id: Option<u32>,
+    /// KvService address (overrides listen).
+    #[arg(long, env = "DINOMO_KN_LISTEN")]
+    pub listen: Option<String>,
+    /// dpm-node gRPC address (overrides dpm).
+    #[arg(long, env = "DINOMO_KN_DPM")]
+    pub dpm: Option<String>,
+    /// Worker shards (overrides shards).
+    #[arg(long, env = "DINOMO_KN_SHARDS")]
+    pub shards: Option<u32>,
+    /// Cache size, e.g. 64MiB (overrides cache_size).
+    #[arg(long, env = "DINOMO_KN_CACHE_SIZE")]
+    pub cache_size: Option<String>,
+    /// dac | shortcut-only | value-only | static-N (overrides cache_policy).
+    #[arg(long, env = "DINOMO_KN_CACHE_POLICY")]
+    pub cache_policy: Option<String>,
+    /// Metrics address, "" to disable (overrides metrics_listen).
+    #[arg(long, env = "DINOMO_KN_METRICS_LISTEN")]
+    pub metrics_listen: Option<String>,
+    /// Print "READY addr=<addr> kn=<id>" on stdout once serving (for harnesses).
+    #[arg(long)]
+    pub print_ready: bool,
+}
+
+/// Initialises logging to stderr (DINOMO_LOG, an EnvFilter string; default info).
+pub fn init_tracing() {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("DINOMO_LOG")
+                .unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .try_init()
+        .ok();
+}
+
+/// Runs the node with these arguments until SIGINT or SIGTERM.
+pub async fn run(args: Args) -> anyhow::Result<()> {
+    let mut file = match &args.config {
+        Some(p) => KnConfigFile::from_toml(
+            &std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
+        )
+        .map_err(anyhow::Error::msg)
+        .with_context(|| format!("parsing {}", p.display()))?,
+        None => KnConfigFile::default(),
+    };
+    if args.kn_id.is_some() {
+        file.kn_id = args.kn_id;
+    }
+    if let Some(v) = args.listen {
+        file.listen = v;
+    }
+    if let Some(v) = args.dpm {
+        file.dpm = v;
+    }
+    if let Some(v) = args.shards {
+        file.shards = v;
+    }
+    if let Some(v) = args.cache_size {
+        file.cache_size = v;
+    }
+    if let Some(v) = args.cache_policy {
+        file.cache_policy = v;
+    }
+    if let Some(v) = args.metrics_listen {
+        file.metrics_listen = v;
+    }
+    let config = file
+        .validate()
+        .map_err(anyhow::Error::msg)
+        .context("invalid configuration")?;
+    if let Some(addr) = config.metrics_listen {
+        metrics_exporter_prometheus::PrometheusBuilder::new()
+            .with_http_listener(addr)
+            .install()
+            .with_context(|| format!("starting the metrics endpoint on {addr}"))?;
+    }
+    let print_ready = args.print_ready;
+    let shutdown = async {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("SIGTERM handler");
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        tracing::info!("shutting down");
+    };
+    crate::server::run(config, shutdown, |r| {
+        if print_ready {
+            println!("READY addr={} kn={} epoch={}", r.addr, r.kn_id, r.epoch);
+        }
+    })
+    .await?;
+    Ok(())
+}

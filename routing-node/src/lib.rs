@@ -1,0 +1,165 @@
+//! dinomo-routing-node: serves the cluster map to clients. Stateless: the map of record is the
+//! DPM's metadata "cluster/map", polled every `poll` (and any number of routing nodes can run).
+//! `GetClusterMap` answers with the newest map seen; `WatchClusterMap` streams each newer one.
+//!
+//! Invariant: the served version never goes backwards (a poll that returns an older or equal
+//! version is ignored).
+
+pub mod cli;
+
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::time::Duration;
+
+use dinomo_placement::ClusterMap;
+use dinomo_proto::dpm::dpm_service_client::DpmServiceClient;
+use dinomo_proto::dpm::GetMetadataRequest;
+use dinomo_proto::routing as pb;
+use dinomo_proto::routing::routing_service_server::{RoutingService, RoutingServiceServer};
+use tokio::sync::watch;
+use tokio_stream::Stream;
+use tonic::{Request, Response, Status};
+
+/// The metadata name of the cluster map of record.
+pub const CLUSTER_MAP_KEY: &str = "cluster/map";
+
+/// The newest map known: (version, encoded map). Version 0 = none published yet.
+type Current = (u64, Vec<u8>);
+
+#[derive(Debug, Clone)]
+pub struct Routing {
+    current: watch::Receiver<Current>,
+}
+
+/// Polls the DPM for the map of record and publishes newer versions on `tx`.
+pub async fn poll_dpm(dpm: String, poll: Duration, tx: watch::Sender<Current>) {
+    let mut client: Option<DpmServiceClient<tonic::transport::Channel>> = None;
+    let mut warned = false;
+    loop {
+        if client.is_none() {
+            client = DpmServiceClient::connect(dpm.clone()).await.ok();
+        }
+        if let Some(c) = client.as_mut() {
+            match c
+                .get_metadata(GetMetadataRequest {
+                    name: CLUSTER_MAP_KEY.into(),
+                })
+                .await
+            {
+                Ok(r) => {
+                    warned = false;
+                    if let Some(bytes) = r.into_inner().value {
+                        match ClusterMap::decode(&bytes) {
+                            Ok(m) if m.version > tx.borrow().0 => {
+                                tracing::info!(
+                                    version = m.version,
+                                    kns = m.kns.len(),
+                                    "serving a new cluster map"
+                                );
+                                metrics::gauge!("dinomo_routing_map_version").set(m.version as f64);
+                                let _ = tx.send((m.version, bytes));
+                            }
+                            Ok(_) => {}
+                            Err(e) => {
+                                tracing::warn!(error = %e, "the published cluster map does not decode")
+                            }
+                        }
+                    }
+                }
+                Err(e) => {
+                    if !warned {
+                        tracing::warn!(error = %e, %dpm, "cannot read the cluster map from the DPM; retrying");
+                        warned = true;
+                    }
+                    client = None;
+                }
+            }
+        }
+        tokio::time::sleep(poll).await;
+    }
+}
+
+type MapStream = Pin<Box<dyn Stream<Item = Result<pb::ClusterMapReply, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl RoutingService for Routing {
+    async fn get_cluster_map(
+        &self,
+        req: Request<pb::GetClusterMapRequest>,
+    ) -> Result<Response<pb::ClusterMapReply>, Status> {
+        let mut rx = self.current.clone();
+        if let Some(v) = req.into_inner().newer_than {
+            let _ = tokio::time::timeout(Duration::from_secs(3), rx.wait_for(|c| c.0 > v)).await;
+        }
+        let (version, map) = rx.borrow().clone();
+        if version == 0 {
+            return Err(Status::unavailable(
+                "no cluster map has been published yet; retry shortly",
+            ));
+        }
+        metrics::counter!("dinomo_routing_map_requests_total").increment(1);
+        Ok(Response::new(pb::ClusterMapReply { version, map }))
+    }
+
+    type WatchClusterMapStream = MapStream;
+
+    async fn watch_cluster_map(
+        &self,
+        req: Request<pb::WatchClusterMapRequest>,
+    ) -> Result<Response<Self::WatchClusterMapStream>, Status> {
+        let mut known = req.into_inner().known_version;
+        let mut rx = self.current.clone();
+        let stream = async_stream(move |tx| async move {
+            loop {
+                let next = { rx.borrow_and_update().clone() };
+                if next.0 > known {
+                    known = next.0;
+                    if tx
+                        .send(Ok(pb::ClusterMapReply {
+                            version: next.0,
+                            map: next.1,
+                        }))
+                        .await
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+                if rx.changed().await.is_err() {
+                    return;
+                }
+            }
+        });
+        Ok(Response::new(stream))
+    }
+}
+
+/// A stream fed by a task through a channel.
+fn async_stream<F, Fut>(f: F) -> MapStream
+where
+    F: FnOnce(tokio::sync::mpsc::Sender<Result<pb::ClusterMapReply, Status>>) -> Fut,
+    Fut: std::future::Future<Output = ()> + Send + 'static,
+{
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    tokio::spawn(f(tx));
+    Box::pin(tokio_stream::wrappers::ReceiverStream::new(rx))
+}
+
+/// Serves RoutingService on `listener` until `shutdown` completes.
+pub async fn run(
+    listener: tokio::net::TcpListener,
+    dpm: String,
+    poll: Duration,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let (tx, rx) = watch::channel((0u64, Vec::new()));
+    let poller = tokio::spawn(poll_dpm(dpm, poll, tx));
+    let addr: SocketAddr = listener.local_addr()?;
+    tracing::info!(%addr, "routing-node serving");
+    let r = tonic::transport::Server::builder()
+        .add_service(RoutingServiceServer::new(Routing { current: rx }))
+        .serve_with_incoming_shutdown(dinomo_proto::nodelay_incoming(listener), shutdown)
+        .await;
+    poller.abort();
+    Ok(r?)
+}
