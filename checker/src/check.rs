@@ -2,7 +2,8 @@
 //! per key is enough and how unknown outcomes are treated).
 //!
 //! Per key, values are interned to `u32` ids (0 = absent) so that a search state is a bitset of
-//! linearized operations plus one `u32`.
+//! linearized operations plus one `u32`. The search itself and its reductions are described on
+//! [`search`] and [`Memo`].
 
 use std::collections::{BTreeMap, HashMap};
 use std::fmt;
@@ -12,11 +13,13 @@ use crate::history::{Bytes, Entry, History, Op, OpId, Outcome, Res};
 /// Tuning for [`check_with`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct CheckOptions {
-    /// Most distinct search states (set of linearized operations, register value) remembered
-    /// for one key before giving up with [`Violation::Undecided`]. Memory is roughly
-    /// `states * (ops_on_the_key / 8 + 64)` bytes. Histories with few concurrent operations per
-    /// key need about one state per operation; each unknown-outcome operation that stays
-    /// concurrent with the rest of the history can double the count.
+    /// Most search states (set of linearized operations, register value) remembered for one
+    /// key before giving up with [`Violation::Undecided`]. Memory is roughly
+    /// `states * (ops_on_the_key / 8 + 100)` bytes, so the default allows about 100 MB for a
+    /// key with a few hundred operations. A linearizable history with little concurrency needs
+    /// about one state per operation; proving a violation needs every state before it, which
+    /// grows with the number of operations concurrent at each point (exponentially in the
+    /// worst case) and with the number of unknown-outcome operations still pending.
     pub max_states_per_key: usize,
 }
 
@@ -184,7 +187,10 @@ pub fn check_with(history: &History, options: &CheckOptions) -> Result<CheckRepo
     check_entries(&history.entries(), options)
 }
 
-/// Like [`check_with`] on entries already taken out of a [`History`] (or built by hand).
+/// Like [`check_with`] on entries already taken out of a [`History`] (or built by hand, e.g. to
+/// replay a history saved by a failed run). Only `op`, `invoke` and `outcome` matter to the
+/// verdict; `id` and `client` label the report. Equal timestamps of different operations are
+/// read as overlapping.
 pub fn check_entries(entries: &[Entry], options: &CheckOptions) -> Result<CheckReport, Violation> {
     let mut by_key: BTreeMap<&[u8], Vec<&Entry>> = BTreeMap::new();
     for e in entries {
@@ -230,7 +236,7 @@ pub fn check_entries(entries: &[Entry], options: &CheckOptions) -> Result<CheckR
 // ---------------------------------------------------------------------------------------------
 // Compilation: one key's entries -> compact operations.
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum Kind {
     Get,
     Put,
@@ -419,44 +425,53 @@ impl Verdict {
     }
 }
 
-/// Memo of explored configurations: (linearized known-outcome ops, state) -> the minimal sets
-/// of linearized unknown-outcome ops seen with it.
+/// Memo of explored configurations: (linearized known-outcome ops, state) -> the minimal
+/// (linearized unknown-outcome ops, unknown-outcome run length) pairs seen with it.
 ///
-/// A configuration (K, s, U) is *dominated* by (K, s, U') when U' ⊆ U: whatever completes the
-/// former also completes the latter, because unknown-outcome operations never have a response
-/// that forces them in, so having linearized fewer of them only leaves more options. When the
-/// search ends in failure, every remembered configuration has been explored and failed, so a
-/// dominated one would fail too. Plain Porcupine-style memoization is the special case U = U'.
-/// Without this, each unknown-outcome operation still pending can double the search.
+/// A configuration (K, s, U, r) — r being how many unknown-outcome operations end the current
+/// order, which limits what may follow (see [`search`]) — is *dominated* by (K, s, U', r') when
+/// U' ⊆ U and r' ≤ r: whatever completes the former also completes the latter, because
+/// unknown-outcome operations never have a response that forces them in, so having linearized
+/// fewer of them only leaves more options (and the symmetry rule of [`search`] can be restored
+/// by swapping interchangeable operations). When the search ends in failure, every remembered
+/// configuration has been explored and failed, so a dominated one would fail too. Plain
+/// Porcupine-style memoization is the special case U = U', r = r'. Without this, each
+/// unknown-outcome operation still pending could double the search.
 #[derive(Debug, Default)]
 struct Memo {
-    map: HashMap<(Vec<u64>, u32), Vec<Vec<u64>>>,
+    map: HashMap<(Vec<u64>, u32), Vec<UnknownPart>>,
     /// Configurations inserted so far (the explored-states count and the bound).
     inserted: usize,
 }
+
+/// (linearized unknown-outcome ops, length of the unknown-outcome run ending the order)
+type UnknownPart = (Vec<u64>, u8);
 
 fn is_subset(a: &[u64], b: &[u64]) -> bool {
     a.iter().zip(b).all(|(x, y)| x & !y == 0)
 }
 
 impl Memo {
-    /// Remembers (known, state, unknown); false if it is dominated by one already remembered.
-    fn visit(&mut self, known: &mut Vec<u64>, state: u32, unknown: &[u64]) -> bool {
+    /// Remembers the configuration; false if one already remembered dominates it.
+    fn visit(&mut self, known: &mut Vec<u64>, state: u32, unknown: &[u64], run: u8) -> bool {
         // Look up without allocating: lend the bitset to the key, then take it back.
         let key = (std::mem::take(known), state);
         let fresh = match self.map.get_mut(&key) {
             Some(minimal) => {
-                if minimal.iter().any(|u| is_subset(u, unknown)) {
+                if minimal
+                    .iter()
+                    .any(|(u, r)| *r <= run && is_subset(u, unknown))
+                {
                     false
                 } else {
-                    minimal.retain(|u| !is_subset(unknown, u));
-                    minimal.push(unknown.to_vec());
+                    minimal.retain(|(u, r)| !(run <= *r && is_subset(unknown, u)));
+                    minimal.push((unknown.to_vec(), run));
                     true
                 }
             }
             None => {
                 self.map
-                    .insert((key.0.clone(), state), vec![unknown.to_vec()]);
+                    .insert((key.0.clone(), state), vec![(unknown.to_vec(), run)]);
                 true
             }
         };
@@ -499,12 +514,31 @@ struct Event {
 /// operations left out of the run stay available later or are omitted, and real time cannot
 /// object because an unknown-outcome operation never has to precede anything. Without this,
 /// every subset of the pending unknown-outcome operations could be tried at every step.
+///
+/// And a symmetry: unknown-outcome operations of the same kind with the same value are
+/// interchangeable once all of them have been invoked, so only the earliest-invoked one not yet
+/// linearized is ever tried (any linearization can swap which of them it uses at each point).
+/// The linearized ones of each class are then always its first k, which keeps the number of
+/// distinct configurations down when many such operations are pending.
 fn search(ops: &[COp<'_>], max_states: usize) -> Verdict {
     let n = ops.len();
     let is_unknown = |i: usize| ops[i].ret == u64::MAX;
     let mut known_left = (0..n).filter(|&i| !is_unknown(i)).count();
     if known_left == 0 {
         return Verdict::Linearizable { states: 0 };
+    }
+    // Unknown-outcome operations of the same kind writing the same value are interchangeable
+    // once invoked; only the earliest-invoked one not yet linearized is tried (see below).
+    let mut class_pred = vec![usize::MAX; n];
+    {
+        let mut last_of_class: HashMap<(Kind, u32), usize> = HashMap::new();
+        let mut by_invoke: Vec<usize> = (0..n).filter(|&i| is_unknown(i)).collect();
+        by_invoke.sort_by_key(|&i| ops[i].invoke);
+        for i in by_invoke {
+            if let Some(p) = last_of_class.insert((ops[i].kind, ops[i].arg), i) {
+                class_pred[i] = p;
+            }
+        }
     }
     // Separate bit numbering for known- and unknown-outcome operations.
     let mut bit = vec![0usize; n];
@@ -516,20 +550,23 @@ fn search(ops: &[COp<'_>], max_states: usize) -> Verdict {
     }
 
     // Node 0 is the head sentinel; events are nodes 1..=2n; NIL marks the end.
-    let mut order: Vec<(u64, usize, bool)> = Vec::with_capacity(2 * n);
+    // (time, 0 = call / 1 = return, op). Recorded stamps are unique except u64::MAX (returns
+    // only); hand-built entries may tie, and then calls go first: simultaneous = concurrent,
+    // the permissive reading.
+    let mut order: Vec<(u64, u8, usize)> = Vec::with_capacity(2 * n);
     for (i, o) in ops.iter().enumerate() {
-        order.push((o.invoke, i, true));
-        order.push((o.ret, i, false));
+        order.push((o.invoke, 0, i));
+        order.push((o.ret, 1, i));
     }
-    // Stamps are unique except u64::MAX; among those (all returns) any order will do.
     order.sort_unstable();
     let mut events = vec![Event { op: 0, call: false }; 2 * n + 1];
     let mut call_node = vec![0; n];
     let mut ret_node = vec![0; n];
     let mut next = vec![NIL; 2 * n + 1];
     let mut prev = vec![NIL; 2 * n + 1];
-    for (pos, &(_, op, call)) in order.iter().enumerate() {
+    for (pos, &(_, kind, op)) in order.iter().enumerate() {
         let node = pos + 1;
+        let call = kind == 0;
         events[node] = Event { op, call };
         if call {
             call_node[op] = node;
@@ -561,7 +598,7 @@ fn search(ops: &[COp<'_>], max_states: usize) -> Verdict {
         set[bit[op] / 64] ^= 1 << (bit[op] % 64);
     };
     let mut memo = Memo::default();
-    memo.visit(&mut known, 0, &unknown);
+    memo.visit(&mut known, 0, &unknown, 0);
     // (operation linearized, state before it)
     let mut stack: Vec<(usize, u32)> = Vec::new();
     let mut state = 0u32;
@@ -575,13 +612,28 @@ fn search(ops: &[COp<'_>], max_states: usize) -> Verdict {
         debug_assert!(entry != NIL, "a known return always ends a scan");
         let Event { op, call } = events[entry];
         if call {
-            // At most two unknown-outcome operations in a row (see the doc comment).
-            let chain_full =
-                || stack.len() >= 2 && stack[stack.len() - 2..].iter().all(|&(i, _)| is_unknown(i));
-            if is_unknown(op) == unknown_phase && !(unknown_phase && chain_full()) {
+            // How many unknown-outcome operations end the order so far; at most two in a row
+            // (see the doc comment).
+            let run = || {
+                stack
+                    .iter()
+                    .rev()
+                    .take(2)
+                    .take_while(|&&(i, _)| is_unknown(i))
+                    .count() as u8
+            };
+            let chain_full = || run() >= 2;
+            let first_of_class = || {
+                let p = class_pred[op];
+                p == usize::MAX || unknown[bit[p] / 64] & (1 << (bit[p] % 64)) != 0
+            };
+            if is_unknown(op) == unknown_phase
+                && !(unknown_phase && (chain_full() || !first_of_class()))
+            {
                 if let Some(new_state) = step(state, &ops[op]) {
                     flip(&mut known, &mut unknown, op);
-                    if memo.visit(&mut known, new_state, &unknown) {
+                    let new_run = if is_unknown(op) { run() + 1 } else { 0 };
+                    if memo.visit(&mut known, new_state, &unknown, new_run) {
                         if memo.inserted > max_states {
                             return Verdict::Undecided { states: max_states };
                         }
@@ -758,8 +810,8 @@ fn obvious_reading(op: COp<'_>, state: Option<&[u8]>) -> Option<String> {
              in between (a lost write?)"
         }
         (Kind::Get, Expect::Value(_), _) => {
-            "the get returned a value that was not current at any point of its interval in any \
-             order that got this far (a stale or lost write?)"
+            "the get returned a value the key did not hold at that point of the furthest order, \
+             and no pending write could change that in time (a stale read or a lost write?)"
         }
         _ => return None,
     };

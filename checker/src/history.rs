@@ -29,6 +29,11 @@ impl OpId {
     pub fn index(self) -> usize {
         self.0
     }
+
+    /// For entries built by hand (see [`crate::check_entries`]).
+    pub fn from_index(index: usize) -> Self {
+        Self(index)
+    }
 }
 
 impl fmt::Display for OpId {

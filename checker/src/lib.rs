@@ -4,7 +4,7 @@
 //! Clients record each operation with a [`History`]: [`History::invoke`] before sending the
 //! request, then [`History::complete`] with the response, or [`History::complete_unknown`] when
 //! they cannot tell whether it took effect (timeout, lost connection, UNAVAILABLE after the
-//! request may have been applied). [`check`] then decides whether some total order of the
+//! request may have been applied). [`check()`] then decides whether some total order of the
 //! operations exists that (1) respects real time: an operation that completed before another
 //! was invoked comes first, and (2) is a legal sequential execution of a map from keys to
 //! values where a key may be absent (the initial state).
@@ -23,9 +23,15 @@
 //! memoization of (set of linearized operations, register value) as in Porcupine: an
 //! operation is linearized only when the walk through time reaches its invocation, a response
 //! reached before its operation was linearized forces a backtrack, and a configuration already
-//! explored is never explored again (it failed before, or it would have ended the search). The
-//! number of distinct configurations is bounded by [`CheckOptions::max_states_per_key`]; past it
-//! the answer is [`Violation::Undecided`], never a pass.
+//! explored is never explored again (it failed before, or it would have ended the search).
+//! Unknown outcomes get three sound reductions so that pending ones do not multiply the search:
+//! a configuration is also skipped when one explored before had linearized a subset of the same
+//! unknown-outcome operations (dominance); at most two unknown-outcome operations are
+//! linearized in a row (any run of them reaches a register value that a sub-run of two also
+//! reaches); and among pending unknown-outcome operations of the same kind and value, only the
+//! earliest invoked is tried (they are interchangeable). The number of remembered
+//! configurations is bounded by [`CheckOptions::max_states_per_key`]; past it the answer is
+//! [`Violation::Undecided`], never a pass.
 //!
 //! # Outcomes
 //!
