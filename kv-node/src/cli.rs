@@ -41,16 +41,9 @@ pub struct Args {
     pub print_ready: bool,
 }
 
-/// Initialises logging to stderr (DINOMO_LOG, an EnvFilter string; default info).
+/// Initialises logging to stderr (see [`dinomo_node_common::init_tracing`]).
 pub fn init_tracing() {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("DINOMO_LOG")
-                .unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .try_init()
-        .ok();
+    dinomo_node_common::init_tracing();
 }
 
 /// Runs the node with these arguments until SIGINT or SIGTERM.
@@ -88,22 +81,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         .validate()
         .map_err(anyhow::Error::msg)
         .context("invalid configuration")?;
-    if let Some(addr) = config.metrics_listen {
-        metrics_exporter_prometheus::PrometheusBuilder::new()
-            .with_http_listener(addr)
-            .install()
-            .with_context(|| format!("starting the metrics endpoint on {addr}"))?;
-    }
+    dinomo_node_common::install_metrics(config.metrics_listen)?;
     let print_ready = args.print_ready;
-    let shutdown = async {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("SIGTERM handler");
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
-        }
-        tracing::info!("shutting down");
-    };
+    let shutdown = dinomo_node_common::shutdown_signal();
     crate::server::run(config, shutdown, |r| {
         if print_ready {
             println!("READY addr={} kn={} epoch={}", r.addr, r.kn_id, r.epoch);

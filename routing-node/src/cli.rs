@@ -31,27 +31,23 @@ pub struct Args {
     pub print_ready: bool,
 }
 
-/// Initialises logging to stderr (DINOMO_LOG; default info).
+/// Initialises logging to stderr (see [`dinomo_node_common::init_tracing`]).
 pub fn init_tracing() {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("DINOMO_LOG")
-                .unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .try_init()
-        .ok();
+    dinomo_node_common::init_tracing();
 }
 
 /// Runs the routing node until SIGINT or SIGTERM.
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    if !args.metrics_listen.is_empty() {
-        let addr: std::net::SocketAddr = args.metrics_listen.parse().context("--metrics-listen")?;
-        metrics_exporter_prometheus::PrometheusBuilder::new()
-            .with_http_listener(addr)
-            .install()
-            .with_context(|| format!("starting the metrics endpoint on {addr}"))?;
-    }
+    let metrics = if args.metrics_listen.is_empty() {
+        None
+    } else {
+        Some(
+            args.metrics_listen
+                .parse()
+                .context("--metrics-listen: not a socket address")?,
+        )
+    };
+    dinomo_node_common::install_metrics(metrics)?;
     let listener = tokio::net::TcpListener::bind(&args.listen)
         .await
         .with_context(|| format!("cannot listen on {}", args.listen))?;
@@ -63,14 +59,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     } else {
         format!("http://{}", args.dpm)
     };
-    let shutdown = async {
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
-            .expect("SIGTERM handler");
-        tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
-            _ = term.recv() => {}
-        }
-    };
+    let shutdown = dinomo_node_common::shutdown_signal();
     crate::run(
         listener,
         dpm,
