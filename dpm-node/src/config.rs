@@ -103,30 +103,9 @@ pub struct DpmConfig {
     pub max_grants: u32,
 }
 
-/// Parses "64KiB", "8MiB", "1GiB", "512" (bytes), "2TB"-style sizes.
+/// Parses sizes like "8MiB" (see [`dinomo_node_common::parse_size`]).
 pub fn parse_size(s: &str) -> Result<u64> {
-    let t = s.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let n: u64 = num.parse().map_err(|_| {
-        DpmError::Config(format!(
-            "size {s:?}: expected a number with an optional unit like 8MiB"
-        ))
-    })?;
-    let mult: u64 = match unit.trim() {
-        "" | "B" => 1,
-        "KiB" | "K" | "KB" => 1 << 10,
-        "MiB" | "M" | "MB" => 1 << 20,
-        "GiB" | "G" | "GB" => 1 << 30,
-        "TiB" | "T" | "TB" => 1 << 40,
-        u => {
-            return Err(DpmError::Config(format!(
-                "size {s:?}: unknown unit {u:?} (use B, KiB, MiB, GiB, TiB)"
-            )))
-        }
-    };
-    n.checked_mul(mult)
-        .ok_or_else(|| DpmError::Config(format!("size {s:?} overflows")))
+    dinomo_node_common::parse_size(s).map_err(DpmError::Config)
 }
 
 fn addr(field: &str, s: &str) -> Result<SocketAddr> {

@@ -81,28 +81,6 @@ pub struct KnConfig {
     pub metrics_listen: Option<SocketAddr>,
 }
 
-fn parse_size(s: &str) -> Result<u64, String> {
-    let t = s.trim();
-    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
-    let (num, unit) = t.split_at(split);
-    let n: u64 = num
-        .parse()
-        .map_err(|_| format!("size {s:?}: expected a number with an optional unit like 64MiB"))?;
-    let mult: u64 = match unit.trim() {
-        "" | "B" => 1,
-        "KiB" | "K" | "KB" => 1 << 10,
-        "MiB" | "M" | "MB" => 1 << 20,
-        "GiB" | "G" | "GB" => 1 << 30,
-        u => {
-            return Err(format!(
-                "size {s:?}: unknown unit {u:?} (use B, KiB, MiB, GiB)"
-            ))
-        }
-    };
-    n.checked_mul(mult)
-        .ok_or_else(|| format!("size {s:?} overflows"))
-}
-
 impl KnConfigFile {
     pub fn from_toml(text: &str) -> Result<Self, String> {
         toml::from_str(text).map_err(|e| e.to_string())
@@ -147,7 +125,7 @@ impl KnConfigFile {
                 format!("http://{}", self.dpm)
             },
             shards: self.shards,
-            cache_bytes: parse_size(&self.cache_size)? as usize,
+            cache_bytes: dinomo_node_common::parse_size(&self.cache_size)? as usize,
             cache_policy,
             max_key_bytes: self.max_key_bytes,
             max_value_bytes: self.max_value_bytes,

@@ -46,3 +46,41 @@ pub async fn shutdown_signal() {
     }
     tracing::info!("shutting down");
 }
+
+/// Parses a size: a number with an optional binary unit, "64KiB", "8MiB", "1GiB", "512" (bytes);
+/// K/KB, M/MB, G/GB, T/TB are read as the binary units too.
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let split = t.find(|c: char| !c.is_ascii_digit()).unwrap_or(t.len());
+    let (num, unit) = t.split_at(split);
+    let n: u64 = num
+        .parse()
+        .map_err(|_| format!("size {s:?}: expected a number with an optional unit like 8MiB"))?;
+    let mult: u64 = match unit.trim() {
+        "" | "B" => 1,
+        "KiB" | "K" | "KB" => 1 << 10,
+        "MiB" | "M" | "MB" => 1 << 20,
+        "GiB" | "G" | "GB" => 1 << 30,
+        "TiB" | "T" | "TB" => 1 << 40,
+        u => {
+            return Err(format!(
+                "size {s:?}: unknown unit {u:?} (use B, KiB, MiB, GiB, TiB)"
+            ))
+        }
+    };
+    n.checked_mul(mult)
+        .ok_or_else(|| format!("size {s:?} overflows"))
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn sizes() {
+        assert_eq!(super::parse_size("8MiB"), Ok(8 << 20));
+        assert_eq!(super::parse_size(" 512 "), Ok(512));
+        assert_eq!(super::parse_size("2G"), Ok(2 << 30));
+        assert!(super::parse_size("8 parsecs").is_err());
+        assert!(super::parse_size("").is_err());
+        assert!(super::parse_size("99999999999TiB").is_err());
+    }
+}
