@@ -202,6 +202,10 @@ impl Cluster {
             .await
             .unwrap();
         if let Some(mut p) = self.kns.remove(&id) {
+            // Drain before stopping, as an orchestrator does: clients still on the old map get
+            // WRONG_OWNER from it and move on; a request cut off by the shutdown itself would
+            // have an unknown outcome for its client.
+            tokio::time::sleep(Duration::from_millis(500)).await;
             p.stop();
         }
         r
