@@ -6,7 +6,12 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         unsafe { std::env::set_var("PROTOC", protoc_bin_vendored::protoc_bin_path()?) };
     }
     tonic_prost_build::configure().compile_protos(
-        &["proto/dpm.proto", "proto/kv.proto", "proto/routing.proto"],
+        &[
+            "proto/dpm.proto",
+            "proto/kv.proto",
+            "proto/routing.proto",
+            "proto/monitor.proto",
+        ],
         &["proto"],
     )?;
     println!("cargo:rerun-if-changed=proto");

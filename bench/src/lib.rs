@@ -10,6 +10,7 @@
 //! meaningful is the ratio between backends measured in the same run, and the round trips per
 //! operation, which are counted, not timed, and so are exact.
 
+pub mod timeline;
 pub mod ycsb;
 
 use std::fmt::Write as _;

@@ -1,9 +1,12 @@
 //! `dinomo`: one binary for everything. `dinomo up` starts a whole local cluster (as child
 //! processes of this same binary); `dinomo kv`, `dinomo status` talk to a cluster; and
-//! `dinomo dpm-node|kv-node|routing-node` run single nodes (the same code as the standalone
+//! `dinomo dpm-node|kv-node|routing-node|monitor` run single nodes; `dinomo admin` drives the
+//! monitor's actions (the same code as the standalone
 //! binaries).
 
+mod admin;
 mod kv;
+mod scenario;
 mod status;
 mod up;
 
@@ -35,6 +38,13 @@ enum Command {
     KvNode(dinomo_kv_node::cli::Args),
     /// Run a routing node.
     RoutingNode(dinomo_routing_node::cli::Args),
+    /// Run the monitor (policy engine, reconfiguration, failover, hot-key replication).
+    Monitor(dinomo_monitor::cli::Args),
+    /// The paper's timeline experiments (Figs. 6-8: autoscaling, hot-key replication, KN
+    /// failure) on a fresh local cluster; writes a per-second CSV and a PNG chart.
+    Scenario(scenario::ScenarioArgs),
+    /// Admin actions through the monitor: add, remove or fail a KV node; its status.
+    Admin(admin::AdminArgs),
 }
 
 #[tokio::main]
@@ -59,6 +69,15 @@ async fn main() -> anyhow::Result<()> {
         Command::RoutingNode(a) => {
             dinomo_routing_node::cli::init_tracing();
             dinomo_routing_node::cli::run(a).await
+        }
+        Command::Monitor(a) => {
+            dinomo_monitor::cli::init_tracing();
+            dinomo_monitor::cli::run(a).await
+        }
+        Command::Admin(a) => admin::run(a).await,
+        Command::Scenario(a) => {
+            dinomo_node_common::init_tracing();
+            scenario::run(a).await
         }
     }
 }

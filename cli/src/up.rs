@@ -1,7 +1,8 @@
 //! `dinomo up`: a whole local cluster as child processes of this binary: a dpm-node (shm
-//! fabric, pool under the data directory), N KV nodes and a routing node. It publishes the
-//! cluster map (or reconfigures the published one when the set of KNs changed since the last
-//! run), prints the endpoints, and stops everything cleanly on Ctrl-C or SIGTERM.
+//! fabric, pool under the data directory), a routing node and the monitor, which starts the N
+//! KV nodes itself (local orchestrator), publishes the cluster map (or resumes the published
+//! one), and from then on adds, removes and recovers KV nodes and replicates hot keys as its
+//! policy decides. `up` prints the endpoints and stops everything cleanly on Ctrl-C or SIGTERM.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -11,7 +12,6 @@ use std::time::{Duration, Instant};
 use anyhow::{bail, Context};
 use clap::Args;
 use dinomo_client::admin;
-use dinomo_placement::{ClusterMap, KnInfo};
 
 #[derive(Debug, Args, Clone)]
 pub struct UpArgs {
@@ -21,8 +21,9 @@ pub struct UpArgs {
     /// KV nodes to start.
     #[arg(long, default_value_t = 2)]
     pub kns: u32,
-    /// Ports: dpm-node = BASE, its fabric = BASE+1, KV node i = BASE+100+i, routing = BASE+200;
-    /// metrics at BASE+2000 (dpm), BASE+2100+i (KNs), BASE+2200 (routing).
+    /// Ports: dpm-node = BASE, its fabric = BASE+1, KV node i = BASE+100+i, routing = BASE+200,
+    /// monitor = BASE+300; metrics at BASE+2000 (dpm), BASE+2100+i (KNs), BASE+2200 (routing),
+    /// BASE+2300 (monitor).
     #[arg(long, default_value_t = 7700)]
     pub port_base: u16,
     /// Size of a new pool.
@@ -40,15 +41,19 @@ pub struct UpArgs {
     /// Virtual nodes per KV node on the hash ring.
     #[arg(long, default_value_t = 128)]
     pub vnodes: u32,
+    /// The monitor's config file (policy: SLOs, bounds, epoch, grace period; see
+    /// config/monitor.toml). Default: the embedded defaults.
+    #[arg(long)]
+    pub monitor_config: Option<PathBuf>,
 }
 
 /// A child node and the line it printed when ready.
-struct Node {
+pub(crate) struct Node {
     name: String,
     child: Child,
 }
 
-fn spawn(name: &str, args: &[String], log: &Path) -> anyhow::Result<(Node, String)> {
+pub(crate) fn spawn(name: &str, args: &[String], log: &Path) -> anyhow::Result<(Node, String)> {
     let exe = std::env::current_exe().context("locating the dinomo binary")?;
     let stderr = std::fs::OpenOptions::new()
         .create(true)
@@ -95,8 +100,9 @@ fn spawn(name: &str, args: &[String], log: &Path) -> anyhow::Result<(Node, Strin
     }
 }
 
-fn stop(nodes: &mut Vec<Node>) {
-    // Reverse start order: routing, KNs (they seal their logs), then the DPM.
+pub(crate) fn stop(nodes: &mut Vec<Node>) {
+    // Reverse start order: the monitor (it stops the KNs, which seal their logs), routing,
+    // then the DPM.
     while let Some(mut n) = nodes.pop() {
         // SAFETY: signalling our own child.
         unsafe { libc::kill(n.child.id() as i32, libc::SIGTERM) };
@@ -152,45 +158,6 @@ pub async fn run(a: UpArgs) -> anyhow::Result<()> {
             &logs.join("dpm-node.log"),
         )?;
         nodes.push(n);
-        let mut kns = Vec::new();
-        for i in 0..a.kns {
-            let listen = port(100 + i as u16)?;
-            let (n, _) = spawn(
-                &format!("kv-node {i}"),
-                &[
-                    "kv-node".into(),
-                    "--kn-id".into(),
-                    i.to_string(),
-                    "--listen".into(),
-                    listen.clone(),
-                    "--dpm".into(),
-                    dpm.clone(),
-                    "--shards".into(),
-                    a.shards.to_string(),
-                    "--cache-size".into(),
-                    a.cache_size.clone(),
-                    "--cache-policy".into(),
-                    a.cache_policy.clone(),
-                    "--metrics-listen".into(),
-                    port(2100 + i as u16)?,
-                ],
-                &logs.join(format!("kv-node-{i}.log")),
-            )?;
-            nodes.push(n);
-            kns.push(KnInfo { id: i, endpoint: listen });
-        }
-        let desired = ClusterMap::new(kns, a.vnodes, a.shards)?;
-        match admin::published_map(&dpm).await? {
-            None => admin::publish_map(&dpm, &desired).await?,
-            Some(cur) if cur.kns == desired.kns && cur.vnodes == desired.vnodes => {}
-            Some(cur) => {
-                let mut next = desired.clone();
-                next.version = cur.version + 1;
-                let next = ClusterMap::decode(&next.encode())?;
-                let r = admin::reconfigure(&dpm, &cur, &next).await?;
-                println!("cluster map {} -> {} (KNs changed since the last run)", r.from_version, r.to_version);
-            }
-        }
         let routing = port(200)?;
         let (n, _) = spawn(
             "routing-node",
@@ -206,11 +173,53 @@ pub async fn run(a: UpArgs) -> anyhow::Result<()> {
             &logs.join("routing-node.log"),
         )?;
         nodes.push(n);
+        let monitor = port(300)?;
+        let kn_port_base = b.checked_add(100).context("--port-base too high")?;
+        let kn_metrics_base = b.checked_add(2100).context("--port-base too high")?;
+        let mut margs: Vec<String> = vec![
+            "monitor".into(),
+            "--listen".into(),
+            monitor.clone(),
+            "--dpm".into(),
+            dpm.clone(),
+            "--metrics-listen".into(),
+            port(2300)?,
+            "--routing".into(),
+            routing.clone(),
+            "--kns".into(),
+            a.kns.to_string(),
+            "--kn-port-base".into(),
+            kn_port_base.to_string(),
+            "--kn-metrics-port-base".into(),
+            kn_metrics_base.to_string(),
+            "--log-dir".into(),
+            logs.display().to_string(),
+            "--vnodes".into(),
+            a.vnodes.to_string(),
+        ];
+        for (flag, v) in [
+            ("--shards", a.shards.to_string()),
+            ("--cache-size", a.cache_size.clone()),
+            ("--cache-policy", a.cache_policy.clone()),
+        ] {
+            margs.push(format!("--kn-arg={flag}"));
+            margs.push(format!("--kn-arg={v}"));
+        }
+        if let Some(c) = &a.monitor_config {
+            margs.push("--config".into());
+            margs.push(c.display().to_string());
+        }
+        let (n, _) = spawn("monitor", &margs, &logs.join("monitor.log"))?;
+        nodes.push(n);
+        let map = admin::published_map(&dpm)
+            .await?
+            .context("the monitor started but no cluster map is published")?;
         println!("Dinomo is up ({} KV nodes, data in {}).", a.kns, a.data_dir.display());
         println!("  routing node   {routing}    <- clients connect here (dinomo kv --routing {routing} ...)");
         println!("  dpm-node       {dpm}    (metrics http://{}/metrics)", port(2000)?);
-        for i in 0..a.kns {
-            println!("  kv-node {i}      {}    (metrics http://{}/metrics)", port(100 + i as u16)?, port(2100 + i as u16)?);
+        println!("  monitor        {monitor}    (dinomo admin --monitor {monitor} status|add-kn|remove-kn N|fail-kn N)");
+        for k in &map.kns {
+            println!("  kv-node {}      {}    (metrics http://127.0.0.1:{}/metrics)", k.id, k.endpoint, u32::from(kn_metrics_base) + k.id);
         }
         println!("  logs           {}", logs.display());
         println!("Press Ctrl-C to stop.");

@@ -7,7 +7,10 @@
 //! 2. the DPM merges those KNs' logs synchronously (MergeAll), so the index holds every write
 //!    they acknowledged; a KN that cannot be reached (dead) is fenced first and its open
 //!    segments are sealed by the merge;
-//! 3. `next` is published in the DPM's metadata (the map of record) and the prepared KNs commit
+//! 3. keys that become replicated get their indirect cell (initialised from the index, which
+//!    now holds their latest write); keys that stop being replicated have their cell's value
+//!    written back into the index and the cell removed (DINOMO 3.4);
+//! 4. `next` is published in the DPM's metadata (the map of record) and the prepared KNs commit
 //!    it; every other KN and the routing nodes pick it up on their next poll.
 //!
 //! No data moves: ownership changes only where requests are served.
@@ -16,7 +19,9 @@ use std::time::{Duration, Instant};
 
 use dinomo_placement::{ClusterMap, KnId};
 use dinomo_proto::dpm::dpm_service_client::DpmServiceClient;
-use dinomo_proto::dpm::{FenceKnRequest, GetMetadataRequest, MergeAllRequest, PutMetadataRequest};
+use dinomo_proto::dpm::{
+    FenceKnRequest, GetMetadataRequest, IndirectCellRequest, MergeAllRequest, PutMetadataRequest,
+};
 use dinomo_proto::kv::kv_service_client::KvServiceClient;
 use dinomo_proto::kv::MapRequest;
 use tonic::transport::Channel;
@@ -35,6 +40,9 @@ pub struct ReconfigReport {
     /// KNs that could not be reached and were fenced.
     pub fenced: Vec<KnId>,
     pub merged_entries: u64,
+    /// Keys whose indirect cells were installed / removed.
+    pub cells_installed: usize,
+    pub cells_removed: usize,
     pub prepare: Duration,
     pub merge: Duration,
     pub commit: Duration,
@@ -152,6 +160,28 @@ pub async fn reconfigure(
             .map_err(|s| ClientError::Other(format!("MergeAll of KN {kn}: {}", s.message())))?
             .into_inner();
         report.merged_entries += r.entries;
+    }
+    for key in next.replicated.keys() {
+        if !current.replicated.contains_key(key) {
+            d.install_indirect_cell(IndirectCellRequest {
+                key: key.clone(),
+                lookup_only: false,
+            })
+            .await
+            .map_err(|s| ClientError::Other(format!("installing a cell: {}", s.message())))?;
+            report.cells_installed += 1;
+        }
+    }
+    for key in current.replicated.keys() {
+        if !next.replicated.contains_key(key) {
+            d.remove_indirect_cell(IndirectCellRequest {
+                key: key.clone(),
+                lookup_only: false,
+            })
+            .await
+            .map_err(|s| ClientError::Other(format!("removing a cell: {}", s.message())))?;
+            report.cells_removed += 1;
+        }
     }
     report.merge = t.elapsed();
 

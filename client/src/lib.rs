@@ -27,6 +27,7 @@
 
 pub mod admin;
 mod error;
+mod latency;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -56,6 +57,10 @@ pub struct ClientConfig {
     pub max_backoff: Duration,
     /// Per-attempt RPC timeout.
     pub rpc_timeout: Duration,
+    /// The monitor (host:port) to report latencies to, if any.
+    pub monitor: Option<String>,
+    /// How often latencies are reported.
+    pub report_every: Duration,
 }
 
 impl ClientConfig {
@@ -66,6 +71,8 @@ impl ClientConfig {
             min_backoff: Duration::from_millis(2),
             max_backoff: Duration::from_millis(200),
             rpc_timeout: Duration::from_secs(5),
+            monitor: None,
+            report_every: Duration::from_secs(1),
         }
     }
 }
@@ -126,6 +133,7 @@ struct Shared {
     map: RwLock<Option<Arc<ClusterMap>>>,
     routing: Mutex<(usize, HashMap<String, RoutingServiceClient<Channel>>)>,
     nodes: Mutex<HashMap<String, KvServiceClient<Channel>>>,
+    latency: Arc<latency::Recorder>,
 }
 
 /// A Dinomo client. Cheap to clone; clones share the map and the connections.
@@ -182,9 +190,18 @@ impl Client {
                 map: RwLock::new(None),
                 routing: Mutex::new((0, routing)),
                 nodes: Mutex::new(HashMap::new()),
+                latency: Arc::new(latency::Recorder::new()),
                 cfg,
             }),
         };
+        if let Some(monitor) = client.shared.cfg.monitor.clone() {
+            tokio::spawn(latency::report_loop(
+                monitor,
+                client.shared.cfg.report_every,
+                client.shared.latency.clone(),
+                Arc::downgrade(&client.shared),
+            ));
+        }
         let start = Instant::now();
         let mut last = String::new();
         while start.elapsed() < client.shared.cfg.deadline {
@@ -251,8 +268,34 @@ impl Client {
         Ok(c)
     }
 
-    /// Runs one operation at the key's owner, retrying as the module doc says.
+    /// Runs one operation at the key's owner, retrying as the module doc says, and records
+    /// its latency for the monitor.
     async fn execute(&self, op: Op) -> OpResult {
+        let start = Instant::now();
+        let mut last_kn = None;
+        let r = self.execute_at_owner(op, &mut last_kn).await;
+        if !matches!(r, Err(ClientError::InvalidArgument(_))) {
+            self.shared.latency.record(last_kn, start.elapsed());
+        }
+        r
+    }
+
+    /// The KN to send `key` to: its owner, or for a replicated (hot) key one of its owners at
+    /// random, which spreads the key's load over them (DINOMO 3.4).
+    fn pick_owner(map: &ClusterMap, key: &[u8]) -> Option<dinomo_placement::KnId> {
+        let owners = map.owners(key);
+        match owners.len() {
+            0 => None,
+            1 => Some(owners[0]),
+            n => Some(owners[rand::random_range(0..n)]),
+        }
+    }
+
+    async fn execute_at_owner(
+        &self,
+        op: Op,
+        last_kn: &mut Option<dinomo_placement::KnId>,
+    ) -> OpResult {
         let cfg = &self.shared.cfg;
         let start = Instant::now();
         let mut backoff = cfg.min_backoff;
@@ -260,10 +303,9 @@ impl Client {
         loop {
             attempts += 1;
             let map = self.map();
-            let last = match map
-                .owner(op.key())
-                .and_then(|kn| map.endpoint(kn).map(str::to_string))
-            {
+            let owner = Self::pick_owner(&map, op.key());
+            *last_kn = owner;
+            let last = match owner.and_then(|kn| map.endpoint(kn).map(str::to_string)) {
                 None => format!("no KV node owns the key under map version {}", map.version),
                 Some(endpoint) => {
                     let mut node = self.node(&endpoint)?;

@@ -20,6 +20,7 @@ use dinomo_layout::meta::Roots;
 use dinomo_layout::segment::SegState;
 use parking_lot::Mutex;
 
+use crate::cells::Cells;
 use crate::config::DpmConfig;
 use crate::error::{DpmError, Result};
 use crate::gc::Gc;
@@ -75,6 +76,7 @@ pub struct Dpm {
     segments: Arc<Segments>,
     merger: Arc<Merger>,
     gc: Arc<Gc>,
+    cells: Arc<Cells>,
     meta: MetaStore,
     grants: Arc<GrantTable>,
     sessions: Mutex<HashMap<u32, KnSession>>,
@@ -123,13 +125,23 @@ impl Dpm {
         })?;
         rebuild?;
         let merger = Arc::new(Merger::new(pool.clone(), index.clone(), segments.clone()));
+        let meta = MetaStore::open(pool.clone())?;
+        let cells = Arc::new(Cells::default());
+        for (name, v) in meta.scan("cell/") {
+            let key = unhex(&name["cell/".len()..]);
+            let off = v.try_into().ok().map(u64::from_le_bytes);
+            match (key, off) {
+                (Some(key), Some(off)) => cells.insert(&key, off),
+                _ => tracing::warn!(%name, "ignoring a corrupt indirect-cell record"),
+            }
+        }
         let gc = Arc::new(Gc::new(
             pool.clone(),
             index.clone(),
             segments.clone(),
+            cells.clone(),
             config.clean_threshold,
         ));
-        let meta = MetaStore::open(pool.clone())?;
         // Grants do not survive a restart: KNs re-register (and get new epochs).
         let grants = Arc::new(GrantTable::create(
             &GrantTable::path_for(path),
@@ -175,6 +187,7 @@ impl Dpm {
             segments,
             merger,
             gc,
+            cells,
             meta,
             grants,
             sessions: Mutex::new(HashMap::new()),
@@ -351,9 +364,14 @@ impl Dpm {
         Ok(r)
     }
 
-    /// The current value of `key` according to the index (merged data only).
+    /// The current value of `key`: its indirect cell's if it is replicated, else the index's
+    /// (merged data only).
     pub fn lookup(&self, key: &[u8]) -> Result<Option<Found>> {
-        let Some(ptr) = self.index.lookup(key, dinomo_layout::key_hash(key))? else {
+        let ptr = match self.cells.get(key) {
+            Some(off) => Cells::current(&self.pool, off),
+            None => self.index.lookup(key, dinomo_layout::key_hash(key))?,
+        };
+        let Some(ptr) = ptr else {
             return Ok(None);
         };
         let len = self.segments.entry_len(ptr)?;
@@ -362,7 +380,10 @@ impl Dpm {
             path: self.pool.path(),
             source,
         })?;
-        debug_assert_eq!(e.op, LogOp::Put);
+        if e.op != LogOp::Put {
+            // Only a cell can point at a delete.
+            return Ok(None);
+        }
         Ok(Some(Found {
             ptr,
             version: e.version,
@@ -371,13 +392,16 @@ impl Dpm {
     }
 
     /// Creates (or returns) the indirect cell of a replicated key: an 8-byte word, in its own
-    /// cache line of the index heap, holding an entry pointer that the key's owners CAS.
+    /// cache line of the index heap, holding an entry pointer that the key's owners CAS. It
+    /// starts at the key's indexed value, so the caller must have merged every log that may
+    /// hold a newer write of the key first (the reconfiguration does: prepare, MergeAll).
     pub fn install_cell(&self, key: &[u8]) -> Result<u64> {
+        if key.is_empty() {
+            return Err(DpmError::InvalidArgument("the key is empty".into()));
+        }
         let name = format!("cell/{}", hex(key));
-        if let Some(v) = self.meta.get(&name) {
-            return Ok(u64::from_le_bytes(v.try_into().map_err(|_| {
-                DpmError::InvalidArgument("corrupt cell record".into())
-            })?));
+        if let Some(off) = self.cells.get(key) {
+            return Ok(off);
         }
         let off = heap_alloc(&self.pool, 64)?;
         let current = self
@@ -390,17 +414,66 @@ impl Dpm {
             .store(current, Ordering::Release);
         self.pool.region().persist(off, 8)?;
         self.meta.update(&[(&name, Some(&off.to_le_bytes()))])?;
+        self.cells.insert(key, off);
+        metrics::gauge!("dinomo_dpm_indirect_cells").set(self.cells.len() as f64);
+        tracing::info!(key = %hex(key), offset = off, "indirect cell installed");
         Ok(off)
     }
 
-    /// Forgets a key's indirect cell (its 64 bytes of heap are not reused).
+    /// The offset of a key's cell, if it has one.
+    pub fn cell_of(&self, key: &[u8]) -> Option<u64> {
+        self.cells.get(key)
+    }
+
+    /// De-replication: writes the cell's value back into the index, then forgets the cell (its
+    /// 64 bytes of heap are not reused). The caller must have stopped the key's owners and
+    /// merged their logs first, so no later merge can put an older write of the key over it.
     pub fn remove_cell(&self, key: &[u8]) -> Result<bool> {
         let name = format!("cell/{}", hex(key));
-        let had = self.meta.get(&name).is_some();
-        if had {
-            self.meta.update(&[(&name, None)])?;
+        let Some(off) = self.cells.get(key) else {
+            return Ok(false);
+        };
+        let hash = dinomo_layout::key_hash(key);
+        let target = Cells::current(&self.pool, off);
+        let is_put = match target {
+            Some(ptr) => {
+                let len = self.segments.entry_len(ptr)?;
+                let bytes = self.pool.view(ptr.offset, len)?;
+                let (e, _) = decode_entry(bytes).map_err(|source| DpmError::Layout {
+                    path: self.pool.path(),
+                    source,
+                })?;
+                if e.key != key {
+                    return Err(DpmError::InvalidArgument(format!(
+                        "the cell of key {} points at an entry of another key",
+                        hex(key)
+                    )));
+                }
+                e.op == LogOp::Put
+            }
+            None => false,
+        };
+        let old = match target {
+            Some(ptr) if is_put => {
+                if self.index.lookup(key, hash)? == Some(ptr) {
+                    None
+                } else {
+                    let old = self.index.upsert(key, hash, ptr)?;
+                    self.segments.add_live(ptr, 1)?;
+                    old
+                }
+            }
+            _ => self.index.remove(key, hash)?,
+        };
+        if let Some(old) = old {
+            self.segments.add_live(old, -1)?;
         }
-        Ok(had)
+        // The index now holds the value (and pins its segment through the live bytes).
+        self.meta.update(&[(&name, None)])?;
+        self.cells.remove(key);
+        metrics::gauge!("dinomo_dpm_indirect_cells").set(self.cells.len() as f64);
+        tracing::info!(key = %hex(key), exists = is_put, "indirect cell removed; value written back to the index");
+        Ok(true)
     }
 
     pub fn put_metadata(&self, name: &str, value: Option<&[u8]>) -> Result<()> {
@@ -453,6 +526,16 @@ impl Drop for Dpm {
     fn drop(&mut self) {
         self.shutdown();
     }
+}
+
+fn unhex(s: &str) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
 }
 
 fn hex(b: &[u8]) -> String {

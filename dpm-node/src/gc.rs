@@ -7,6 +7,8 @@
 //!   at the old copy (a merge may have replaced it meanwhile). The old segment then has no live
 //!   byte and is freed by a later pass.
 //!
+//! - A segment holding the entry an indirect cell points to is skipped (see [`crate::cells`]).
+//!
 //! Crash safety: the copy is persisted before any slot points at it; a crash mid-clean leaves
 //! unreferenced copies (dead bytes in the cleaner's segment) and the old entries still indexed.
 //! At open, the cleaner's open segment is marked merged (see Dpm::open).
@@ -18,6 +20,7 @@ use dinomo_layout::log::{entry_len, scan, BatchBuilder, LogOp};
 use dinomo_layout::segment::{SegState, HEADER_SIZE};
 use parking_lot::Mutex;
 
+use crate::cells::Cells;
 use crate::error::Result;
 use crate::index::Index;
 use crate::pool::Pool;
@@ -42,6 +45,7 @@ pub struct Gc {
     pool: Arc<Pool>,
     index: Arc<Index>,
     segments: Arc<Segments>,
+    cells: Arc<Cells>,
     /// Clean merged segments whose live bytes are below this fraction of their written bytes.
     clean_threshold: f64,
     target: Mutex<Option<Target>>,
@@ -52,12 +56,14 @@ impl Gc {
         pool: Arc<Pool>,
         index: Arc<Index>,
         segments: Arc<Segments>,
+        cells: Arc<Cells>,
         clean_threshold: f64,
     ) -> Self {
         Gc {
             pool,
             index,
             segments,
+            cells,
             clean_threshold,
             target: Mutex::new(None),
         }
@@ -73,6 +79,9 @@ impl Gc {
             }
             let e = self.pool.read_table_entry(id)?;
             if e.state != SegState::Merged {
+                continue;
+            }
+            if !self.cells.is_empty() && self.cells.pins(&self.pool, id) {
                 continue;
             }
             let live = self.segments.live_bytes(id);

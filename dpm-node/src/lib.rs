@@ -3,9 +3,10 @@
 //! collects garbage, and keeps cluster metadata. Its CPU stays off the request path.
 //!
 //! Modules: [`pool`] (the file and its areas), [`index`] (P-CLHT-like table), [`segments`]
-//! (allocator, log chains, live bytes), [`merge`] (log -> index), [`gc`], [`metastore`],
+//! (allocator, log chains, live bytes), [`cells`] (indirect cells), [`merge`] (log -> index), [`gc`], [`metastore`],
 //! [`dpm`] (the whole node as a library), [`service`] (gRPC), [`config`], [`server`] (runs it).
 
+pub mod cells;
 pub mod cli;
 pub mod config;
 pub mod dpm;

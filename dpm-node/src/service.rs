@@ -172,9 +172,16 @@ impl DpmService for DpmGrpc {
         &self,
         req: Request<pb::IndirectCellRequest>,
     ) -> Result<Response<pb::IndirectCellResponse>, Status> {
-        let key = req.into_inner().key;
+        let req = req.into_inner();
+        let key = req.key;
         if key.is_empty() {
             return Err(Status::invalid_argument("key must not be empty"));
+        }
+        if req.lookup_only {
+            return match self.dpm.cell_of(&key) {
+                Some(off) => Ok(Response::new(pb::IndirectCellResponse { cell_offset: off })),
+                None => Err(Status::not_found("the key has no indirect cell")),
+            };
         }
         let off = self.blocking(move |d| d.install_cell(&key)).await?;
         Ok(Response::new(pb::IndirectCellResponse { cell_offset: off }))

@@ -146,6 +146,23 @@ impl DpmLink {
             .pending_ids)
     }
 
+    /// The offset of a replicated key's indirect cell (`None`: it has none yet).
+    pub async fn cell_of(&self, key: &[u8]) -> KvResult<Option<u64>> {
+        match self
+            .client
+            .clone()
+            .install_indirect_cell(pb::IndirectCellRequest {
+                key: key.to_vec(),
+                lookup_only: true,
+            })
+            .await
+        {
+            Ok(r) => Ok(Some(r.into_inner().cell_offset)),
+            Err(s) if s.code() == tonic::Code::NotFound => Ok(None),
+            Err(s) => Err(unavailable("indirect cell", s)),
+        }
+    }
+
     /// The encoded cluster map of record, if one was published.
     pub async fn cluster_map(&self) -> KvResult<Option<Vec<u8>>> {
         Ok(self

@@ -66,6 +66,8 @@ pub struct KvNode {
     /// The map being moved to (between PrepareMap and CommitMap).
     transition: RwLock<Option<Arc<ClusterMap>>>,
     install_lock: tokio::sync::Mutex<()>,
+    /// Indirect-cell offsets of the replicated keys this KN co-owns (cells never move).
+    cells: RwLock<hashbrown::HashMap<Bytes, u64>>,
 }
 
 impl KvNode {
@@ -110,6 +112,7 @@ impl KvNode {
             occupancy: RwLock::new(0.0),
             transition: RwLock::new(None),
             install_lock: tokio::sync::Mutex::new(()),
+            cells: RwLock::new(hashbrown::HashMap::new()),
         });
         tokio::spawn(watch_map(Arc::downgrade(&node)));
         tokio::spawn(measure_occupancy(Arc::downgrade(&node)));
@@ -141,6 +144,10 @@ impl KvNode {
         let changes = cur.changed_ranges(&map);
         if changes.contains(&me) {
             self.control_all(Control::Reset).await;
+        }
+        if cur.replicated != map.replicated {
+            // A key de-replicated and replicated again gets a new cell.
+            self.cells.write().clear();
         }
         tracing::info!(
             from = cur.version,
@@ -267,15 +274,36 @@ impl KvNode {
                 map_version: map.version,
             });
         }
+        // A replicated key is read and written through its indirect cell (DINOMO 3.4).
+        let cell = if map.replicated.contains_key(&key[..]) {
+            Some(self.cell_of(key).await?)
+        } else {
+            None
+        };
         let (reply, rx) = oneshot::channel();
         let shard = &self.shards[self.shard_of(key)];
         shard
             .tx
-            .send(ShardRequest { op, reply })
+            .send(ShardRequest { op, reply, cell })
             .await
             .map_err(|_| KvError::Unavailable("the KN is stopping".into()))?;
         rx.await
             .map_err(|_| KvError::Unavailable("the KN is stopping".into()))?
+    }
+
+    async fn cell_of(&self, key: &Bytes) -> KvResult<u64> {
+        if let Some(&off) = self.cells.read().get(key) {
+            return Ok(off);
+        }
+        match self.link.cell_of(key).await? {
+            Some(off) => {
+                self.cells.write().insert(key.clone(), off);
+                Ok(off)
+            }
+            None => Err(KvError::Unavailable(
+                "the replicated key's indirect cell is not installed yet".into(),
+            )),
+        }
     }
 
     pub fn stats(&self, top: usize) -> NodeStats {

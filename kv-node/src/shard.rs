@@ -10,6 +10,16 @@
 //! (insert/update/delete) do see earlier unacknowledged writes of the same shard, since those
 //! are ordered before them in the log. If a batch WRITE fails, every unacknowledged write fails
 //! and the segment is abandoned (sealed as it is; its log may end in a torn batch).
+//!
+//! Replicated (hot) keys (DINOMO 3.4) are shared by several KNs through an indirect cell at the
+//! DPM, so this shard's caches and unmerged copies say nothing about them: a read READs the
+//! cell, then the entry it points to; a write is logged like any other, and once its batch
+//! WRITE has completed the cell is swung to the new entry with CAS before the write is
+//! acknowledged (that CAS is the write's linearization point). An upsert retries the CAS until
+//! it wins (a concurrent write it loses to was not acknowledged yet, so ordering after it is
+//! legal); a conditional write (insert, update, delete) CASes from the cell value it checked,
+//! and if another KN wrote first it is not applied and answers UNAVAILABLE (retry). Its logged
+//! entry then is never pointed to and stays dead.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -59,7 +69,22 @@ pub type Reply = oneshot::Sender<KvResult<Option<Bytes>>>;
 pub struct ShardRequest {
     pub op: ShardOp,
     pub reply: Reply,
+    /// The key's indirect cell, when it is replicated.
+    pub cell: Option<u64>,
 }
+
+/// How a write to a replicated key swings its cell.
+#[derive(Debug, Clone, Copy)]
+struct CellWrite {
+    cell: u64,
+    /// The cell word the write's condition was checked against (conditional writes only).
+    expected: Option<u64>,
+}
+
+/// CAS attempts of an upsert on a contended cell before it gives up (not applied).
+const MAX_CELL_CAS: usize = 64;
+/// Cell reads that found a moved entry before a read gives up (retry).
+const MAX_CELL_READS: usize = 4;
 
 /// Control messages (reconfiguration).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -99,6 +124,7 @@ struct Waiter {
     version: u64,
     write_no: u64,
     reply: Reply,
+    cell: Option<CellWrite>,
 }
 
 #[derive(Debug)]
@@ -121,6 +147,8 @@ struct Done {
     base: u64,
     waiters: Vec<Waiter>,
     result: dinomo_fabric::Result<()>,
+    /// Per waiter: why its cell CAS did not apply it (replicated keys only).
+    cell_errors: Vec<Option<KvError>>,
 }
 
 #[derive(Debug)]
@@ -310,7 +338,11 @@ impl Shard {
     }
 
     async fn handle(&mut self, req: ShardRequest) {
-        let ShardRequest { op, reply } = req;
+        let ShardRequest { op, reply, cell } = req;
+        if let Some(cell) = cell {
+            ShardStats::add(&self.stats.cell_ops, 1);
+            return self.handle_replicated(op, reply, cell).await;
+        }
         match op {
             ShardOp::Get { key } => {
                 ShardStats::add(&self.stats.gets, 1);
@@ -341,13 +373,13 @@ impl Shard {
                         }
                     }
                 }
-                self.append(LogOp::Put, key, Some(value), reply);
+                self.append(LogOp::Put, key, Some(value), reply, None);
             }
             ShardOp::Delete { key } => {
                 ShardStats::add(&self.stats.deletes, 1);
                 self.top.lock().record(&key);
                 match self.exists(&key).await {
-                    Ok(true) => self.append(LogOp::Delete, key, None, reply),
+                    Ok(true) => self.append(LogOp::Delete, key, None, reply, None),
                     Ok(false) => {
                         let _ = reply.send(Err(KvError::NotFound));
                     }
@@ -357,6 +389,89 @@ impl Shard {
                 }
             }
         }
+    }
+
+    /// A request for a replicated key (module doc).
+    async fn handle_replicated(&mut self, op: ShardOp, reply: Reply, cell: u64) {
+        let (key, log_op, value, check) = match op {
+            ShardOp::Get { key } => {
+                ShardStats::add(&self.stats.gets, 1);
+                self.top.lock().record(&key);
+                let r = self
+                    .read_cell(&key, cell)
+                    .await
+                    .and_then(|(_, v)| v.ok_or(KvError::NotFound).map(Some));
+                let _ = reply.send(r);
+                return;
+            }
+            ShardOp::Put { key, value, mode } => {
+                ShardStats::add(&self.stats.puts, 1);
+                let check = match mode {
+                    PutMode::Upsert => None,
+                    PutMode::Insert => Some(false),
+                    PutMode::Update => Some(true),
+                };
+                (key, LogOp::Put, Some(value), check)
+            }
+            ShardOp::Delete { key } => {
+                ShardStats::add(&self.stats.deletes, 1);
+                (key, LogOp::Delete, None, Some(true))
+            }
+        };
+        self.top.lock().record(&key);
+        let Some(must_exist) = check else {
+            let cw = CellWrite {
+                cell,
+                expected: None,
+            };
+            return self.append(log_op, key, value, reply, Some(cw));
+        };
+        if self.pending.contains_key(&key) {
+            // Its condition would depend on a write whose cell CAS has not happened yet.
+            let _ = reply.send(Err(KvError::Unavailable(
+                "an earlier write of this replicated key is still in flight; retry".into(),
+            )));
+            return;
+        }
+        match self.read_cell(&key, cell).await {
+            Err(e) => {
+                let _ = reply.send(Err(e));
+            }
+            Ok((_, v)) if v.is_some() != must_exist => {
+                let e = match (log_op, must_exist) {
+                    (LogOp::Put, false) => KvError::AlreadyExists,
+                    (LogOp::Put, true) => KvError::UpdateMissing,
+                    _ => KvError::NotFound,
+                };
+                let _ = reply.send(Err(e));
+            }
+            Ok((word, _)) => {
+                let cw = CellWrite {
+                    cell,
+                    expected: Some(word),
+                };
+                self.append(log_op, key, value, reply, Some(cw));
+            }
+        }
+    }
+
+    /// A replicated key's current cell word and value (`None`: it does not exist).
+    async fn read_cell(&mut self, key: &[u8], cell: u64) -> KvResult<(u64, Option<Bytes>)> {
+        for _ in 0..MAX_CELL_READS {
+            let word = read_word(&*self.fabric, cell).await?;
+            let Some(ptr) = EntryPtr::from_word(word) else {
+                return Ok((word, None));
+            };
+            match read_entry(&*self.fabric, ptr, key).await? {
+                Some(e) if e.op == LogOp::Put => return Ok((word, Some(e.value))),
+                Some(_) => return Ok((word, None)),
+                // The entry was replaced and its segment reused meanwhile: read the cell again.
+                None => continue,
+            }
+        }
+        Err(KvError::Unavailable(
+            "the replicated key changed too often to be read; retry".into(),
+        ))
     }
 
     /// Does `key` exist once every earlier write of this shard (acknowledged or not) applies?
@@ -415,7 +530,14 @@ impl Shard {
         }))
     }
 
-    fn append(&mut self, op: LogOp, key: Bytes, value: Option<Bytes>, reply: Reply) {
+    fn append(
+        &mut self,
+        op: LogOp,
+        key: Bytes,
+        value: Option<Bytes>,
+        reply: Reply,
+        cell: Option<CellWrite>,
+    ) {
         let version = self.versions.fetch_add(1, Ordering::Relaxed);
         let write_no = self.next_write_no;
         self.next_write_no += 1;
@@ -436,6 +558,7 @@ impl Shard {
             version,
             write_no,
             reply,
+            cell,
         });
     }
 
@@ -466,11 +589,25 @@ impl Shard {
         let waiters = batch.waiters;
         tokio::spawn(async move {
             let result = fabric.write(base, Bytes::from(bytes)).await;
+            let mut cell_errors = Vec::new();
+            if result.is_ok() && waiters.iter().any(|w| w.cell.is_some()) {
+                // In log order, so two writes of one key in this batch land in order.
+                for w in &waiters {
+                    cell_errors.push(match w.cell {
+                        Some(cw) => {
+                            let new = EntryPtr::new(base + w.offset as u64, w.len).to_word();
+                            swing_cell(&*fabric, cw, new).await.err()
+                        }
+                        None => None,
+                    });
+                }
+            }
             let _ = done_tx.send(Done {
                 segment,
                 base,
                 waiters,
                 result,
+                cell_errors,
             });
         });
     }
@@ -566,7 +703,24 @@ impl Shard {
         self.inflight = false;
         match done.result {
             Ok(()) => {
+                let mut cell_errors = done.cell_errors.into_iter();
                 for w in done.waiters {
+                    let cell_error = cell_errors.next().flatten();
+                    if w.cell.is_some() {
+                        // Shared key: nothing of it is cached or kept as unmerged here.
+                        if self
+                            .pending
+                            .get(&w.key)
+                            .is_some_and(|(_, n)| *n == w.write_no)
+                        {
+                            self.pending.remove(&w.key);
+                        }
+                        let _ = w.reply.send(match cell_error {
+                            None => Ok(None),
+                            Some(e) => Err(e),
+                        });
+                        continue;
+                    }
                     let shortcut = Shortcut {
                         ptr: EntryPtr::new(done.base + w.offset as u64, w.len),
                         version: w.version,
@@ -629,6 +783,43 @@ impl Shard {
         }
         self.pending.clear();
     }
+}
+
+/// One aligned 8-byte word (a single READ, atomic per word on every backend).
+async fn read_word(f: &dyn Fabric, offset: u64) -> KvResult<u64> {
+    let b = f.read(offset, 8).await?;
+    let bytes: [u8; 8] = b[..]
+        .try_into()
+        .map_err(|_| KvError::Internal(format!("a READ of 8 bytes returned {}", b.len())))?;
+    Ok(u64::from_le_bytes(bytes))
+}
+
+/// Points a replicated key's cell at its newly logged entry (module doc).
+async fn swing_cell(f: &dyn Fabric, cw: CellWrite, new: u64) -> KvResult<()> {
+    let unknown = |e: dinomo_fabric::FabricError| {
+        KvError::OutcomeUnknown(format!("the CAS of a replicated key's cell failed: {e}"))
+    };
+    if let Some(expected) = cw.expected {
+        let old = f.cas(cw.cell, expected, new).await.map_err(unknown)?;
+        return if old == expected {
+            Ok(())
+        } else {
+            Err(KvError::Unavailable(
+                "another KN wrote this replicated key first; not applied, retry".into(),
+            ))
+        };
+    }
+    let mut cur = read_word(f, cw.cell).await?;
+    for _ in 0..MAX_CELL_CAS {
+        let old = f.cas(cw.cell, cur, new).await.map_err(unknown)?;
+        if old == cur {
+            return Ok(());
+        }
+        cur = old;
+    }
+    Err(KvError::Unavailable(
+        "the replicated key is too contended; not applied, retry".into(),
+    ))
 }
 
 async fn sleep_until(deadline: Option<Instant>) {

@@ -20,6 +20,8 @@ pub struct ShardStats {
     pub batches: AtomicU64,
     pub busy_ns: AtomicU64,
     pub stale_shortcuts: AtomicU64,
+    /// Requests for replicated keys (served through their indirect cells).
+    pub cell_ops: AtomicU64,
 }
 
 impl ShardStats {

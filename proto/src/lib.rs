@@ -13,6 +13,12 @@ pub mod kv {
     tonic::include_proto!("dinomo.kv.v1");
 }
 
+/// MonitorService, served by the monitor (M-node).
+pub mod monitor {
+    #![allow(missing_debug_implementations, clippy::all)]
+    tonic::include_proto!("dinomo.monitor.v1");
+}
+
 /// Present on every error status a KN itself returns, so that clients can tell its answers
 /// from transport failures (which may hide whether a write was applied).
 pub const KN_ANSWER_TRAILER: &str = "dinomo-kn";

@@ -211,3 +211,143 @@ impl Cluster {
         r
     }
 }
+
+/// A base port such that `base + 1 ..= base + n` are all free right now (the local
+/// orchestrator puts KN i on `base + i`).
+fn free_port_base(n: u16) -> u16 {
+    for _ in 0..200 {
+        let base = 20_000 + rand::random_range(0..30_000u16);
+        let ok = (1..=n).all(|i| std::net::TcpListener::bind(("127.0.0.1", base + i)).is_ok());
+        if ok {
+            return base;
+        }
+    }
+    panic!("no free range of {n} ports");
+}
+
+/// A cluster run by the monitor: a dpm-node, a routing node and `dinomo monitor` with the local
+/// orchestrator, which starts the KV nodes (ids 1..=n) and publishes the map.
+pub struct MonitoredCluster {
+    pub dir: tempfile::TempDir,
+    pub dpm: Proc,
+    pub routing: Proc,
+    pub monitor: Proc,
+}
+
+impl MonitoredCluster {
+    /// `config` is the monitor's TOML config (its [server] listen/dpm are set by flags).
+    pub async fn start(n: u32, config: &str) -> MonitoredCluster {
+        let dir = tempfile::tempdir().unwrap();
+        let pool = dir.path().join("pool");
+        let dpm = Proc::spawn(
+            &[
+                "dpm-node",
+                "--pool",
+                pool.to_str().unwrap(),
+                "--pool-size",
+                "256MiB",
+                "--listen",
+                "127.0.0.1:0",
+                "--fabric-listen",
+                "127.0.0.1:0",
+                "--metrics-listen",
+                "",
+            ],
+            &dir.path().join("dpm.log"),
+            "grpc=",
+        );
+        let routing = Proc::spawn(
+            &[
+                "routing-node",
+                "--listen",
+                "127.0.0.1:0",
+                "--dpm",
+                &dpm.addr,
+                "--metrics-listen",
+                "",
+                "--poll-ms",
+                "20",
+            ],
+            &dir.path().join("routing.log"),
+            "addr=",
+        );
+        let cfg_path = dir.path().join("monitor.toml");
+        std::fs::write(&cfg_path, config).unwrap();
+        let base = free_port_base(16);
+        let monitor = Proc::spawn(
+            &[
+                "monitor",
+                "--config",
+                cfg_path.to_str().unwrap(),
+                "--listen",
+                "127.0.0.1:0",
+                "--dpm",
+                &dpm.addr,
+                "--metrics-listen",
+                "",
+                "--routing",
+                &routing.addr,
+                "--kns",
+                &n.to_string(),
+                "--kn-port-base",
+                &base.to_string(),
+                "--kn-arg=--cache-size",
+                "--kn-arg=1MiB",
+                "--kn-arg=--shards",
+                "--kn-arg=2",
+                "--log-dir",
+                dir.path().to_str().unwrap(),
+                "--vnodes",
+                "64",
+                "--drain-ms",
+                "500",
+            ],
+            &dir.path().join("monitor.log"),
+            "addr=",
+        );
+        MonitoredCluster {
+            dir,
+            dpm,
+            routing,
+            monitor,
+        }
+    }
+
+    /// A client that reports its latencies to the monitor.
+    pub async fn client(&self) -> Client {
+        let mut cfg = ClientConfig::new(&[&self.routing.addr]);
+        cfg.deadline = Duration::from_secs(20);
+        cfg.monitor = Some(self.monitor.addr.clone());
+        cfg.report_every = Duration::from_millis(200);
+        Client::connect_with(cfg).await.unwrap()
+    }
+
+    pub async fn admin(
+        &self,
+    ) -> dinomo_proto::monitor::monitor_service_client::MonitorServiceClient<
+        tonic::transport::Channel,
+    > {
+        dinomo_proto::monitor::monitor_service_client::MonitorServiceClient::connect(format!(
+            "http://{}",
+            self.monitor.addr
+        ))
+        .await
+        .unwrap()
+    }
+
+    pub async fn map(&self) -> ClusterMap {
+        admin::published_map(&self.dpm.addr)
+            .await
+            .unwrap()
+            .expect("a published map")
+    }
+
+    /// Prints the monitor's log (for a failing test).
+    pub fn dump_monitor_log(&self) {
+        let log = std::fs::read_to_string(self.dir.path().join("monitor.log")).unwrap_or_default();
+        let tail: Vec<&str> = log.lines().rev().take(60).collect();
+        for l in tail.into_iter().rev() {
+            eprintln!("monitor| {l}");
+        }
+    }
+}

@@ -12,20 +12,75 @@ use rand::{Rng, SeedableRng};
 
 use super::cluster::Cluster;
 
+/// Which keys the clients touch: `key0 .. key{n-1}`, uniformly or Zipf-distributed.
+#[derive(Debug, Clone)]
+pub(super) struct Keys {
+    /// The first key's number.
+    offset: u32,
+    n: u32,
+    /// Cumulative probabilities of keys 0..n under Zipf(theta); None: uniform.
+    cdf: Option<Arc<Vec<f64>>>,
+}
+
+impl Keys {
+    pub(super) fn uniform(n: u32) -> Keys {
+        Keys {
+            offset: 0,
+            n,
+            cdf: None,
+        }
+    }
+
+    /// The same distribution over `key{offset} ..`.
+    pub(super) fn shifted(mut self, offset: u32) -> Keys {
+        self.offset = offset;
+        self
+    }
+
+    pub(super) fn zipf(n: u32, theta: f64) -> Keys {
+        let weights: Vec<f64> = (1..=n).map(|i| 1.0 / f64::from(i).powf(theta)).collect();
+        let total: f64 = weights.iter().sum();
+        let mut acc = 0.0;
+        let cdf = weights
+            .iter()
+            .map(|w| {
+                acc += w / total;
+                acc
+            })
+            .collect();
+        Keys {
+            offset: 0,
+            n,
+            cdf: Some(Arc::new(cdf)),
+        }
+    }
+
+    fn pick(&self, rng: &mut StdRng) -> u32 {
+        self.offset
+            + match &self.cdf {
+                None => rng.random_range(0..self.n),
+                Some(cdf) => {
+                    let u: f64 = rng.random();
+                    (cdf.partition_point(|&c| c < u) as u32).min(self.n - 1)
+                }
+            }
+    }
+}
+
 /// Counts of what clients saw.
 #[derive(Debug, Default)]
-struct Seen {
-    ops: AtomicU64,
+pub(super) struct Seen {
+    pub(super) ops: AtomicU64,
     /// Errors that reached a caller: anything but a value or a semantic answer.
-    errors: AtomicU64,
-    unknown: AtomicU64,
+    pub(super) errors: AtomicU64,
+    pub(super) unknown: AtomicU64,
 }
 
 /// One client: random operations over `keys` keys until `stop` (at most `max_ops`).
 async fn client_loop(
     client: Client,
     id: u64,
-    keys: u32,
+    keys: Keys,
     max_ops: u64,
     history: Arc<History>,
     seen: Arc<Seen>,
@@ -36,7 +91,7 @@ async fn client_loop(
         if stop.load(Ordering::Relaxed) {
             break;
         }
-        let key = format!("key{}", rng.random_range(0..keys)).into_bytes();
+        let key = format!("key{}", keys.pick(&mut rng)).into_bytes();
         let value = format!("c{id}-{n}").into_bytes();
         let op = match rng.random_range(0..10) {
             0..=4 => Op::Get { key },
@@ -84,24 +139,43 @@ async fn client_loop(
     }
 }
 
-struct Load {
+pub(super) struct Load {
     history: Arc<History>,
-    seen: Arc<Seen>,
+    pub(super) seen: Arc<Seen>,
     stop: Arc<AtomicBool>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
 async fn start_load(cluster: &Cluster, clients: u64, keys: u32, max_ops: u64) -> Load {
-    let history = Arc::new(History::new());
+    let mut cs = Vec::new();
+    for _ in 0..clients {
+        cs.push(cluster.client().await);
+    }
+    start_load_with(
+        cs,
+        Keys::uniform(keys),
+        max_ops,
+        Arc::new(History::new()),
+        0,
+    )
+}
+
+/// Clients `first_id..` running [`client_loop`] over `keys`, recording into `history`.
+pub(super) fn start_load_with(
+    clients: Vec<Client>,
+    keys: Keys,
+    max_ops: u64,
+    history: Arc<History>,
+    first_id: u64,
+) -> Load {
     let seen = Arc::new(Seen::default());
     let stop = Arc::new(AtomicBool::new(false));
     let mut tasks = Vec::new();
-    for id in 0..clients {
-        let client = cluster.client().await;
+    for (i, client) in clients.into_iter().enumerate() {
         tasks.push(tokio::spawn(client_loop(
             client,
-            id,
-            keys,
+            first_id + i as u64,
+            keys.clone(),
             max_ops,
             history.clone(),
             seen.clone(),
@@ -118,7 +192,7 @@ async fn start_load(cluster: &Cluster, clients: u64, keys: u32, max_ops: u64) ->
 
 impl Load {
     /// Stops the clients (after their current operation) and waits for them.
-    async fn finish(self) -> (Arc<History>, Arc<Seen>) {
+    pub(super) async fn finish(self) -> (Arc<History>, Arc<Seen>) {
         self.stop.store(true, Ordering::Relaxed);
         self.join().await
     }
@@ -135,7 +209,7 @@ impl Load {
     }
 }
 
-fn assert_linearizable(history: &History, what: &str) {
+pub(super) fn assert_linearizable(history: &History, what: &str) {
     match check(history) {
         Ok(report) => println!("{what}: linearizable: {report:?}"),
         Err(v) => panic!("{what}: NOT linearizable:\n{v}"),

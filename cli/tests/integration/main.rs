@@ -1,6 +1,8 @@
-//! End-to-end tests on real processes (`dinomo dpm-node|kv-node|routing-node`, all on loopback):
-//! the SDK against a multi-KN cluster, a cluster-map change under load, and a KN killed under
-//! load, each with its history checked for linearizability.
+//! End-to-end tests on real processes (`dinomo dpm-node|kv-node|routing-node|monitor`, all on
+//! loopback): the SDK against a multi-KN cluster, a cluster-map change under load, a KN killed
+//! under load, and the monitor's failover, scaling and hot-key replication under load, each with
+//! its history checked for linearizability.
 
 mod cluster;
 mod e2e;
+mod monitor;

@@ -338,3 +338,75 @@ fn bad_pools_are_refused_with_clear_errors() {
     std::fs::write(&path, &pristine).unwrap();
     Dpm::open(cfg.clone()).expect("the undamaged pool opens");
 }
+
+/// Selective replication at the DPM: a cell pins the segment its entry lives in (even when the
+/// index no longer points there), and removing the cell writes its value back into the index.
+#[tokio::test]
+async fn a_cell_pins_its_segment_and_its_removal_writes_the_value_back() {
+    use dinomo_fabric::FabricExt;
+    use dinomo_layout::segment::SegState;
+    use std::sync::atomic::Ordering;
+
+    let dir = tempfile::tempdir().unwrap();
+    let dpm = Dpm::open(config(dir.path(), |_| {})).unwrap();
+    let mut w1 = writer(&dpm, 1);
+    let mut w2 = writer(&dpm, 2);
+    w1.append(&[put("hot", "v0", 1)]).await.unwrap();
+    w1.seal().await.unwrap();
+    dpm.merge_all(1, true).unwrap();
+    let cell = dpm.install_cell(b"hot").unwrap();
+    assert_eq!(
+        dpm.install_cell(b"hot").unwrap(),
+        cell,
+        "installing is idempotent"
+    );
+    assert_eq!(value(&dpm, "hot").as_deref(), Some("v0"));
+
+    // KN 2 writes through the cell, as an owner does: log, then CAS.
+    let p = w2.append(&[put("hot", "v1", 2)]).await.unwrap()[0];
+    let word = |d: &Dpm| {
+        d.pool()
+            .region()
+            .word(cell)
+            .unwrap()
+            .load(Ordering::Acquire)
+    };
+    let old = word(&dpm);
+    let seen = w2.fabric().cas(cell, old, p.to_word()).await.unwrap();
+    assert_eq!(seen, old);
+    w2.seal().await.unwrap();
+    dpm.merge_all(2, true).unwrap();
+    // KN 1's later entry merges after KN 2's: the index now names it, the cell does not.
+    w1.append(&[put("hot", "stale", 3)]).await.unwrap();
+    w1.seal().await.unwrap();
+    dpm.merge_all(1, true).unwrap();
+    assert_eq!(
+        value(&dpm, "hot").as_deref(),
+        Some("v1"),
+        "the cell is the value of record"
+    );
+
+    // KN 2's segment has no live byte by the index, but the cell pins it through many GC passes.
+    let seg = dpm.pool().superblock().segment_of(p.offset).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let state = dpm.pool().read_table_entry(seg).unwrap().state;
+    assert_ne!(
+        state,
+        SegState::Free,
+        "the segment a cell points into was freed"
+    );
+    assert_eq!(value(&dpm, "hot").as_deref(), Some("v1"));
+
+    // De-replication: the cell's value goes back to the index.
+    assert!(dpm.remove_cell(b"hot").unwrap());
+    assert!(!dpm.remove_cell(b"hot").unwrap());
+    let hash = dinomo_layout::key_hash(b"hot");
+    assert_eq!(dpm.index().lookup(b"hot", hash).unwrap(), Some(p));
+    assert_eq!(value(&dpm, "hot").as_deref(), Some("v1"));
+    // And the index's reference keeps the segment alive from now on.
+    std::thread::sleep(Duration::from_millis(100));
+    assert_ne!(
+        dpm.pool().read_table_entry(seg).unwrap().state,
+        SegState::Free
+    );
+}

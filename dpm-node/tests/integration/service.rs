@@ -136,18 +136,30 @@ async fn control_calls_and_their_errors() {
         .unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument);
     let e = c
-        .install_indirect_cell(IndirectCellRequest { key: vec![] })
+        .install_indirect_cell(IndirectCellRequest {
+            key: vec![],
+            lookup_only: false,
+        })
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument);
+    let lookup = IndirectCellRequest {
+        key: b"hot".to_vec(),
+        lookup_only: true,
+    };
+    let e = c.install_indirect_cell(lookup.clone()).await.unwrap_err();
+    assert_eq!(e.code(), Code::NotFound, "a lookup never creates a cell");
     let cell = c
         .install_indirect_cell(IndirectCellRequest {
             key: b"hot".to_vec(),
+            lookup_only: false,
         })
         .await
         .unwrap()
         .into_inner();
     assert!(cell.cell_offset > 0 && cell.cell_offset % 64 == 0);
+    let found = c.install_indirect_cell(lookup.clone()).await.unwrap();
+    assert_eq!(found.into_inner().cell_offset, cell.cell_offset);
 
     let s = c.stats(StatsRequest {}).await.unwrap().into_inner();
     assert!(s.segments_total > 0 && s.segments_free <= s.segments_total);
@@ -167,4 +179,12 @@ async fn control_calls_and_their_errors() {
         .into_inner()
         .value;
     assert_eq!(v.as_deref(), Some(&b"m1"[..]));
+    // So did the cell.
+    let found = dpm
+        .client()
+        .await
+        .install_indirect_cell(lookup)
+        .await
+        .unwrap();
+    assert_eq!(found.into_inner().cell_offset, cell.cell_offset);
 }

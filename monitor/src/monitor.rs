@@ -1,0 +1,671 @@
+//! The monitor itself: what it knows about the cluster and how it acts on it.
+//!
+//! Three loops run while the monitor is up:
+//! - **probe** (every `failure.probe_every_ms`): a Stats call to each KN of the published map
+//!   is its heartbeat; a KN unanswered for `failure.failed_after_ms`, or reported dead by the
+//!   orchestrator, is recovered at once ([`Monitor::recover_failed`]);
+//! - **epoch** (every `policy.epoch_ms`, only while the orchestrator says this monitor leads):
+//!   gathers the epoch's statistics (KN occupancy, ops and top keys; client latencies reported
+//!   since the previous epoch), asks the policy engine for a decision and carries it out;
+//! - the gRPC service (latency reports, Status, admin actions), in [`crate::service`].
+//!
+//! Invariants:
+//! - One reconfiguration at a time (`reconfig` lock): every map change goes through
+//!   `dinomo_client::admin::reconfigure` from the map of record, so versions only grow.
+//! - A KN is stopped by the orchestrator only after a map without it was published and its
+//!   in-flight requests had `drain` to finish; a failed KN is fenced by the reconfiguration.
+//! - Every decision, including "none", is logged with its reason and counted in
+//!   `dinomo_monitor_decisions_total{action}`.
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use dinomo_client::admin::{self, ReconfigReport};
+use dinomo_placement::{ClusterMap, KnId};
+use dinomo_proto::kv::kv_service_client::KvServiceClient;
+use dinomo_proto::kv::KnStatsRequest;
+use dinomo_proto::monitor::LatencyReport;
+use dinomo_proto::routing::routing_service_client::RoutingServiceClient;
+use dinomo_proto::routing::GetClusterMapRequest;
+use parking_lot::Mutex;
+use tonic::transport::Channel;
+
+use crate::config::{MonitorConfig, PolicyConfig};
+use crate::orchestrator::Orchestrator;
+use crate::policy::{Decision, EpochStats, KeyFreq, KnEpoch, PolicyState};
+
+/// A decision as the Status RPC shows it.
+#[derive(Debug, Clone)]
+pub struct DecisionRecord {
+    pub at: SystemTime,
+    pub action: String,
+    pub reason: String,
+    pub map_version: u64,
+}
+
+/// One KN as last seen.
+#[derive(Debug, Clone, Default)]
+pub struct KnView {
+    pub endpoint: String,
+    pub occupancy: f64,
+    pub ops: u64,
+    pub alive: bool,
+}
+
+/// What the last epoch saw (for Status and the bench timelines).
+#[derive(Debug, Clone, Default)]
+pub struct Snapshot {
+    pub epoch: u64,
+    pub map_version: u64,
+    pub kns: BTreeMap<KnId, KnView>,
+    pub avg_latency_us: f64,
+    pub p99_latency_us: f64,
+    pub replicated: BTreeMap<Vec<u8>, u32>,
+}
+
+/// A finished failure recovery.
+#[derive(Debug, Clone)]
+pub struct Recovery {
+    pub kn: KnId,
+    /// Detection -> new map published at the DPM.
+    pub to_published: Duration,
+    /// Detection -> a routing node serves the new map (None: no routing node configured).
+    pub to_served: Option<Duration>,
+    pub report: ReconfigReport,
+}
+
+/// Client latencies reported since the last epoch.
+#[derive(Debug, Default)]
+struct LatencyAgg {
+    count: u64,
+    sum_us: u64,
+    /// Sum over reports of count * p99 (the epoch's p99 is their count-weighted mean: an
+    /// approximation, as percentiles do not add).
+    p99_weighted: f64,
+    per_kn: HashMap<KnId, (u64, u64)>,
+}
+
+/// Per-KN probe state.
+#[derive(Debug)]
+struct Probe {
+    last_ok: Instant,
+    /// Cumulative gets + puts + deletes at the previous epoch.
+    last_ops: Option<u64>,
+}
+
+/// Settings that are not in the config file (they come from the command line).
+#[derive(Debug, Clone, Default)]
+pub struct MonitorOptions {
+    /// Routing nodes whose serving of a new map is timed after a failure recovery.
+    pub routing: Vec<String>,
+    /// How long a removed KN keeps running after the map without it is published, so that
+    /// requests already sent to it complete.
+    pub drain: Duration,
+}
+
+/// The monitor.
+#[derive(Debug)]
+pub struct Monitor {
+    pub cfg: MonitorConfig,
+    pub opts: MonitorOptions,
+    orchestrator: Arc<dyn Orchestrator>,
+    latency: Mutex<LatencyAgg>,
+    policy: Mutex<PolicyState>,
+    /// The policy parameters in force (`cfg.policy` at start; SetPolicy replaces them).
+    policy_cfg: Mutex<PolicyConfig>,
+    reconfig: tokio::sync::Mutex<()>,
+    probes: Mutex<HashMap<KnId, Probe>>,
+    channels: Mutex<HashMap<String, KvServiceClient<Channel>>>,
+    snapshot: Mutex<Snapshot>,
+    decisions: Mutex<VecDeque<DecisionRecord>>,
+    recoveries: Mutex<Vec<Recovery>>,
+    epoch: Mutex<u64>,
+}
+
+fn kn_channel(endpoint: &str, timeout: Duration) -> Option<KvServiceClient<Channel>> {
+    let ep = tonic::transport::Endpoint::from_shared(format!("http://{endpoint}")).ok()?;
+    Some(KvServiceClient::new(
+        ep.connect_timeout(timeout)
+            .timeout(timeout)
+            .tcp_nodelay(true)
+            .connect_lazy(),
+    ))
+}
+
+impl Monitor {
+    pub fn new(
+        cfg: MonitorConfig,
+        opts: MonitorOptions,
+        orchestrator: Arc<dyn Orchestrator>,
+    ) -> Arc<Self> {
+        let policy_cfg = Mutex::new(cfg.policy.clone());
+        Arc::new(Monitor {
+            cfg,
+            opts,
+            orchestrator,
+            latency: Mutex::new(LatencyAgg::default()),
+            policy: Mutex::new(PolicyState::new()),
+            policy_cfg,
+            reconfig: tokio::sync::Mutex::new(()),
+            probes: Mutex::new(HashMap::new()),
+            channels: Mutex::new(HashMap::new()),
+            snapshot: Mutex::new(Snapshot::default()),
+            decisions: Mutex::new(VecDeque::new()),
+            recoveries: Mutex::new(Vec::new()),
+            epoch: Mutex::new(0),
+        })
+    }
+
+    pub fn orchestrator(&self) -> &Arc<dyn Orchestrator> {
+        &self.orchestrator
+    }
+
+    fn dpm(&self) -> &str {
+        &self.cfg.server.dpm
+    }
+
+    /// Starts the probe and epoch loops (they end when the monitor is dropped).
+    pub fn spawn_loops(self: &Arc<Self>) {
+        tokio::spawn(probe_loop(Arc::downgrade(self)));
+        tokio::spawn(epoch_loop(Arc::downgrade(self)));
+    }
+
+    /// A client's latency report.
+    pub fn report(&self, r: &LatencyReport) {
+        let mut l = self.latency.lock();
+        l.count += r.count;
+        l.sum_us += r.sum_us;
+        l.p99_weighted += r.count as f64 * r.p99_us as f64;
+        for k in &r.per_kn {
+            let e = l.per_kn.entry(k.kn_id).or_default();
+            e.0 += k.count;
+            e.1 += k.sum_us;
+        }
+    }
+
+    /// The policy parameters in force.
+    pub fn policy_config(&self) -> PolicyConfig {
+        self.policy_cfg.lock().clone()
+    }
+
+    /// Replaces the policy parameters (validated first; the grace period in progress stays).
+    pub fn set_policy(&self, p: PolicyConfig) -> anyhow::Result<()> {
+        p.validate()?;
+        tracing::info!(policy = ?p, "policy parameters replaced");
+        *self.policy_cfg.lock() = p;
+        Ok(())
+    }
+
+    pub fn snapshot(&self) -> Snapshot {
+        self.snapshot.lock().clone()
+    }
+
+    pub fn decisions(&self) -> Vec<DecisionRecord> {
+        self.decisions.lock().iter().cloned().collect()
+    }
+
+    pub fn recoveries(&self) -> Vec<Recovery> {
+        self.recoveries.lock().clone()
+    }
+
+    fn record(&self, action: &str, reason: &str, map_version: u64) {
+        metrics::counter!("dinomo_monitor_decisions_total", "action" => action.to_string())
+            .increment(1);
+        let mut d = self.decisions.lock();
+        d.push_back(DecisionRecord {
+            at: SystemTime::now(),
+            action: action.to_string(),
+            reason: reason.to_string(),
+            map_version,
+        });
+        while d.len() > self.cfg.server.recent_decisions.max(1) {
+            d.pop_front();
+        }
+    }
+
+    fn channel(&self, endpoint: &str) -> Option<KvServiceClient<Channel>> {
+        let mut c = self.channels.lock();
+        if let Some(ch) = c.get(endpoint) {
+            return Some(ch.clone());
+        }
+        let ch = kn_channel(endpoint, self.cfg.stats.kn_stats_timeout())?;
+        c.insert(endpoint.to_string(), ch.clone());
+        Some(ch)
+    }
+
+    /// The map of record.
+    pub async fn current_map(&self) -> anyhow::Result<ClusterMap> {
+        admin::published_map(self.dpm())
+            .await?
+            .ok_or_else(|| anyhow::anyhow!("no cluster map has been published yet"))
+    }
+
+    async fn reconfigure(
+        &self,
+        current: &ClusterMap,
+        next: &ClusterMap,
+    ) -> anyhow::Result<ReconfigReport> {
+        let r = admin::reconfigure(self.dpm(), current, next).await?;
+        metrics::gauge!("dinomo_monitor_map_version").set(next.version as f64);
+        metrics::gauge!("dinomo_monitor_kns").set(next.kns.len() as f64);
+        metrics::gauge!("dinomo_monitor_replicated_keys").set(next.replicated.len() as f64);
+        Ok(r)
+    }
+
+    // ---------------------------------------------------------------- actions
+
+    /// Starts a KN and adds it to the map. Returns the KN and the new map version.
+    pub async fn add_kn(&self, reason: &str) -> anyhow::Result<(KnId, u64)> {
+        let _g = self.reconfig.lock().await;
+        let current = self.current_map().await?;
+        let info = self.orchestrator.add_kn().await?;
+        let kn = info.id;
+        let next = current.with_kn_added(info)?;
+        let r = self.reconfigure(&current, &next).await?;
+        self.probes.lock().insert(
+            kn,
+            Probe {
+                last_ok: Instant::now(),
+                last_ops: None,
+            },
+        );
+        self.policy.lock().note_membership_change(Instant::now());
+        tracing::info!(kn, map_version = r.to_version, %reason, "KN added");
+        self.record("add_kn", &format!("KN {kn}: {reason}"), r.to_version);
+        Ok((kn, r.to_version))
+    }
+
+    /// Removes `kn` from the map, lets its requests drain, then stops it.
+    pub async fn remove_kn(&self, kn: KnId, reason: &str) -> anyhow::Result<u64> {
+        let _g = self.reconfig.lock().await;
+        let current = self.current_map().await?;
+        if !current.contains(kn) {
+            anyhow::bail!(
+                "KN {kn} is not in the cluster map (version {})",
+                current.version
+            );
+        }
+        if current.kns.len() <= 1 {
+            anyhow::bail!("KN {kn} is the last KN; a cluster needs at least one");
+        }
+        let next = current.with_kn_removed(kn)?;
+        let r = self.reconfigure(&current, &next).await?;
+        self.probes.lock().remove(&kn);
+        tokio::time::sleep(self.opts.drain).await;
+        if let Err(e) = self.orchestrator.remove_kn(kn).await {
+            tracing::warn!(kn, error = %e, "the orchestrator could not stop the removed KN");
+        }
+        self.policy.lock().note_membership_change(Instant::now());
+        tracing::info!(kn, map_version = r.to_version, %reason, "KN removed");
+        self.record("remove_kn", &format!("KN {kn}: {reason}"), r.to_version);
+        Ok(r.to_version)
+    }
+
+    /// Failure recovery (DINOMO 3.5): a map without `kn` is made the map of record; the
+    /// reconfiguration fences the dead KN's epoch and merges all of its logs first.
+    pub async fn recover_failed(
+        &self,
+        kn: KnId,
+        detected: Instant,
+        how: &str,
+    ) -> anyhow::Result<Option<Recovery>> {
+        let _g = self.reconfig.lock().await;
+        let current = self.current_map().await?;
+        if !current.contains(kn) {
+            return Ok(None);
+        }
+        tracing::warn!(kn, %how, "KN failure detected; recovering");
+        metrics::counter!("dinomo_monitor_kn_failures_total").increment(1);
+        let next = current.with_kn_removed(kn)?;
+        let report = self.reconfigure(&current, &next).await?;
+        let to_published = detected.elapsed();
+        let to_served = self.wait_served(next.version, detected).await;
+        self.probes.lock().remove(&kn);
+        self.policy.lock().note_membership_change(Instant::now());
+        metrics::histogram!("dinomo_monitor_recovery_seconds").record(to_published.as_secs_f64());
+        let rec = Recovery {
+            kn,
+            to_published,
+            to_served,
+            report,
+        };
+        tracing::info!(
+            kn,
+            map_version = next.version,
+            to_published_ms = to_published.as_secs_f64() * 1e3,
+            to_served_ms = to_served.map(|d| d.as_secs_f64() * 1e3),
+            fenced = ?rec.report.fenced,
+            merged_entries = rec.report.merged_entries,
+            "KN failure recovered"
+        );
+        self.record(
+            "recover_failed_kn",
+            &format!(
+                "KN {kn} {how}; recovered {:.1} ms after detection (map served after {})",
+                to_published.as_secs_f64() * 1e3,
+                to_served.map_or("-".into(), |d| format!("{:.1} ms", d.as_secs_f64() * 1e3))
+            ),
+            next.version,
+        );
+        self.recoveries.lock().push(rec.clone());
+        Ok(Some(rec))
+    }
+
+    /// Waits (up to 5 s) until a routing node serves map `version`.
+    async fn wait_served(&self, version: u64, since: Instant) -> Option<Duration> {
+        let r = self.opts.routing.first()?;
+        let ep = tonic::transport::Endpoint::from_shared(format!("http://{r}")).ok()?;
+        let mut c = RoutingServiceClient::new(ep.timeout(Duration::from_secs(5)).connect_lazy());
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while Instant::now() < deadline {
+            let got = c
+                .get_cluster_map(GetClusterMapRequest {
+                    newer_than: Some(version - 1),
+                })
+                .await;
+            if got.is_ok_and(|m| m.into_inner().version >= version) {
+                return Some(since.elapsed());
+            }
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+        None
+    }
+
+    /// Replicates hot keys: key -> replication factor (owners: the first R KNs clockwise).
+    pub async fn replicate(&self, keys: &[(Vec<u8>, u32)], reason: &str) -> anyhow::Result<u64> {
+        let _g = self.reconfig.lock().await;
+        let current = self.current_map().await?;
+        let mut next = current.clone();
+        for (key, r) in keys {
+            let owners = current.replica_candidates(key, *r as usize);
+            next = next.with_replicated(key.clone(), owners)?;
+        }
+        next.version = current.version + 1;
+        let rep = self.reconfigure(&current, &next).await?;
+        tracing::info!(keys = keys.len(), map_version = rep.to_version, %reason, "hot keys replicated");
+        self.record("replicate", reason, rep.to_version);
+        Ok(rep.to_version)
+    }
+
+    /// De-replicates keys (their cells' values go back to the index).
+    pub async fn dereplicate(&self, keys: &[Vec<u8>], reason: &str) -> anyhow::Result<u64> {
+        let _g = self.reconfig.lock().await;
+        let current = self.current_map().await?;
+        let mut next = current.clone();
+        for key in keys {
+            next = next.with_replicated(key.clone(), Vec::new())?;
+        }
+        next.version = current.version + 1;
+        let rep = self.reconfigure(&current, &next).await?;
+        tracing::info!(keys = keys.len(), map_version = rep.to_version, %reason, "keys de-replicated");
+        self.record("dereplicate", reason, rep.to_version);
+        Ok(rep.to_version)
+    }
+
+    // ---------------------------------------------------------------- loops
+
+    /// One round of heartbeats; returns the KNs found failed (with how).
+    async fn probe_once(&self) -> Vec<(KnId, String)> {
+        let Ok(map) = self.current_map().await else {
+            return Vec::new();
+        };
+        let mut failed = Vec::new();
+        match self.orchestrator.failed_kns().await {
+            Ok(dead) => {
+                for kn in dead.into_iter().filter(|&k| map.contains(k)) {
+                    failed.push((
+                        kn,
+                        format!(
+                            "reported dead by the {} orchestrator",
+                            self.orchestrator.name()
+                        ),
+                    ));
+                }
+            }
+            Err(e) => tracing::debug!(error = %e, "orchestrator failure query failed"),
+        }
+        let calls = map.kns.iter().map(|k| {
+            let ch = self.channel(&k.endpoint);
+            let id = k.id;
+            async move {
+                let ok = match ch {
+                    Some(mut c) => c.stats(KnStatsRequest { top_keys: 0 }).await.is_ok(),
+                    None => false,
+                };
+                (id, ok)
+            }
+        });
+        let results = futures::future::join_all(calls).await;
+        let now = Instant::now();
+        let after = self.cfg.failure.failed_after();
+        let mut probes = self.probes.lock();
+        for (kn, ok) in results {
+            let p = probes.entry(kn).or_insert(Probe {
+                last_ok: now,
+                last_ops: None,
+            });
+            if ok {
+                p.last_ok = now;
+            } else if now.duration_since(p.last_ok) >= after && !failed.iter().any(|f| f.0 == kn) {
+                failed.push((
+                    kn,
+                    format!(
+                        "missed heartbeats for {} ms",
+                        now.duration_since(p.last_ok).as_millis()
+                    ),
+                ));
+            }
+        }
+        probes.retain(|kn, _| map.contains(*kn));
+        failed
+    }
+
+    /// One decision epoch: gather, decide, act.
+    pub async fn run_epoch(&self) -> anyhow::Result<Decision> {
+        let epoch = {
+            let mut e = self.epoch.lock();
+            *e += 1;
+            *e
+        };
+        let map = self.current_map().await?;
+        let top = self.cfg.stats.top_keys;
+        let calls = map.kns.iter().map(|k| {
+            let ch = self.channel(&k.endpoint);
+            let id = k.id;
+            async move {
+                let r = match ch {
+                    Some(mut c) => c.stats(KnStatsRequest { top_keys: top }).await.ok(),
+                    None => None,
+                };
+                (id, r.map(|r| r.into_inner()))
+            }
+        });
+        let results = futures::future::join_all(calls).await;
+        let lat = std::mem::take(&mut *self.latency.lock());
+        let mut kns = Vec::new();
+        let mut views = BTreeMap::new();
+        let mut keys: BTreeMap<Vec<u8>, u64> = BTreeMap::new();
+        let mut total_ops = 0u64;
+        {
+            let mut probes = self.probes.lock();
+            for (id, r) in results {
+                let endpoint = map.endpoint(id).unwrap_or_default().to_string();
+                let Some(s) = r else {
+                    views.insert(
+                        id,
+                        KnView {
+                            endpoint,
+                            alive: false,
+                            ..Default::default()
+                        },
+                    );
+                    continue;
+                };
+                let cumulative = s.gets + s.puts + s.deletes;
+                let p = probes.entry(id).or_insert(Probe {
+                    last_ok: Instant::now(),
+                    last_ops: None,
+                });
+                let ops = p.last_ops.map_or(0, |l| cumulative.saturating_sub(l));
+                p.last_ops = Some(cumulative);
+                total_ops += ops;
+                kns.push(KnEpoch {
+                    id,
+                    occupancy: s.occupancy,
+                    ops,
+                });
+                views.insert(
+                    id,
+                    KnView {
+                        endpoint,
+                        occupancy: s.occupancy,
+                        ops,
+                        alive: true,
+                    },
+                );
+                for k in s.top_keys {
+                    *keys.entry(k.key).or_default() += k.count;
+                }
+            }
+        }
+        // KNs' top-key counters halve every second, so a steady rate r per second shows as about
+        // 2r: halve them to put them on the same per-epoch scale as `total_ops`.
+        let epoch_secs = self.policy_config().epoch().as_secs_f64().max(1e-3);
+        let scale = epoch_secs / 2.0;
+        let keys: Vec<KeyFreq> = keys
+            .into_iter()
+            .map(|(key, count)| {
+                let owner = map.owner(&key).unwrap_or_default();
+                KeyFreq {
+                    key,
+                    count: (count as f64 * scale).round() as u64,
+                    owner,
+                }
+            })
+            .collect();
+        let (avg, p99) = if lat.count > 0 {
+            (
+                Some(lat.sum_us as f64 / lat.count as f64),
+                Some(lat.p99_weighted / lat.count as f64),
+            )
+        } else {
+            (None, None)
+        };
+        let kn_latency_us = lat
+            .per_kn
+            .iter()
+            .filter(|(_, (c, _))| *c > 0)
+            .map(|(&kn, &(c, s))| (kn, s as f64 / c as f64))
+            .collect();
+        let replicated: BTreeMap<Vec<u8>, u32> = map
+            .replicated
+            .iter()
+            .map(|(k, o)| (k.clone(), o.len() as u32))
+            .collect();
+        let stats = EpochStats {
+            epoch,
+            kns,
+            avg_latency_us: avg,
+            p99_latency_us: p99,
+            kn_latency_us,
+            keys,
+            total_ops,
+            replicated: replicated.clone(),
+        };
+        if let Some(a) = avg {
+            metrics::gauge!("dinomo_monitor_avg_latency_us").set(a);
+        }
+        if let Some(p) = p99 {
+            metrics::gauge!("dinomo_monitor_p99_latency_us").set(p);
+        }
+        *self.snapshot.lock() = Snapshot {
+            epoch,
+            map_version: map.version,
+            kns: views,
+            avg_latency_us: avg.unwrap_or(0.0),
+            p99_latency_us: p99.unwrap_or(0.0),
+            replicated,
+        };
+        let decision = self
+            .policy
+            .lock()
+            .decide(&self.policy_config(), &stats, Instant::now());
+        self.act(&decision).await;
+        Ok(decision)
+    }
+
+    async fn act(&self, d: &Decision) {
+        let result = match d {
+            Decision::None { reason } => {
+                tracing::debug!(%reason, "policy: no action");
+                self.record("none", reason, 0);
+                Ok(())
+            }
+            Decision::AddKn { reason } => {
+                tracing::info!(%reason, "policy: add a KN");
+                self.add_kn(reason).await.map(|_| ())
+            }
+            Decision::RemoveKn { kn, reason } => {
+                let candidates = [*kn];
+                let kn = self.orchestrator.removal_choice(&candidates).unwrap_or(*kn);
+                tracing::info!(kn, %reason, "policy: remove a KN");
+                self.remove_kn(kn, reason).await.map(|_| ())
+            }
+            Decision::Replicate { keys, reason } => {
+                tracing::info!(keys = keys.len(), %reason, "policy: replicate hot keys");
+                self.replicate(keys, reason).await.map(|_| ())
+            }
+            Decision::Dereplicate { keys, reason } => {
+                tracing::info!(keys = keys.len(), %reason, "policy: de-replicate cold keys");
+                self.dereplicate(keys, reason).await.map(|_| ())
+            }
+        };
+        if let Err(e) = result {
+            tracing::error!(action = d.action(), error = %e, "carrying out the decision failed");
+            metrics::counter!("dinomo_monitor_action_errors_total", "action" => d.action().to_string())
+                .increment(1);
+        }
+    }
+}
+
+async fn probe_loop(m: std::sync::Weak<Monitor>) {
+    loop {
+        let Some(mon) = m.upgrade() else { return };
+        let every = mon.cfg.failure.probe_every();
+        let failed = mon.probe_once().await;
+        for (kn, how) in failed {
+            let detected = Instant::now();
+            if let Err(e) = mon.recover_failed(kn, detected, &how).await {
+                tracing::error!(kn, error = %e, "failure recovery failed; will retry");
+            }
+        }
+        drop(mon);
+        tokio::time::sleep(every).await;
+    }
+}
+
+async fn epoch_loop(m: std::sync::Weak<Monitor>) {
+    let mut next = Instant::now();
+    loop {
+        let Some(mon) = m.upgrade() else { return };
+        next += mon.policy_config().epoch();
+        match mon.orchestrator.is_leader().await {
+            Ok(true) => {
+                if let Err(e) = mon.run_epoch().await {
+                    tracing::warn!(error = %e, "decision epoch skipped");
+                }
+            }
+            Ok(false) => tracing::debug!("not the leader; standing by"),
+            Err(e) => tracing::warn!(error = %e, "cannot tell whether this monitor leads"),
+        }
+        drop(mon);
+        tokio::time::sleep_until(next.into()).await;
+    }
+}
+
+/// Unix milliseconds of a time.
+pub fn unix_ms(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}

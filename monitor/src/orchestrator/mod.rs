@@ -1,0 +1,70 @@
+//! Orchestrators: how the monitor gets, stops and watches KV nodes. The monitor decides *what*
+//! to do (policy engine, reconfiguration); an orchestrator does it on a platform:
+//!
+//! - [`local`]: KNs are child processes of the monitor (the embedded default, `dinomo up`);
+//! - [`kubernetes`]: KNs are the pods of a StatefulSet; scaling patches its replicas, failures
+//!   are read from pod status, and a Lease makes sure that one monitor acts at a time.
+//!
+//! Invariants every backend keeps:
+//! - `add_kn` returns only once the new KN is registered with the DPM and serving its
+//!   KvService at the returned endpoint (it owns nothing until the monitor publishes a map
+//!   that includes it);
+//! - `remove_kn` is called only after a map without the KN was published and its in-flight
+//!   requests drained; it stops the KN gracefully (it seals its logs on the way out);
+//! - KN ids are never reused for a different KN while the old one may still write (the DPM
+//!   fences by KN id and epoch, so a restarted KN with the same id is a new incarnation).
+
+pub mod kubernetes;
+pub mod local;
+
+use std::fmt::Debug;
+
+use async_trait::async_trait;
+use dinomo_placement::{KnId, KnInfo};
+
+/// What went wrong in an orchestrator.
+#[derive(Debug, thiserror::Error)]
+pub enum OrchestratorError {
+    /// The platform refused or failed the request (process spawn, API server error, ...).
+    #[error("{0}")]
+    Platform(String),
+    /// The KN is not one this orchestrator runs.
+    #[error("KN {0} is not managed by this orchestrator")]
+    UnknownKn(KnId),
+    /// The action is impossible on this platform (e.g. no more KNs may be started).
+    #[error("{0}")]
+    Refused(String),
+}
+
+pub type Result<T> = std::result::Result<T, OrchestratorError>;
+
+/// A platform that runs KV nodes.
+#[async_trait]
+pub trait Orchestrator: Send + Sync + Debug {
+    /// "local" or "kubernetes", for logs and the Status RPC.
+    fn name(&self) -> &'static str;
+
+    /// Starts one more KN and returns its id and KvService endpoint once it serves.
+    async fn add_kn(&self) -> Result<KnInfo>;
+
+    /// Stops a KN gracefully (the monitor already published a map without it).
+    async fn remove_kn(&self, kn: KnId) -> Result<()>;
+
+    /// Kills a KN abruptly, as a crash would (experiments and `dinomo admin fail-kn`).
+    async fn fail_kn(&self, kn: KnId) -> Result<()>;
+
+    /// KNs the platform itself reports as dead (process exited, pod failed or not ready)
+    /// among those it runs. The monitor also detects failures by missed heartbeats.
+    async fn failed_kns(&self) -> Result<Vec<KnId>>;
+
+    /// Which of `candidates` (all under-utilised, least busy first) to remove. Any KN can go,
+    /// since no data moves; a StatefulSet can only shrink from its highest ordinal.
+    fn removal_choice(&self, candidates: &[KnId]) -> Option<KnId> {
+        candidates.first().copied()
+    }
+
+    /// Whether this monitor may act now (holds the Lease); renews it. Called every epoch.
+    async fn is_leader(&self) -> Result<bool> {
+        Ok(true)
+    }
+}

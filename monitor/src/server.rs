@@ -1,0 +1,89 @@
+//! Running the monitor: bootstrapping a local cluster's KNs and serving MonitorService.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+use anyhow::Context;
+use dinomo_client::admin;
+use dinomo_placement::{ClusterMap, KnInfo};
+use dinomo_proto::monitor::monitor_service_server::MonitorServiceServer;
+
+use crate::orchestrator::local::LocalOrchestrator;
+use crate::service::Service;
+use crate::Monitor;
+
+/// Starts the KNs of a local cluster and makes sure the map of record names them.
+///
+/// - No map published yet: starts KNs 1..=`kns` and publishes the first map.
+/// - A map from an earlier run: restarts its KNs (same ids, so each one's previous incarnation
+///   is merged and fenced at registration), republishes it if their endpoints changed, then adds
+///   KNs (by reconfiguration) until there are `kns`.
+pub async fn bootstrap_local(
+    orch: &LocalOrchestrator,
+    dpm: &str,
+    kns: u32,
+    vnodes: u32,
+) -> anyhow::Result<ClusterMap> {
+    use crate::orchestrator::Orchestrator;
+    let published = admin::published_map(dpm).await?;
+    let mut map = match published {
+        None => {
+            let mut infos = Vec::new();
+            for id in 1..=kns.max(1) {
+                infos.push(orch.start_kn(id).await?);
+            }
+            let map = ClusterMap::new(infos, vnodes, 1)?;
+            admin::publish_map(dpm, &map).await?;
+            tracing::info!(
+                version = map.version,
+                kns = map.kns.len(),
+                "first cluster map published"
+            );
+            return Ok(map);
+        }
+        Some(m) => m,
+    };
+    let max_id = map.kn_ids().max().unwrap_or(0);
+    orch.reserve_ids_up_to(max_id).await;
+    let mut infos: Vec<KnInfo> = Vec::new();
+    for id in map.kn_ids().collect::<Vec<_>>() {
+        infos.push(orch.start_kn(id).await?);
+    }
+    if infos != map.kns {
+        // Same ids, new endpoints (another port base): nobody serves the old ones any more.
+        let mut next = map.clone();
+        next.kns = infos;
+        next.version += 1;
+        next.validate()?;
+        admin::publish_map(dpm, &next).await?;
+        map = next;
+    }
+    while (map.kns.len() as u32) < kns {
+        let info = orch.add_kn().await?;
+        let next = map.with_kn_added(info)?;
+        admin::reconfigure(dpm, &map, &next).await?;
+        map = next;
+    }
+    tracing::info!(
+        version = map.version,
+        kns = map.kns.len(),
+        "cluster map of an earlier run resumed"
+    );
+    Ok(map)
+}
+
+/// Serves MonitorService on `listener` and runs the monitor's loops until `shutdown`.
+pub async fn serve(
+    monitor: Arc<Monitor>,
+    listener: tokio::net::TcpListener,
+    shutdown: impl std::future::Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let addr: SocketAddr = listener.local_addr()?;
+    monitor.spawn_loops();
+    tracing::info!(%addr, orchestrator = monitor.orchestrator().name(), "monitor serving");
+    tonic::transport::Server::builder()
+        .add_service(MonitorServiceServer::new(Service::new(monitor)))
+        .serve_with_incoming_shutdown(dinomo_proto::nodelay_incoming(listener), shutdown)
+        .await
+        .context("serving MonitorService")
+}

@@ -1,0 +1,181 @@
+//! MonitorService (gRPC): client latency reports, Status, and the admin actions.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use dinomo_proto::monitor as pb;
+use dinomo_proto::monitor::monitor_service_server::MonitorService;
+use tonic::{Request, Response, Status};
+
+use crate::monitor::{unix_ms, Monitor};
+
+#[derive(Debug, Clone)]
+pub struct Service {
+    monitor: Arc<Monitor>,
+}
+
+impl Service {
+    pub fn new(monitor: Arc<Monitor>) -> Self {
+        Service { monitor }
+    }
+}
+
+fn failed(e: anyhow::Error) -> Status {
+    Status::failed_precondition(format!("{e:#}"))
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+#[tonic::async_trait]
+impl MonitorService for Service {
+    async fn report_latency(
+        &self,
+        req: Request<pb::LatencyReport>,
+    ) -> Result<Response<pb::LatencyReply>, Status> {
+        let r = req.into_inner();
+        if r.count == 0 {
+            return Err(Status::invalid_argument(
+                "a latency report must count requests",
+            ));
+        }
+        self.monitor.report(&r);
+        Ok(Response::new(pb::LatencyReply {
+            report_every_ms: self.monitor.cfg.stats.report_every_ms,
+        }))
+    }
+
+    async fn status(
+        &self,
+        _req: Request<pb::StatusRequest>,
+    ) -> Result<Response<pb::StatusReply>, Status> {
+        let s = self.monitor.snapshot();
+        let map_version = match self.monitor.current_map().await {
+            Ok(m) => m.version,
+            Err(_) => s.map_version,
+        };
+        Ok(Response::new(pb::StatusReply {
+            map_version,
+            kns: s
+                .kns
+                .iter()
+                .map(|(&kn_id, v)| pb::KnStatus {
+                    kn_id,
+                    endpoint: v.endpoint.clone(),
+                    occupancy: v.occupancy,
+                    ops: v.ops,
+                    alive: v.alive,
+                })
+                .collect(),
+            avg_latency_us: s.avg_latency_us,
+            p99_latency_us: s.p99_latency_us,
+            epoch: s.epoch,
+            recent: self
+                .monitor
+                .decisions()
+                .into_iter()
+                .map(|d| pb::Decision {
+                    at_ms: unix_ms(d.at),
+                    action: d.action,
+                    reason: d.reason,
+                    map_version: d.map_version,
+                })
+                .collect(),
+            replicated: s.replicated.iter().map(|(k, r)| (hex(k), *r)).collect(),
+            orchestrator: self.monitor.orchestrator().name().to_string(),
+        }))
+    }
+
+    async fn set_policy(
+        &self,
+        req: Request<pb::PolicyRequest>,
+    ) -> Result<Response<pb::PolicyReply>, Status> {
+        let text = req.into_inner().toml;
+        let p = crate::config::PolicyConfig::from_toml_str(&text)
+            .map_err(|e| Status::invalid_argument(e.to_string()))?;
+        self.monitor
+            .set_policy(p)
+            .map_err(|e| Status::invalid_argument(format!("{e:#}")))?;
+        Ok(Response::new(pb::PolicyReply {
+            toml: self.monitor.policy_config().to_toml_string(),
+        }))
+    }
+
+    async fn add_kn(
+        &self,
+        _req: Request<pb::AddKnRequest>,
+    ) -> Result<Response<pb::ActionReply>, Status> {
+        let (kn, v) = self
+            .monitor
+            .add_kn("requested by an operator")
+            .await
+            .map_err(failed)?;
+        Ok(Response::new(pb::ActionReply {
+            map_version: v,
+            message: format!("KN {kn} added"),
+            kn_id: kn,
+            recovery_us: 0,
+        }))
+    }
+
+    async fn remove_kn(
+        &self,
+        req: Request<pb::KnRequest>,
+    ) -> Result<Response<pb::ActionReply>, Status> {
+        let kn = req.into_inner().kn_id;
+        let v = self
+            .monitor
+            .remove_kn(kn, "requested by an operator")
+            .await
+            .map_err(failed)?;
+        Ok(Response::new(pb::ActionReply {
+            map_version: v,
+            message: format!("KN {kn} removed"),
+            kn_id: kn,
+            recovery_us: 0,
+        }))
+    }
+
+    async fn fail_kn(
+        &self,
+        req: Request<pb::KnRequest>,
+    ) -> Result<Response<pb::ActionReply>, Status> {
+        let kn = req.into_inner().kn_id;
+        let map = self.monitor.current_map().await.map_err(failed)?;
+        if !map.contains(kn) {
+            return Err(Status::invalid_argument(format!(
+                "KN {kn} is not in the cluster map (version {})",
+                map.version
+            )));
+        }
+        let before = self.monitor.recoveries().len();
+        self.monitor
+            .orchestrator()
+            .fail_kn(kn)
+            .await
+            .map_err(|e| Status::unavailable(e.to_string()))?;
+        // The monitor detects the failure like any other; wait for its recovery.
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if let Some(r) = self.monitor.recoveries()[before..]
+                .iter()
+                .find(|r| r.kn == kn)
+            {
+                return Ok(Response::new(pb::ActionReply {
+                    map_version: r.report.to_version,
+                    message: format!(
+                        "KN {kn} killed; recovered {:.1} ms after detection",
+                        r.to_published.as_secs_f64() * 1e3
+                    ),
+                    kn_id: kn,
+                    recovery_us: r.to_published.as_micros() as u64,
+                }));
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        Err(Status::deadline_exceeded(format!(
+            "KN {kn} was killed but its recovery was not seen within 30 s"
+        )))
+    }
+}
