@@ -3,7 +3,7 @@
 use anyhow::Context;
 use clap::{Args, Subcommand};
 use dinomo_proto::monitor::monitor_service_client::MonitorServiceClient;
-use dinomo_proto::monitor::{AddKnRequest, KnRequest, StatusRequest};
+use dinomo_proto::monitor::{AddKnRequest, KnRequest, PolicyRequest, StatusRequest};
 
 #[derive(Debug, Args)]
 pub struct AdminArgs {
@@ -31,6 +31,12 @@ pub enum Action {
     },
     /// The monitor's view: KNs, occupancy, latencies, replicated keys, recent decisions.
     Status,
+    /// Replace the policy parameters at run time from a TOML file (a [policy] table, as in
+    /// config/monitor.toml; omitted fields take their defaults). Prints the policy in force.
+    SetPolicy {
+        /// The TOML file.
+        file: std::path::PathBuf,
+    },
 }
 
 pub async fn run(a: AdminArgs) -> anyhow::Result<()> {
@@ -46,6 +52,17 @@ pub async fn run(a: AdminArgs) -> anyhow::Result<()> {
         Action::AddKn => m.add_kn(AddKnRequest {}).await,
         Action::RemoveKn { kn } => m.remove_kn(KnRequest { kn_id: kn }).await,
         Action::FailKn { kn } => m.fail_kn(KnRequest { kn_id: kn }).await,
+        Action::SetPolicy { file } => {
+            let toml = std::fs::read_to_string(&file)
+                .with_context(|| format!("reading {}", file.display()))?;
+            let r = m
+                .set_policy(PolicyRequest { toml })
+                .await
+                .map_err(|s| anyhow::anyhow!("{}", s.message()))?
+                .into_inner();
+            println!("policy in force:\n{}", r.toml);
+            return Ok(());
+        }
         Action::Status => {
             let s = m
                 .status(StatusRequest {})

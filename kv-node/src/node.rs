@@ -363,9 +363,24 @@ async fn watch_map(node: std::sync::Weak<KvNode>) {
     }
 }
 
-/// Occupancy: the busy share of each one-second epoch, averaged over shards.
+/// CPU time (user + system) this process has used so far.
+fn process_cpu() -> Duration {
+    // SAFETY: getrusage fills the struct we pass and has no other effect.
+    let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    if unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut ru) } != 0 {
+        return Duration::ZERO;
+    }
+    let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
+    tv(ru.ru_utime) + tv(ru.ru_stime)
+}
+
+/// Occupancy, as DINOMO defines it: the CPU working time of the KN per epoch (one second),
+/// as a share of the CPU it can use (its runtime's worker threads, at most the machine's
+/// cores). It counts everything the KN does for its requests (gRPC included); the shards' own
+/// busy share is exported as `dinomo_kn_shard_busy`.
 async fn measure_occupancy(node: std::sync::Weak<KvNode>) {
-    let mut last: Option<(Instant, u64)> = None;
+    let cores = std::thread::available_parallelism().map_or(1, |n| n.get()) as f64;
+    let mut last: Option<(Instant, u64, Duration)> = None;
     loop {
         let Some(n) = node.upgrade() else { return };
         let busy: u64 = n
@@ -373,10 +388,14 @@ async fn measure_occupancy(node: std::sync::Weak<KvNode>) {
             .iter()
             .map(|s| s.stats.busy_ns.load(Ordering::Relaxed))
             .sum();
+        let cpu = process_cpu();
         let now = Instant::now();
-        if let Some((t, b)) = last {
-            let wall = now.duration_since(t).as_nanos() as f64 * n.shards.len() as f64;
-            let occ = ((busy - b) as f64 / wall).clamp(0.0, 1.0);
+        if let Some((t, b, c)) = last {
+            let elapsed = now.duration_since(t).as_secs_f64();
+            let wall = elapsed * 1e9 * n.shards.len() as f64;
+            let shard_busy = ((busy - b) as f64 / wall).clamp(0.0, 1.0);
+            metrics::gauge!("dinomo_kn_shard_busy").set(shard_busy);
+            let occ = ((cpu.saturating_sub(c)).as_secs_f64() / (elapsed * cores)).clamp(0.0, 1.0);
             *n.occupancy.write() = occ;
             metrics::gauge!("dinomo_kn_occupancy").set(occ);
             let s = n.stats(0);
@@ -395,7 +414,7 @@ async fn measure_occupancy(node: std::sync::Weak<KvNode>) {
             metrics::gauge!("dinomo_kn_cache_values").set(s.cache_values as f64);
             metrics::gauge!("dinomo_kn_cache_shortcuts").set(s.cache_shortcuts as f64);
         }
-        last = Some((now, busy));
+        last = Some((now, busy, cpu));
         drop(n);
         tokio::time::sleep(Duration::from_secs(1)).await;
     }

@@ -51,21 +51,37 @@ impl MonitorService for Service {
         _req: Request<pb::StatusRequest>,
     ) -> Result<Response<pb::StatusReply>, Status> {
         let s = self.monitor.snapshot();
-        let map_version = match self.monitor.current_map().await {
-            Ok(m) => m.version,
-            Err(_) => s.map_version,
+        // Membership from the map of record (it changes between epochs); load figures from the
+        // last epoch's statistics.
+        let (map_version, members) = match self.monitor.current_map().await {
+            Ok(m) => (
+                m.version,
+                m.kns
+                    .iter()
+                    .map(|k| (k.id, k.endpoint.clone()))
+                    .collect::<Vec<_>>(),
+            ),
+            Err(_) => (
+                s.map_version,
+                s.kns
+                    .iter()
+                    .map(|(&id, v)| (id, v.endpoint.clone()))
+                    .collect(),
+            ),
         };
         Ok(Response::new(pb::StatusReply {
             map_version,
-            kns: s
-                .kns
-                .iter()
-                .map(|(&kn_id, v)| pb::KnStatus {
-                    kn_id,
-                    endpoint: v.endpoint.clone(),
-                    occupancy: v.occupancy,
-                    ops: v.ops,
-                    alive: v.alive,
+            kns: members
+                .into_iter()
+                .map(|(kn_id, endpoint)| {
+                    let v = s.kns.get(&kn_id).cloned().unwrap_or_default();
+                    pb::KnStatus {
+                        kn_id,
+                        endpoint,
+                        occupancy: v.occupancy,
+                        ops: v.ops,
+                        alive: v.alive,
+                    }
                 })
                 .collect(),
             avg_latency_us: s.avg_latency_us,

@@ -994,9 +994,10 @@ mod tests {
 
     #[tokio::test]
     async fn failed_kns_reads_pod_status() {
+        // Started recently, so only the CrashLoopBackOff rule can report it.
         let crash_loop = json!({
             "phase": "Running",
-            "startTime": "2023-11-14T22:00:00Z",
+            "startTime": "2023-11-14T22:13:18Z",
             "conditions": [{ "type": "Ready", "status": "False" }],
             "containerStatuses": [{
                 "name": "kv-node", "image": "dinomo", "imageID": "", "ready": false,
@@ -1046,6 +1047,37 @@ mod tests {
         let result = orch.failed_kns().await;
         finish(orch, server).await;
         assert_eq!(result.expect("failed_kns"), vec![2, 3, 4, 6, 7]);
+    }
+
+    #[tokio::test]
+    async fn failed_kns_reports_a_terminated_container() {
+        // Started recently and not yet marked not Ready: only the terminated container tells.
+        let oom_killed = json!({
+            "phase": "Running",
+            "startTime": "2023-11-14T22:13:18Z",
+            "containerStatuses": [{
+                "name": "kv-node", "image": "dinomo", "imageID": "", "ready": false,
+                "restartCount": 0,
+                "state": { "terminated": { "exitCode": 137, "reason": "OOMKilled" } },
+            }],
+        });
+        let list = json!({
+            "apiVersion": "v1", "kind": "PodList", "metadata": {},
+            "items": [pod("dinomo-kn-0", running(true)), pod("dinomo-kn-1", oom_killed)],
+        });
+        let (orch, server) = with_script(vec![
+            expect("GET", STS).reply(200, sts(2, "300")),
+            expect(
+                "GET",
+                format!(
+                    "{PODS}?labelSelector=app.kubernetes.io%2Fcomponent%3Dkn%2Capp.kubernetes.io%2Fname%3Ddinomo"
+                ),
+            )
+            .reply(200, list),
+        ]);
+        let result = orch.failed_kns().await;
+        finish(orch, server).await;
+        assert_eq!(result.expect("failed_kns"), vec![2]);
     }
 
     #[tokio::test]
