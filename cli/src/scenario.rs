@@ -3,12 +3,14 @@
 //! orchestrator) in a temporary directory, drives a closed-loop load through the SDK whose shape
 //! changes over time, and writes a per-second timeline (CSV) and its chart (PNG):
 //!
-//! - `autoscale` (Fig. 6): a burst of load on one KN violates the SLO with every KN
-//!   over-utilised, so the policy adds KNs; when the load drops, under-utilised KNs are removed.
+//! - `autoscale` (Fig. 6): a burst of load on one KN violates the SLO (2x the latency measured
+//!   under the light first phase) with every KN over-utilised (the paper's bounds), so the
+//!   policy adds KNs; when the load drops, under-utilised KNs are removed.
 //! - `hotkeys` (Fig. 7): the load shifts from Zipf 0.5 to Zipf 2, first with the policy passive
-//!   (the peer without replication, measured in the same run), then with an SLO of 1.3x the
-//!   Zipf 0.5 latency: it is violated while KNs are not over-utilised, so the policy replicates
-//!   the hot keys; when the skew moves to other keys they are de-replicated.
+//!   (the peer without replication, measured in the same run), then with an SLO of 0.9x the
+//!   latency measured without replication (a trigger, as the paper's experiments use): it is
+//!   violated while KNs are not over-utilised, so the policy replicates the hot keys; when the
+//!   skew moves to other keys (and the SLO is relaxed) they are de-replicated.
 //! - `failure` (Fig. 8): a KN is killed under steady load; the monitor detects it, merges its
 //!   logs, fences it and publishes a map without it. The run reports the recovery time and the
 //!   size and length of the throughput dip (from 100 ms buckets).
@@ -502,6 +504,22 @@ pub async fn run(a: ScenarioArgs) -> anyhow::Result<()> {
                 println!("phase 1: light load (2 clients)");
                 load.set_active(2);
                 tokio::time::sleep(s(10.0)).await;
+                // A trigger, as in the paper's experiments: an average-latency SLO at 2x what
+                // the light load gets on this machine (a fixed 1.2 ms may or may not be violated
+                // by the burst, depending on what else the machine runs).
+                let (light_ms, _) = window(&rec, 3.0 * a.time_scale, rec.seconds());
+                let slo_us = (light_ms * 1e3 * 2.0).max(50.0) as u64;
+                println!("  light load: avg {light_ms:.3} ms; average-latency SLO set to {slo_us} us (2x)");
+                admin
+                    .set_policy(PolicyRequest {
+                        toml: format!(
+                            "avg_latency_slo_us = {slo_us}\ntail_latency_slo_us = 16000\n\
+                             over_utilized = 0.20\nunder_utilized = 0.10\nepoch_ms = 1000\n\
+                             grace_period_ms = 6000\nmax_kns = 3\nhot_key_sigmas = 1000.0"
+                        ),
+                    })
+                    .await?;
+                summary.push(format!("light-load avg latency {light_ms:.3} ms; SLO {slo_us} us; over-/under-utilisation bounds 0.20/0.10 (the paper's)"));
                 println!("phase 2: burst (16 clients)");
                 load.set_active(16);
                 tokio::time::sleep(s(30.0)).await;
@@ -521,9 +539,11 @@ pub async fn run(a: ScenarioArgs) -> anyhow::Result<()> {
                 let t2 = rec.seconds();
                 tokio::time::sleep(s(10.0)).await;
                 let (skew_ms, skew_tput) = window(&rec, t2 + 2.0 * a.time_scale, rec.seconds());
-                let slo_us = (base_ms * 1e3 * 1.3).max(50.0) as u64;
+                // A trigger, as in the paper's experiments: an SLO just below what Zipf 2 gets
+                // without replication (on one shared machine skew barely raises latency).
+                let slo_us = (skew_ms * 1e3 * 0.9).max(50.0) as u64;
                 println!(
-                    "  without replication: avg {skew_ms:.3} ms at {skew_tput:.0} ops/s; average-latency SLO now set to {slo_us} us (1.3x the Zipf 0.5 baseline)"
+                    "  without replication: avg {skew_ms:.3} ms at {skew_tput:.0} ops/s; average-latency SLO now set to {slo_us} us (0.9x that)"
                 );
                 admin
                     .set_policy(PolicyRequest {
@@ -547,7 +567,16 @@ pub async fn run(a: ScenarioArgs) -> anyhow::Result<()> {
                     "Zipf 2 with the hot keys replicated: avg {rep_ms:.3} ms, {rep_tput:.0} ops/s = {:.2}x the throughput without replication (same run)",
                     rep_tput / skew_tput
                 ));
-                println!("phase 3: the skew moves away (Zipf 0.5 over other keys)");
+                println!("phase 3: the skew moves away (Zipf 0.5 over other keys); SLO relaxed to 3x the baseline");
+                let relaxed = (base_ms * 1e3 * 3.0).max(50.0) as u64;
+                admin
+                    .set_policy(PolicyRequest {
+                        toml: format!(
+                            "avg_latency_slo_us = {relaxed}\ntail_latency_slo_us = 1000000000\n\
+                             over_utilized = 1.0\nunder_utilized = 0.0\nepoch_ms = 1000\ngrace_period_ms = 0"
+                        ),
+                    })
+                    .await?;
                 load.set_keys(KeyDist::zipf(10_000, 0.5, 100_000));
                 tokio::time::sleep(s(20.0)).await;
             }

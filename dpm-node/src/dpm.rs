@@ -391,23 +391,31 @@ impl Dpm {
         }))
     }
 
-    /// Creates (or returns) the indirect cell of a replicated key: an 8-byte word, in its own
-    /// cache line of the index heap, holding an entry pointer that the key's owners CAS. It
-    /// starts at the key's indexed value, so the caller must have merged every log that may
-    /// hold a newer write of the key first (the reconfiguration does: prepare, MergeAll).
+    /// Creates the indirect cell of a replicated key (or re-initialises the one a failed
+    /// reconfiguration left): an 8-byte word, in its own cache line of the index heap, holding
+    /// an entry pointer that the key's owners CAS. It is set to the key's indexed value, so the
+    /// caller must have paused the key's owners and merged every log that may hold a write of
+    /// the key first (the reconfiguration does: prepare, MergeAll).
     pub fn install_cell(&self, key: &[u8]) -> Result<u64> {
         if key.is_empty() {
             return Err(DpmError::InvalidArgument("the key is empty".into()));
         }
         let name = format!("cell/{}", hex(key));
-        if let Some(off) = self.cells.get(key) {
-            return Ok(off);
-        }
-        let off = heap_alloc(&self.pool, 64)?;
         let current = self
             .index
             .lookup(key, dinomo_layout::key_hash(key))?
             .map_or(0, |p| p.to_word());
+        if let Some(off) = self.cells.get(key) {
+            // Left by a reconfiguration that failed after installing it: the index, merged
+            // just now, is newer than whatever the cell holds.
+            self.pool
+                .region()
+                .word(off)?
+                .store(current, Ordering::Release);
+            self.pool.region().persist(off, 8)?;
+            return Ok(off);
+        }
+        let off = heap_alloc(&self.pool, 64)?;
         self.pool
             .region()
             .word(off)?

@@ -15,7 +15,7 @@ use crate::cache::CacheConfig;
 use crate::config::KnConfig;
 use crate::dpm_link::DpmLink;
 use crate::error::{KvError, KvResult};
-use crate::shard::{self, Control, ShardConfig, ShardHandle, ShardOp, ShardRequest};
+use crate::shard::{self, Control, ShardConfig, ShardHandle, ShardMsg, ShardOp, ShardRequest};
 
 /// The map a KN uses until one is published: itself alone, version 0.
 fn bootstrap_map(kn: u32, endpoint: &str) -> ClusterMap {
@@ -66,8 +66,13 @@ pub struct KvNode {
     /// The map being moved to (between PrepareMap and CommitMap).
     transition: RwLock<Option<Arc<ClusterMap>>>,
     install_lock: tokio::sync::Mutex<()>,
-    /// Indirect-cell offsets of the replicated keys this KN co-owns (cells never move).
-    cells: RwLock<hashbrown::HashMap<Bytes, u64>>,
+    /// Held shared by a request from its ownership check until it is queued at its shard;
+    /// PrepareMap takes it exclusively (after setting `transition`), so every request admitted
+    /// under the old map is queued before the SealLog that follows.
+    gate: tokio::sync::RwLock<()>,
+    /// Indirect-cell offsets of the replicated keys this KN co-owns, valid under the map
+    /// version they are tagged with (a key de-replicated and replicated again gets a new cell).
+    cells: RwLock<(u64, hashbrown::HashMap<Bytes, u64>)>,
 }
 
 impl KvNode {
@@ -103,6 +108,7 @@ impl KvNode {
                 .map_err(|e| KvError::Internal(format!("cluster map in the DPM: {e}")))?,
             None => bootstrap_map(link.kn_id, &config.advertise),
         };
+        let first_version = map.version;
         let node = Arc::new(KvNode {
             config,
             link,
@@ -112,7 +118,8 @@ impl KvNode {
             occupancy: RwLock::new(0.0),
             transition: RwLock::new(None),
             install_lock: tokio::sync::Mutex::new(()),
-            cells: RwLock::new(hashbrown::HashMap::new()),
+            gate: tokio::sync::RwLock::new(()),
+            cells: RwLock::new((first_version, hashbrown::HashMap::new())),
         });
         tokio::spawn(watch_map(Arc::downgrade(&node)));
         tokio::spawn(measure_occupancy(Arc::downgrade(&node)));
@@ -145,9 +152,13 @@ impl KvNode {
         if changes.contains(&me) {
             self.control_all(Control::Reset).await;
         }
-        if cur.replicated != map.replicated {
-            // A key de-replicated and replicated again gets a new cell.
-            self.cells.write().clear();
+        {
+            let mut cells = self.cells.write();
+            if cur.replicated != map.replicated {
+                // A key de-replicated and replicated again gets a new cell.
+                cells.1.clear();
+            }
+            cells.0 = map.version;
         }
         tracing::info!(
             from = cur.version,
@@ -169,6 +180,8 @@ impl KvNode {
         }
         let v = next.version;
         *self.transition.write() = Some(Arc::new(next));
+        // Wait out the requests between their ownership check and their shard queue.
+        drop(self.gate.write().await);
         self.control_all(Control::SealLog).await;
         tracing::info!(
             from = cur.version,
@@ -193,7 +206,7 @@ impl KvNode {
         let mut acks = Vec::new();
         for sh in &self.shards {
             let (tx, rx) = oneshot::channel();
-            if sh.control.send((ctl, tx)).await.is_ok() {
+            if sh.tx.send(ShardMsg::Control(ctl, tx)).await.is_ok() {
                 acks.push(rx);
             }
         }
@@ -254,6 +267,7 @@ impl KvNode {
             }
         };
         self.validate_key(key)?;
+        let _admitted = self.gate.read().await;
         let map = self.map();
         let me = self.link.kn_id;
         if let Some(next) = self.transition.read().clone() {
@@ -276,7 +290,7 @@ impl KvNode {
         }
         // A replicated key is read and written through its indirect cell (DINOMO 3.4).
         let cell = if map.replicated.contains_key(&key[..]) {
-            Some(self.cell_of(key).await?)
+            Some(self.cell_of(key, map.version).await?)
         } else {
             None
         };
@@ -284,20 +298,28 @@ impl KvNode {
         let shard = &self.shards[self.shard_of(key)];
         shard
             .tx
-            .send(ShardRequest { op, reply, cell })
+            .send(ShardMsg::Op(ShardRequest { op, reply, cell }))
             .await
             .map_err(|_| KvError::Unavailable("the KN is stopping".into()))?;
         rx.await
             .map_err(|_| KvError::Unavailable("the KN is stopping".into()))?
     }
 
-    async fn cell_of(&self, key: &Bytes) -> KvResult<u64> {
-        if let Some(&off) = self.cells.read().get(key) {
-            return Ok(off);
+    async fn cell_of(&self, key: &Bytes, map_version: u64) -> KvResult<u64> {
+        {
+            let cells = self.cells.read();
+            if cells.0 == map_version {
+                if let Some(&off) = cells.1.get(key) {
+                    return Ok(off);
+                }
+            }
         }
         match self.link.cell_of(key).await? {
             Some(off) => {
-                self.cells.write().insert(key.clone(), off);
+                let mut cells = self.cells.write();
+                if cells.0 == map_version {
+                    cells.1.insert(key.clone(), off);
+                }
                 Ok(off)
             }
             None => Err(KvError::Unavailable(

@@ -73,6 +73,15 @@ pub struct ShardRequest {
     pub cell: Option<u64>,
 }
 
+/// What a shard's one queue carries. Control messages share the queue with requests so that
+/// a SealLog is handled after every request queued before it (a request admitted under the
+/// old map must be in the log that the reconfiguration's MergeAll covers).
+#[derive(Debug)]
+pub enum ShardMsg {
+    Op(ShardRequest),
+    Control(Control, oneshot::Sender<()>),
+}
+
 /// How a write to a replicated key swings its cell.
 #[derive(Debug, Clone, Copy)]
 struct CellWrite {
@@ -107,8 +116,7 @@ pub struct ShardConfig {
 /// What the node keeps of a running shard.
 #[derive(Debug, Clone)]
 pub struct ShardHandle {
-    pub tx: mpsc::Sender<ShardRequest>,
-    pub control: mpsc::Sender<(Control, oneshot::Sender<()>)>,
+    pub tx: mpsc::Sender<ShardMsg>,
     pub stats: Arc<ShardStats>,
     pub fabric: Arc<dyn Fabric>,
     pub top: Arc<Mutex<TopK>>,
@@ -185,7 +193,6 @@ pub async fn spawn(
 ) -> KvResult<ShardHandle> {
     let fabric = link.connect_fabric().await?;
     let (tx, rx) = mpsc::channel(1024);
-    let (control, control_rx) = mpsc::channel(16);
     let stats = Arc::new(ShardStats::default());
     let top = Arc::new(Mutex::new(TopK::new(128)));
     let cache_stats = Arc::new(Mutex::new(CacheStats::default()));
@@ -209,10 +216,9 @@ pub async fn spawn(
         top: top.clone(),
         cache_stats: cache_stats.clone(),
     };
-    tokio::spawn(shard.run(rx, control_rx));
+    tokio::spawn(shard.run(rx));
     Ok(ShardHandle {
         tx,
-        control,
         stats,
         fabric,
         top,
@@ -230,11 +236,7 @@ impl Shard {
         (self.cfg.batch_bytes * 4).min(self.link.segment_size as usize / 2)
     }
 
-    async fn run(
-        mut self,
-        mut rx: mpsc::Receiver<ShardRequest>,
-        mut control: mpsc::Receiver<(Control, oneshot::Sender<()>)>,
-    ) {
+    async fn run(mut self, mut rx: mpsc::Receiver<ShardMsg>) {
         let (done_tx, mut done_rx) = mpsc::unbounded_channel::<Done>();
         let mut tick = tokio::time::interval(Duration::from_millis(50));
         let mut ticks = 0u64;
@@ -251,15 +253,19 @@ impl Shard {
                     self.complete(done);
                     ShardStats::add(&self.stats.busy_ns, t.elapsed().as_nanos() as u64);
                 }
-                Some((ctl, ack)) = control.recv() => {
-                    self.control(ctl, &done_tx, &mut done_rx).await;
-                    let _ = ack.send(());
-                }
                 msg = rx.recv(), if accept => {
-                    let Some(req) = msg else { break };
-                    let t = Instant::now();
-                    self.handle(req).await;
-                    ShardStats::add(&self.stats.busy_ns, t.elapsed().as_nanos() as u64);
+                    match msg {
+                        None => break,
+                        Some(ShardMsg::Control(ctl, ack)) => {
+                            self.control(ctl, &done_tx, &mut done_rx).await;
+                            let _ = ack.send(());
+                        }
+                        Some(ShardMsg::Op(req)) => {
+                            let t = Instant::now();
+                            self.handle(req).await;
+                            ShardStats::add(&self.stats.busy_ns, t.elapsed().as_nanos() as u64);
+                        }
+                    }
                 }
                 _ = sleep_until(deadline), if deadline.is_some() && !self.inflight => {}
                 _ = tick.tick() => {

@@ -257,9 +257,11 @@ impl Monitor {
 
     /// Starts a KN and adds it to the map. Returns the KN and the new map version.
     pub async fn add_kn(&self, reason: &str) -> anyhow::Result<(KnId, u64)> {
+        // Starting a KN takes seconds: not under the reconfiguration lock, so a failure is
+        // recovered meanwhile. It owns nothing until the map below names it.
+        let info = self.orchestrator.add_kn().await?;
         let _g = self.reconfig.lock().await;
         let current = self.current_map().await?;
-        let info = self.orchestrator.add_kn().await?;
         let kn = info.id;
         let next = current.with_kn_added(info)?;
         let r = self.reconfigure(&current, &next).await?;
@@ -276,30 +278,39 @@ impl Monitor {
         Ok((kn, r.to_version))
     }
 
-    /// Removes `kn` from the map, lets its requests drain, then stops it.
+    /// Removes `kn` from the map, lets its requests drain, then stops it. Never goes below
+    /// the policy's `min_kns` (nor below one KN).
     pub async fn remove_kn(&self, kn: KnId, reason: &str) -> anyhow::Result<u64> {
-        let _g = self.reconfig.lock().await;
-        let current = self.current_map().await?;
-        if !current.contains(kn) {
-            anyhow::bail!(
-                "KN {kn} is not in the cluster map (version {})",
-                current.version
-            );
-        }
-        if current.kns.len() <= 1 {
-            anyhow::bail!("KN {kn} is the last KN; a cluster needs at least one");
-        }
-        let next = current.with_kn_removed(kn)?;
-        let r = self.reconfigure(&current, &next).await?;
-        self.probes.lock().remove(&kn);
+        let version = {
+            let _g = self.reconfig.lock().await;
+            let current = self.current_map().await?;
+            if !current.contains(kn) {
+                anyhow::bail!(
+                    "KN {kn} is not in the cluster map (version {})",
+                    current.version
+                );
+            }
+            let floor = self.policy_config().min_kns.max(1) as usize;
+            if current.kns.len() <= floor {
+                anyhow::bail!(
+                    "removing KN {kn} would leave {} KN(s), below policy.min_kns = {floor}",
+                    current.kns.len() - 1
+                );
+            }
+            let next = current.with_kn_removed(kn)?;
+            let r = self.reconfigure(&current, &next).await?;
+            self.probes.lock().remove(&kn);
+            self.policy.lock().note_membership_change(Instant::now());
+            r.to_version
+        };
+        // Outside the reconfiguration lock: a failure elsewhere is recovered meanwhile.
         tokio::time::sleep(self.opts.drain).await;
         if let Err(e) = self.orchestrator.remove_kn(kn).await {
             tracing::warn!(kn, error = %e, "the orchestrator could not stop the removed KN");
         }
-        self.policy.lock().note_membership_change(Instant::now());
-        tracing::info!(kn, map_version = r.to_version, %reason, "KN removed");
-        self.record("remove_kn", &format!("KN {kn}: {reason}"), r.to_version);
-        Ok(r.to_version)
+        tracing::info!(kn, map_version = version, %reason, "KN removed");
+        self.record("remove_kn", &format!("KN {kn}: {reason}"), version);
+        Ok(version)
     }
 
     /// Failure recovery (DINOMO 3.5): a map without `kn` is made the map of record; the
@@ -320,9 +331,10 @@ impl Monitor {
         let next = current.with_kn_removed(kn)?;
         let report = self.reconfigure(&current, &next).await?;
         let to_published = detected.elapsed();
-        let to_served = self.wait_served(next.version, detected).await;
         self.probes.lock().remove(&kn);
         self.policy.lock().note_membership_change(Instant::now());
+        drop(_g);
+        let to_served = self.wait_served(next.version, detected).await;
         metrics::histogram!("dinomo_monitor_recovery_seconds").record(to_published.as_secs_f64());
         let rec = Recovery {
             kn,
@@ -379,7 +391,17 @@ impl Monitor {
         let mut next = current.clone();
         for (key, r) in keys {
             let owners = current.replica_candidates(key, *r as usize);
+            if owners.len() < 2 {
+                // Fewer KNs now than when the policy decided: nothing to share the key with.
+                continue;
+            }
             next = next.with_replicated(key.clone(), owners)?;
+        }
+        if next.replicated == current.replicated {
+            anyhow::bail!(
+                "no key can be replicated over the current {} KN(s)",
+                current.kns.len()
+            );
         }
         next.version = current.version + 1;
         let rep = self.reconfigure(&current, &next).await?;
@@ -633,6 +655,13 @@ async fn probe_loop(m: std::sync::Weak<Monitor>) {
     loop {
         let Some(mon) = m.upgrade() else { return };
         let every = mon.cfg.failure.probe_every();
+        // Only the leader changes the map: two monitors recovering at once would publish two
+        // different maps with the same version.
+        if !matches!(mon.orchestrator.is_leader().await, Ok(true)) {
+            drop(mon);
+            tokio::time::sleep(every).await;
+            continue;
+        }
         let failed = mon.probe_once().await;
         for (kn, how) in failed {
             let detected = Instant::now();

@@ -20,6 +20,19 @@ impl Service {
     }
 }
 
+/// Admin actions change the map: only the leading monitor may take them.
+async fn must_lead(m: &Monitor) -> Result<(), Status> {
+    match m.orchestrator().is_leader().await {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(Status::failed_precondition(
+            "this monitor does not hold the lease; ask the active monitor",
+        )),
+        Err(e) => Err(Status::unavailable(format!(
+            "cannot tell whether this monitor leads: {e}"
+        ))),
+    }
+}
+
 fn failed(e: anyhow::Error) -> Status {
     Status::failed_precondition(format!("{e:#}"))
 }
@@ -122,6 +135,7 @@ impl MonitorService for Service {
         &self,
         _req: Request<pb::AddKnRequest>,
     ) -> Result<Response<pb::ActionReply>, Status> {
+        must_lead(&self.monitor).await?;
         let (kn, v) = self
             .monitor
             .add_kn("requested by an operator")
@@ -139,6 +153,7 @@ impl MonitorService for Service {
         &self,
         req: Request<pb::KnRequest>,
     ) -> Result<Response<pb::ActionReply>, Status> {
+        must_lead(&self.monitor).await?;
         let kn = req.into_inner().kn_id;
         let v = self
             .monitor
@@ -157,6 +172,7 @@ impl MonitorService for Service {
         &self,
         req: Request<pb::KnRequest>,
     ) -> Result<Response<pb::ActionReply>, Status> {
+        must_lead(&self.monitor).await?;
         let kn = req.into_inner().kn_id;
         let map = self.monitor.current_map().await.map_err(failed)?;
         if !map.contains(kn) {

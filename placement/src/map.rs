@@ -404,7 +404,12 @@ impl ClusterMap {
         for key in keys {
             let before: BTreeSet<KnId> = self.owners(key).into_iter().collect();
             let after: BTreeSet<KnId> = next.owners(key).into_iter().collect();
-            if before != after {
+            // A key entering or leaving the replicated table changes how it is served (index
+            // or indirect cell) even when its owners stay the same: they must be paused and
+            // their logs merged before the cell is created or written back.
+            let mode_changes =
+                self.replicated.contains_key(key) != next.replicated.contains_key(key);
+            if before != after || mode_changes {
                 changed.extend(before);
                 changed.extend(after);
             }

@@ -45,7 +45,9 @@ pub struct LocalConfig {
 #[derive(Debug, Default)]
 struct State {
     children: BTreeMap<KnId, Child>,
-    /// The highest id ever started (ids are not reused within a run).
+    /// KNs being started (their READY line not seen yet).
+    starting: std::collections::BTreeSet<KnId>,
+    /// The highest id ever started or reserved (ids are not reused within a run).
     last_id: KnId,
 }
 
@@ -80,12 +82,25 @@ impl LocalOrchestrator {
 
     /// Starts KN `kn` (a specific id: `dinomo up` restarts the KNs of the published map).
     pub async fn start_kn(&self, kn: KnId) -> Result<KnInfo> {
-        let mut st = self.state.lock().await;
-        if st.children.contains_key(&kn) {
-            return Err(OrchestratorError::Refused(format!(
-                "KN {kn} is already running"
-            )));
+        {
+            let mut st = self.state.lock().await;
+            if st.children.contains_key(&kn) || !st.starting.insert(kn) {
+                return Err(OrchestratorError::Refused(format!(
+                    "KN {kn} is already running"
+                )));
+            }
+            st.last_id = st.last_id.max(kn);
         }
+        // Not under the state lock: failure checks go on while a KN starts.
+        let r = self.spawn_kn(kn).await;
+        let mut st = self.state.lock().await;
+        st.starting.remove(&kn);
+        let (info, child) = r?;
+        st.children.insert(kn, child);
+        Ok(info)
+    }
+
+    async fn spawn_kn(&self, kn: KnId) -> Result<(KnInfo, Child)> {
         let endpoint = format!("{}:{}", self.cfg.host, self.port(self.cfg.port_base, kn)?);
         let log_path = self.cfg.log_dir.join(format!("kn-{kn}.log"));
         let log = std::fs::OpenOptions::new()
@@ -137,10 +152,8 @@ impl LocalOrchestrator {
         }
         // Keep draining stdout so the child never blocks on a full pipe.
         tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
-        st.children.insert(kn, child);
-        st.last_id = st.last_id.max(kn);
         tracing::info!(kn, %endpoint, "KV node started");
-        Ok(KnInfo { id: kn, endpoint })
+        Ok((KnInfo { id: kn, endpoint }, child))
     }
 
     /// Ids not to hand out again (KNs of an earlier run that the published map still names).
@@ -170,7 +183,11 @@ impl Orchestrator for LocalOrchestrator {
     }
 
     async fn add_kn(&self) -> Result<KnInfo> {
-        let next = self.state.lock().await.last_id + 1;
+        let next = {
+            let mut st = self.state.lock().await;
+            st.last_id += 1;
+            st.last_id
+        };
         self.start_kn(next).await
     }
 

@@ -537,3 +537,16 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn a_key_entering_or_leaving_replication_involves_its_owners_even_if_they_stay() {
+    let m = map_of([1, 2, 3], 64);
+    let key = b"hot".to_vec();
+    let o = m.owner(&key).unwrap();
+    // Replicated over its ring owner alone: same owner set, different serving mode.
+    let r = m.with_replicated(key.clone(), vec![o]).unwrap();
+    assert_eq!(m.changed_ranges(&r), vec![o]);
+    // And back (e.g. after the other owners were removed): the owner is paused again.
+    let d = r.with_replicated(key, vec![]).unwrap();
+    assert_eq!(r.changed_ranges(&d), vec![o]);
+}
