@@ -18,7 +18,8 @@ pub struct UpArgs {
     /// Where the pool and the logs live; reused on the next run.
     #[arg(long, default_value = ".dinomo")]
     pub data_dir: PathBuf,
-    /// KV nodes to start.
+    /// KV nodes to start. The monitor's policy may add or remove KNs later (not before its
+    /// grace period, 90 s by default, has passed; see --monitor-config).
     #[arg(long, default_value_t = 2)]
     pub kns: u32,
     /// Ports: dpm-node = BASE, its fabric = BASE+1, KV node i = BASE+100+i, routing = BASE+200,

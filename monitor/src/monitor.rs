@@ -145,7 +145,13 @@ impl Monitor {
             opts,
             orchestrator,
             latency: Mutex::new(LatencyAgg::default()),
-            policy: Mutex::new(PolicyState::new()),
+            // A starting monitor counts as a membership change: the cluster it finds (or just
+            // started) gets the grace period before the policy adds or removes anything.
+            policy: Mutex::new({
+                let mut p = PolicyState::new();
+                p.note_membership_change(Instant::now());
+                p
+            }),
             policy_cfg,
             reconfig: tokio::sync::Mutex::new(()),
             probes: Mutex::new(HashMap::new()),

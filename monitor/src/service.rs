@@ -87,7 +87,16 @@ impl MonitorService for Service {
             kns: members
                 .into_iter()
                 .map(|(kn_id, endpoint)| {
-                    let v = s.kns.get(&kn_id).cloned().unwrap_or_default();
+                    // A member not sampled by an epoch yet (just added) is presumed alive: the
+                    // probe loop removes dead members from the map.
+                    let v = s
+                        .kns
+                        .get(&kn_id)
+                        .cloned()
+                        .unwrap_or(crate::monitor::KnView {
+                            alive: true,
+                            ..Default::default()
+                        });
                     pb::KnStatus {
                         kn_id,
                         endpoint,
