@@ -63,7 +63,9 @@ async fn kn_client(endpoint: &str) -> Option<KvServiceClient<Channel>> {
     let ep = tonic::transport::Endpoint::from_shared(format!("http://{endpoint}"))
         .ok()?
         .connect_timeout(Duration::from_millis(500))
-        .timeout(Duration::from_secs(30));
+        // Prepare waits for the KN's batch WRITE in flight and its seals: seconds at worst. A
+        // KN that does not answer in time is treated as failed (fenced).
+        .timeout(Duration::from_secs(5));
     ep.connect().await.ok().map(KvServiceClient::new)
 }
 
@@ -102,6 +104,18 @@ pub async fn reconfigure(
     current: &ClusterMap,
     next: &ClusterMap,
 ) -> Result<ReconfigReport> {
+    reconfigure_without(dpm, current, next, &[]).await
+}
+
+/// [`reconfigure`] when the caller already knows that the KNs in `dead` have failed: they are
+/// not asked to prepare (a hung KN may accept a connection and never answer), only fenced and
+/// merged.
+pub async fn reconfigure_without(
+    dpm: &str,
+    current: &ClusterMap,
+    next: &ClusterMap,
+    dead: &[KnId],
+) -> Result<ReconfigReport> {
     if next.version <= current.version {
         return Err(ClientError::InvalidArgument(format!(
             "the new map's version {} must be higher than the current {}",
@@ -124,6 +138,10 @@ pub async fn reconfigure(
     let t = Instant::now();
     let mut prepared = Vec::new();
     for &kn in &report.affected {
+        if dead.contains(&kn) {
+            report.fenced.push(kn);
+            continue;
+        }
         let ok = match endpoint_of(kn) {
             Some(ep) => match kn_client(&ep).await {
                 Some(mut c) => c

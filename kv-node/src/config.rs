@@ -38,6 +38,10 @@ pub struct KnConfigFile {
     pub max_unmerged_segments: usize,
     /// How often the cluster map is re-read from the DPM (milliseconds).
     pub map_poll_ms: u64,
+    /// The KN serves only while its last successful map read started less than this long ago
+    /// (milliseconds). A KN that was paused or cut off stops answering from its caches before
+    /// the monitor declares it failed (keep it below the monitor's `failed_after_ms`).
+    pub serve_lease_ms: u64,
     /// Prometheus /metrics address; empty to disable.
     pub metrics_listen: String,
 }
@@ -58,6 +62,7 @@ impl Default for KnConfigFile {
             batch_delay_us: 200,
             max_unmerged_segments: 2,
             map_poll_ms: 100,
+            serve_lease_ms: 250,
             metrics_listen: "127.0.0.1:9800".into(),
         }
     }
@@ -78,6 +83,7 @@ pub struct KnConfig {
     pub batch_delay: Duration,
     pub max_unmerged_segments: usize,
     pub map_poll: Duration,
+    pub serve_lease: Duration,
     pub metrics_listen: Option<SocketAddr>,
 }
 
@@ -133,6 +139,16 @@ impl KnConfigFile {
             batch_delay: Duration::from_micros(self.batch_delay_us),
             max_unmerged_segments: self.max_unmerged_segments.max(1),
             map_poll: Duration::from_millis(self.map_poll_ms.max(1)),
+            serve_lease: {
+                if self.serve_lease_ms < 2 * self.map_poll_ms.max(1) {
+                    return Err(format!(
+                        "serve_lease_ms = {} must be at least twice map_poll_ms = {}, or the KN \
+                         would stop serving between two map reads",
+                        self.serve_lease_ms, self.map_poll_ms
+                    ));
+                }
+                Duration::from_millis(self.serve_lease_ms)
+            },
             metrics_listen: if self.metrics_listen.is_empty() {
                 None
             } else {

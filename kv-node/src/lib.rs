@@ -6,7 +6,7 @@
 //!
 //! Modules: [`node`] (the KN as a library), [`shard`] (the data path), [`cache`] (DAC and the
 //! static policies), [`remote_index`] (index traversal over the fabric), [`unmerged`],
-//! [`dpm_link`] (control calls to the DPM), [`stats`], [`service`] (gRPC), [`config`],
+//! [`dpm_link`] (control calls to the DPM), [`lease`] (serve only while the map is fresh), [`stats`], [`service`] (gRPC), [`config`],
 //! [`server`].
 
 pub mod cache;
@@ -14,6 +14,7 @@ pub mod cli;
 pub mod config;
 pub mod dpm_link;
 pub mod error;
+pub mod lease;
 pub mod node;
 pub mod remote_index;
 pub mod server;

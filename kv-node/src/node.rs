@@ -70,6 +70,7 @@ pub struct KvNode {
     /// PrepareMap takes it exclusively (after setting `transition`), so every request admitted
     /// under the old map is queued before the SealLog that follows.
     gate: tokio::sync::RwLock<()>,
+    lease: Arc<crate::lease::ServeLease>,
     /// Indirect-cell offsets of the replicated keys this KN co-owns, valid under the map
     /// version they are tagged with (a key de-replicated and replicated again gets a new cell).
     cells: RwLock<(u64, hashbrown::HashMap<Bytes, u64>)>,
@@ -89,6 +90,7 @@ impl KvNode {
         tracing::info!(kn = link.kn_id, epoch = link.epoch, fabric = %link.fabric.kind, "registered with the DPM");
         // Versions: unique per KN incarnation and increasing across incarnations.
         let versions = Arc::new(AtomicU64::new(link.epoch << 32));
+        let lease = Arc::new(crate::lease::ServeLease::new(config.serve_lease));
         let per_shard = config.cache_bytes / config.shards as usize;
         let mut shards = Vec::new();
         for i in 0..config.shards {
@@ -97,6 +99,7 @@ impl KvNode {
                     budget_bytes: per_shard,
                     policy: config.cache_policy,
                 },
+                lease: lease.clone(),
                 batch_bytes: config.batch_bytes,
                 batch_delay: config.batch_delay,
                 max_unmerged_segments: config.max_unmerged_segments,
@@ -119,6 +122,7 @@ impl KvNode {
             transition: RwLock::new(None),
             install_lock: tokio::sync::Mutex::new(()),
             gate: tokio::sync::RwLock::new(()),
+            lease,
             cells: RwLock::new((first_version, hashbrown::HashMap::new())),
         });
         tokio::spawn(watch_map(Arc::downgrade(&node)));
@@ -372,12 +376,16 @@ async fn watch_map(node: std::sync::Weak<KvNode>) {
     loop {
         let Some(n) = node.upgrade() else { return };
         let every = n.config.map_poll;
+        let started = Instant::now();
         match n.link.cluster_map().await {
             Ok(Some(b)) => match ClusterMap::decode(&b) {
-                Ok(m) => n.install_map(m).await,
+                Ok(m) => {
+                    n.install_map(m).await;
+                    n.lease.confirm(started);
+                }
                 Err(e) => tracing::warn!(error = %e, "the published cluster map does not decode"),
             },
-            Ok(None) => {}
+            Ok(None) => n.lease.confirm(started),
             Err(e) => tracing::debug!(error = %e, "cannot read the cluster map"),
         }
         drop(n);

@@ -108,6 +108,8 @@ pub enum Control {
 #[derive(Debug, Clone)]
 pub struct ShardConfig {
     pub cache: CacheConfig,
+    /// Requests are refused while this lapses (see [`crate::lease`]).
+    pub lease: Arc<crate::lease::ServeLease>,
     pub batch_bytes: usize,
     pub batch_delay: Duration,
     pub max_unmerged_segments: usize,
@@ -345,6 +347,16 @@ impl Shard {
 
     async fn handle(&mut self, req: ShardRequest) {
         let ShardRequest { op, reply, cell } = req;
+        // Checked here, right before the caches are consulted: a request queued before a pause
+        // must not be answered from them after it.
+        if !self.cfg.lease.valid() {
+            let _ = reply.send(Err(KvError::Unavailable(format!(
+                "this KN has not confirmed its cluster map for {} ms (paused or cut off from the \
+                 DPM?); retry",
+                self.cfg.lease.age().as_millis()
+            ))));
+            return;
+        }
         if let Some(cell) = cell {
             ShardStats::add(&self.stats.cell_ops, 1);
             return self.handle_replicated(op, reply, cell).await;

@@ -252,7 +252,16 @@ impl Monitor {
         current: &ClusterMap,
         next: &ClusterMap,
     ) -> anyhow::Result<ReconfigReport> {
-        let r = admin::reconfigure(self.dpm(), current, next).await?;
+        self.reconfigure_without(current, next, &[]).await
+    }
+
+    async fn reconfigure_without(
+        &self,
+        current: &ClusterMap,
+        next: &ClusterMap,
+        dead: &[KnId],
+    ) -> anyhow::Result<ReconfigReport> {
+        let r = admin::reconfigure_without(self.dpm(), current, next, dead).await?;
         metrics::gauge!("dinomo_monitor_map_version").set(next.version as f64);
         metrics::gauge!("dinomo_monitor_kns").set(next.kns.len() as f64);
         metrics::gauge!("dinomo_monitor_replicated_keys").set(next.replicated.len() as f64);
@@ -335,7 +344,7 @@ impl Monitor {
         tracing::warn!(kn, %how, "KN failure detected; recovering");
         metrics::counter!("dinomo_monitor_kn_failures_total").increment(1);
         let next = current.with_kn_removed(kn)?;
-        let report = self.reconfigure(&current, &next).await?;
+        let report = self.reconfigure_without(&current, &next, &[kn]).await?;
         let to_published = detected.elapsed();
         self.probes.lock().remove(&kn);
         self.policy.lock().note_membership_change(Instant::now());

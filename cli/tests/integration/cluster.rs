@@ -232,6 +232,8 @@ pub struct MonitoredCluster {
     pub dpm: Proc,
     pub routing: Proc,
     pub monitor: Proc,
+    /// KN i listens on 127.0.0.1:(kn_port_base + i).
+    pub kn_port_base: u16,
 }
 
 impl MonitoredCluster {
@@ -310,6 +312,7 @@ impl MonitoredCluster {
             dpm,
             routing,
             monitor,
+            kn_port_base: base,
         }
     }
 
@@ -340,6 +343,21 @@ impl MonitoredCluster {
             .await
             .unwrap()
             .expect("a published map")
+    }
+
+    /// The pid of KN `kn` (a child of the monitor), found by its listen address.
+    pub fn kn_pid(&self, kn: u32) -> i32 {
+        let listen = format!("--listen 127.0.0.1:{}", u32::from(self.kn_port_base) + kn);
+        let out = Command::new("pgrep")
+            .args(["-f", &format!("kv-node --kn-id {kn} {listen}")])
+            .output()
+            .expect("pgrep");
+        String::from_utf8_lossy(&out.stdout)
+            .split_whitespace()
+            .next()
+            .unwrap_or_else(|| panic!("no process for KN {kn}"))
+            .parse()
+            .unwrap()
     }
 
     /// Prints the monitor's log (for a failing test).

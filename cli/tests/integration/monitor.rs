@@ -16,7 +16,7 @@ use super::e2e::{assert_linearizable, start_load_with, Keys};
 const PASSIVE: &str = r#"
 [failure]
 probe_every_ms = 20
-failed_after_ms = 300
+failed_after_ms = 500
 
 [policy]
 avg_latency_slo_us = 1000000000
@@ -231,4 +231,62 @@ grace_period_ms = 0
     println!("ops {ops} errors {errors}");
     assert_eq!(errors, 0, "replication changes must not surface errors");
     assert_linearizable(&history, "zipf-2 hot keys replicated, then de-replicated");
+}
+
+/// A KN that hangs (SIGSTOP: its process is alive, so only missed heartbeats can tell) is
+/// declared failed, fenced and replaced in the map; when it wakes up, its late writes are
+/// refused by the DPM, and the history stays linearizable.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_kn_is_detected_by_missed_heartbeats_and_fenced() {
+    let cluster = MonitoredCluster::start(3, PASSIVE).await;
+    let history = Arc::new(History::new());
+    let mut cs = Vec::new();
+    for _ in 0..4 {
+        let mut cfg = dinomo_client::ClientConfig::new(&[&cluster.routing.addr]);
+        cfg.deadline = Duration::from_secs(20);
+        // Requests stuck at the hung KN give up after this (their outcome is then unknown).
+        cfg.rpc_timeout = Duration::from_secs(1);
+        cs.push(dinomo_client::Client::connect_with(cfg).await.unwrap());
+    }
+    let load = start_load_with(cs, Keys::uniform(24), 100_000, history.clone(), 0);
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let pid = cluster.kn_pid(2);
+    // SAFETY: signalling a process of this test's cluster.
+    unsafe { libc::kill(pid, libc::SIGSTOP) };
+    let stopped = Instant::now();
+    let deadline = Instant::now() + Duration::from_secs(15);
+    while cluster.map().await.contains(2) {
+        if Instant::now() > deadline {
+            unsafe { libc::kill(pid, libc::SIGCONT) };
+            cluster.dump_monitor_log();
+            panic!("the hung KN was not taken out of the map within 15 s");
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    println!(
+        "hung KN 2 out of the map {:?} after SIGSTOP (failed_after_ms = 500)",
+        stopped.elapsed()
+    );
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // Wake it: whatever it still had queued must not reach the pool.
+    unsafe { libc::kill(pid, libc::SIGCONT) };
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let seen = load.finish().await.1;
+    let (ops, errors, unknown) = (
+        seen.ops.load(Ordering::Relaxed),
+        seen.errors.load(Ordering::Relaxed),
+        seen.unknown.load(Ordering::Relaxed),
+    );
+    println!("ops {ops} errors {errors} (unknown outcome {unknown})");
+    assert!(ops > 200);
+    assert_eq!(
+        errors, unknown,
+        "only requests stuck at the hung KN may fail"
+    );
+    let log = std::fs::read_to_string(cluster.dir.path().join("monitor.log")).unwrap();
+    assert!(
+        log.contains("missed heartbeats"),
+        "detected by heartbeats, not by the orchestrator"
+    );
+    assert_linearizable(&history, "KN 2 hung, fenced, woken up");
 }

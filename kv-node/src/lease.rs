@@ -1,0 +1,68 @@
+//! The KN's serving lease: a KN answers requests only while its last successful read of the
+//! cluster map from the DPM *started* less than `serve_lease` ago.
+//!
+//! Why: fencing at the DPM stops a failed KN's writes, not its reads from its own caches. A KN
+//! that was paused (SIGSTOP, a long GC-like stall) or cut off keeps its old map; once the
+//! monitor has given its keys to another KN, answering a read from its cache would return a
+//! value older than an acknowledged write. The monitor declares a KN failed only after
+//! `failed_after_ms` without a heartbeat, which is longer than the lease, so by then the KN has
+//! stopped serving by itself, and it serves again only after a fresh map read (which, if it
+//! was removed, makes it answer WRONG_OWNER). Time is the monotonic clock, which keeps running
+//! while a process is stopped.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+#[derive(Debug)]
+pub struct ServeLease {
+    base: Instant,
+    /// Nanoseconds after `base` at which the last successful map read started.
+    confirmed_ns: AtomicU64,
+    duration: Duration,
+}
+
+impl ServeLease {
+    /// A lease confirmed now (the KN has just registered and read the map).
+    pub fn new(duration: Duration) -> Self {
+        ServeLease {
+            base: Instant::now(),
+            confirmed_ns: AtomicU64::new(0),
+            duration,
+        }
+    }
+
+    /// A map read that started at `started` succeeded.
+    pub fn confirm(&self, started: Instant) {
+        let ns = started.saturating_duration_since(self.base).as_nanos() as u64;
+        self.confirmed_ns.fetch_max(ns, Ordering::AcqRel);
+    }
+
+    /// How long ago the last confirmed map read started.
+    pub fn age(&self) -> Duration {
+        let confirmed = self.base + Duration::from_nanos(self.confirmed_ns.load(Ordering::Acquire));
+        Instant::now().saturating_duration_since(confirmed)
+    }
+
+    pub fn valid(&self) -> bool {
+        self.age() < self.duration
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_lease_lapses_without_confirmations_and_comes_back_with_one() {
+        let l = ServeLease::new(Duration::from_millis(30));
+        assert!(l.valid());
+        std::thread::sleep(Duration::from_millis(40));
+        assert!(!l.valid(), "no confirmation for longer than the lease");
+        let started = Instant::now();
+        l.confirm(started);
+        assert!(l.valid());
+        // An older confirmation never moves the lease back.
+        l.confirm(started - Duration::from_millis(20));
+        assert!(l.age() < Duration::from_millis(20));
+    }
+}
