@@ -75,6 +75,44 @@ impl Drop for Proc {
     }
 }
 
+/// A dpm-node (pool in `dir`) and a routing node polling it every 20 ms, on OS-chosen ports.
+fn dpm_and_routing(dir: &Path) -> (Proc, Proc) {
+    let pool = dir.join("pool");
+    let dpm = Proc::spawn(
+        &[
+            "dpm-node",
+            "--pool",
+            pool.to_str().unwrap(),
+            "--pool-size",
+            "256MiB",
+            "--listen",
+            "127.0.0.1:0",
+            "--fabric-listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "",
+        ],
+        &dir.join("dpm.log"),
+        "grpc=",
+    );
+    let routing = Proc::spawn(
+        &[
+            "routing-node",
+            "--listen",
+            "127.0.0.1:0",
+            "--dpm",
+            &dpm.addr,
+            "--metrics-listen",
+            "",
+            "--poll-ms",
+            "20",
+        ],
+        &dir.join("routing.log"),
+        "addr=",
+    );
+    (dpm, routing)
+}
+
 pub struct Cluster {
     pub dir: tempfile::TempDir,
     pub dpm: Proc,
@@ -90,39 +128,7 @@ impl Cluster {
     /// A dpm-node, `n` KV nodes (ids 0..n) under a published map, and a routing node.
     pub async fn start(n: u32) -> Cluster {
         let dir = tempfile::tempdir().unwrap();
-        let pool = dir.path().join("pool");
-        let dpm = Proc::spawn(
-            &[
-                "dpm-node",
-                "--pool",
-                pool.to_str().unwrap(),
-                "--pool-size",
-                "256MiB",
-                "--listen",
-                "127.0.0.1:0",
-                "--fabric-listen",
-                "127.0.0.1:0",
-                "--metrics-listen",
-                "",
-            ],
-            &dir.path().join("dpm.log"),
-            "grpc=",
-        );
-        let routing = Proc::spawn(
-            &[
-                "routing-node",
-                "--listen",
-                "127.0.0.1:0",
-                "--dpm",
-                &dpm.addr,
-                "--metrics-listen",
-                "",
-                "--poll-ms",
-                "20",
-            ],
-            &dir.path().join("routing.log"),
-            "addr=",
-        );
+        let (dpm, routing) = dpm_and_routing(dir.path());
         let mut c = Cluster {
             dir,
             dpm,
@@ -240,39 +246,7 @@ impl MonitoredCluster {
     /// `config` is the monitor's TOML config (its [server] listen/dpm are set by flags).
     pub async fn start(n: u32, config: &str) -> MonitoredCluster {
         let dir = tempfile::tempdir().unwrap();
-        let pool = dir.path().join("pool");
-        let dpm = Proc::spawn(
-            &[
-                "dpm-node",
-                "--pool",
-                pool.to_str().unwrap(),
-                "--pool-size",
-                "256MiB",
-                "--listen",
-                "127.0.0.1:0",
-                "--fabric-listen",
-                "127.0.0.1:0",
-                "--metrics-listen",
-                "",
-            ],
-            &dir.path().join("dpm.log"),
-            "grpc=",
-        );
-        let routing = Proc::spawn(
-            &[
-                "routing-node",
-                "--listen",
-                "127.0.0.1:0",
-                "--dpm",
-                &dpm.addr,
-                "--metrics-listen",
-                "",
-                "--poll-ms",
-                "20",
-            ],
-            &dir.path().join("routing.log"),
-            "addr=",
-        );
+        let (dpm, routing) = dpm_and_routing(dir.path());
         let cfg_path = dir.path().join("monitor.toml");
         std::fs::write(&cfg_path, config).unwrap();
         let base = free_port_base(16);
