@@ -16,7 +16,7 @@ use super::e2e::{assert_linearizable, start_load_with, Keys};
 const PASSIVE: &str = r#"
 [failure]
 probe_every_ms = 20
-failed_after_ms = 500
+failed_after_ms = 1000
 
 [policy]
 avg_latency_slo_us = 1000000000
@@ -264,7 +264,7 @@ async fn a_hung_kn_is_detected_by_missed_heartbeats_and_fenced() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     println!(
-        "hung KN 2 out of the map {:?} after SIGSTOP (failed_after_ms = 500)",
+        "hung KN 2 out of the map {:?} after SIGSTOP (failed_after_ms = 1000)",
         stopped.elapsed()
     );
     tokio::time::sleep(Duration::from_millis(1500)).await;
