@@ -123,6 +123,17 @@ impl LocalOrchestrator {
             .stdout(Stdio::piped())
             .stderr(log)
             .kill_on_drop(true);
+        // If the monitor dies without stopping its KNs (SIGKILL, a crash), they get SIGTERM
+        // (and seal their logs) instead of running on as orphans nobody manages.
+        // SAFETY: prctl is async-signal-safe and touches only the child being set up.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
         let mut child = cmd.spawn().map_err(|e| {
             OrchestratorError::Platform(format!("starting {:?}: {e}", self.cfg.command))
         })?;
