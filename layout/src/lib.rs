@@ -13,7 +13,7 @@ pub mod segment;
 pub mod superblock;
 
 /// The pool format this code reads and writes. Bumped on any incompatible change.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
 
 /// Why bytes read from PM were refused.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]

@@ -1,8 +1,8 @@
 //! Mutable roots and the cluster-metadata area.
 //!
 //! Roots: a 4 KiB area of 8-byte words, each changed by one atomic store (or CAS) and then
-//! persisted: the current index table, the index heap's bump pointer, and the counters that
-//! must never go backwards (segment generations, KN registration epochs).
+//! persisted: where the index header is, and the counters that must never go backwards
+//! (segment generations, KN registration epochs).
 //!
 //! Metadata: two slots (A/B), each `seq u64 | len u32 | crc u32 | bytes`. An update writes the
 //! slot not holding the newest valid copy, persists it, and is then the newest (higher seq), so
@@ -17,16 +17,14 @@ pub const ROOTS_SIZE: u64 = 4096;
 pub struct Roots;
 
 impl Roots {
-    /// Pool offset of the current index table header.
+    /// Pool offset of the index header (the start of the index area); 0 until the index is
+    /// created. Word 8 is reserved (format 1's heap pointer).
     pub const INDEX_TABLE: u64 = 0;
-    /// Next free byte of the index heap (pool offset).
-    pub const HEAP_NEXT: u64 = 8;
     /// Last segment allocation generation handed out.
     pub const SEGMENT_GENERATION: u64 = 16;
     /// Last KN registration epoch handed out.
     pub const KN_EPOCH: u64 = 24;
-    /// The table being retired by a resize (0 when none); lets a restart finish retiring it.
-    pub const INDEX_PREV_TABLE: u64 = 32;
+    // Word 32 is reserved (format 1's table being retired).
     /// First word of the per-KN fence table: word `KN_FENCE + 8 * kn_id` holds the lowest
     /// epoch the DPM still accepts from that KN.
     pub const KN_FENCE: u64 = 512;

@@ -99,7 +99,18 @@ pub enum SegState {
     Sealed = 2,
     /// Every batch is in the index; waits for its entries to die.
     Merged = 3,
+    /// Holds index buckets, not a log: a chunk of home buckets (stream [`CHUNK_BUCKETS`],
+    /// chain_seq = chunk number) or of overflow buckets (stream [`CHUNK_OVERFLOW`]). Owner is
+    /// [`INDEX_OWNER`].
+    Index = 4,
 }
+
+/// Stream value of an index segment holding home buckets.
+pub const CHUNK_BUCKETS: u16 = 0;
+/// Stream value of an index segment holding overflow buckets.
+pub const CHUNK_OVERFLOW: u16 = 1;
+/// Owner (kn_id) recorded for index segments.
+pub const INDEX_OWNER: u32 = u32::MAX - 1;
 
 impl SegState {
     pub fn from_u8(v: u8) -> Result<Self> {
@@ -108,6 +119,7 @@ impl SegState {
             1 => SegState::Open,
             2 => SegState::Sealed,
             3 => SegState::Merged,
+            4 => SegState::Index,
             other => {
                 return Err(LayoutError::Invalid {
                     what: "segment table",

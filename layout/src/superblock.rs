@@ -2,7 +2,7 @@
 //! area lies. Written once when the pool is formatted; never changed afterwards (all mutable
 //! roots live in the areas it points to), so it cannot be torn by a crash after formatting.
 //!
-//! Areas, in pool order: superblock | root area | segment table | metadata | index heap |
+//! Areas, in pool order: superblock | root area | segment table | metadata | index area |
 //! segments. Every offset is 4 KiB aligned; segments are `segment_size` aligned.
 
 use crate::{need, u32_at, u64_at, LayoutError, Result, FORMAT_VERSION};
@@ -25,8 +25,8 @@ pub struct Superblock {
     pub segment_table_off: u64,
     pub metadata_off: u64,
     pub metadata_len: u64,
-    pub index_heap_off: u64,
-    pub index_heap_len: u64,
+    pub index_area_off: u64,
+    pub index_area_len: u64,
     pub segments_off: u64,
 }
 
@@ -45,8 +45,8 @@ impl Superblock {
             self.segment_table_off,
             self.metadata_off,
             self.metadata_len,
-            self.index_heap_off,
-            self.index_heap_len,
+            self.index_area_off,
+            self.index_area_len,
             self.segments_off,
         ];
         for (i, w) in words.iter().enumerate() {
@@ -98,8 +98,8 @@ impl Superblock {
             segment_table_off: w(6),
             metadata_off: w(7),
             metadata_len: w(8),
-            index_heap_off: w(9),
-            index_heap_len: w(10),
+            index_area_off: w(9),
+            index_area_len: w(10),
             segments_off: w(11),
         };
         sb.validate()?;
@@ -128,7 +128,7 @@ impl Superblock {
                     .saturating_mul(crate::segment::TABLE_ENTRY_SIZE),
             ),
             ("metadata", self.metadata_off, self.metadata_len),
-            ("index heap", self.index_heap_off, self.index_heap_len),
+            ("index area", self.index_area_off, self.index_area_len),
             (
                 "segments",
                 self.segments_off,
@@ -159,13 +159,14 @@ impl Superblock {
         Ok(())
     }
 
-    /// Lays out a pool of `pool_len` bytes with segments of `segment_size` bytes. The index heap
-    /// gets `index_fraction` of what remains after the fixed areas, at least 1 MiB.
+    /// Lays out a pool of `pool_len` bytes with segments of `segment_size` bytes. The index
+    /// area is small and fixed: the index header, the chunk directory (a word per segment) and
+    /// `max_cells` indirect cells; the index's buckets live in segments (see crate::index).
     pub fn plan(
         pool_len: u64,
         segment_size: u64,
         metadata_len: u64,
-        index_fraction: f64,
+        max_cells: u64,
     ) -> Result<Self> {
         let bad = |detail: String| {
             Err(LayoutError::Invalid {
@@ -178,9 +179,9 @@ impl Superblock {
                 "segment size {segment_size} must be a power of two >= 64 KiB"
             ));
         }
-        if !(0.01..=0.9).contains(&index_fraction) {
+        if max_cells > 1 << 20 {
             return bad(format!(
-                "index fraction {index_fraction} must lie in 0.01..=0.9"
+                "{max_cells} indirect cells is more than the 1048576 a pool may hold"
             ));
         }
         // Checked: absurd sizes (from a config file) must be refused, not wrap around.
@@ -203,12 +204,16 @@ impl Superblock {
             4096,
         )?;
         let metadata_len = up(metadata_len.max(8192), 4096)?;
-        let index_heap_off = metadata_off.checked_add(metadata_len).ok_or_else(too_big)?;
-        let rest = pool_len.saturating_sub(index_heap_off);
-        let index_heap_len = up(((rest as f64 * index_fraction) as u64).max(1 << 20), 4096)?;
+        let index_area_off = metadata_off.checked_add(metadata_len).ok_or_else(too_big)?;
+        let index_area_len = up(
+            crate::index::INDEX_AREA_HEADER
+                + crate::index::directory_len(max_segments)
+                + max_cells * crate::index::CELL_SIZE,
+            4096,
+        )?;
         let segments_off = up(
-            index_heap_off
-                .checked_add(index_heap_len)
+            index_area_off
+                .checked_add(index_area_len)
                 .ok_or_else(too_big)?,
             segment_size,
         )?;
@@ -233,8 +238,8 @@ impl Superblock {
             segment_table_off,
             metadata_off,
             metadata_len,
-            index_heap_off,
-            index_heap_len,
+            index_area_off,
+            index_area_len,
             segments_off,
         };
         sb.validate()?;

@@ -7,8 +7,8 @@
 //! (no files are written next to the tests); proptest prints the minimal failing input instead.
 
 use dinomo_layout::index::{
-    slot_entry_offset, slot_hash_offset, Bucket, EntryPtr, TableHeader, BUCKET_SIZE, RETIRED,
-    SLOTS, STATE_OFFSET, TABLE_HEADER_SIZE, TABLE_MAGIC,
+    depth_word, next_home, slot_entry_offset, slot_hash_offset, walk_chain, Bucket, EntryPtr,
+    IndexHeader, Shape, BUCKET_SIZE, INDEX_MAGIC, SLOTS, STATE_OFFSET,
 };
 use dinomo_layout::log::{
     batch_len, decode_entry, encode_entry, entry_len, entry_len_from_header, scan, BatchBuilder,
@@ -101,15 +101,15 @@ fn planned_superblock() -> impl Strategy<Value = Superblock> {
         any::<u64>(),
         16u32..=26,
         0u64..(8 << 20),
-        0.01f64..=0.9,
+        0u64..8192,
         any::<u64>(),
         any::<u64>(),
     )
         .prop_filter_map(
             "pool too small for 4 segments",
-            |(shift, r, seg_shift, meta, frac, id, t)| {
+            |(shift, r, seg_shift, meta, cells, id, t)| {
                 let pool = (1u64 << shift) + r % (1u64 << shift);
-                let mut sb = Superblock::plan(pool, 1 << seg_shift, meta, frac).ok()?;
+                let mut sb = Superblock::plan(pool, 1 << seg_shift, meta, cells).ok()?;
                 sb.pool_id = id;
                 sb.created_unix = t;
                 Some(sb)
@@ -128,7 +128,7 @@ fn assert_sane_layout(sb: &Superblock) {
             u128::from(sb.segment_count) * u128::from(TABLE_ENTRY_SIZE),
         ),
         (sb.metadata_off, u128::from(sb.metadata_len)),
-        (sb.index_heap_off, u128::from(sb.index_heap_len)),
+        (sb.index_area_off, u128::from(sb.index_area_len)),
         (
             sb.segments_off,
             u128::from(sb.segment_count) * u128::from(sb.segment_size),
@@ -260,9 +260,9 @@ proptest! {
         pool in edgy_u64(),
         seg in edgy_u64(),
         meta in prop_oneof![0u64..(64 << 20), edgy_u64()],
-        frac in prop_oneof![0.01f64..=0.9, any::<f64>()],
+        cells in prop_oneof![0u64..8192, edgy_u64()],
     ) {
-        match Superblock::plan(pool, seg, meta, frac) {
+        match Superblock::plan(pool, seg, meta, cells) {
             Ok(sb) => {
                 assert_sane_layout(&sb);
                 prop_assert!(sb.segment_count >= 4);
@@ -324,8 +324,8 @@ proptest! {
             segment_table_off: w[6],
             metadata_off: w[7],
             metadata_len: w[8],
-            index_heap_off: w[9],
-            index_heap_len: w[10],
+            index_area_off: w[9],
+            index_area_len: w[10],
             segments_off: w[11],
         };
         let enc = sb.encode();
@@ -337,18 +337,18 @@ proptest! {
 }
 
 /// The example layout in docs/formats.md (the dpm-node defaults: 1 GiB pool, 8 MiB segments,
-/// 1 MiB of metadata, 1/8 of the rest for the index heap). Keep the two in step.
+/// 1 MiB of metadata, 4096 indirect cells). Keep the two in step.
 #[test]
 fn default_pool_plan_matches_the_docs() {
-    let sb = Superblock::plan(1 << 30, 8 << 20, 1 << 20, 0.125).unwrap();
+    let sb = Superblock::plan(1 << 30, 8 << 20, 1 << 20, 4096).unwrap();
     assert_eq!(
         (
             sb.roots_off,
             sb.segment_table_off,
             sb.metadata_off,
             sb.metadata_len,
-            sb.index_heap_off,
-            sb.index_heap_len,
+            sb.index_area_off,
+            sb.index_area_len,
             sb.segments_off,
             sb.segment_count,
         ),
@@ -358,9 +358,9 @@ fn default_pool_plan_matches_the_docs() {
             12288,
             1 << 20,
             1_060_864,
-            134_086_656,
-            142_606_336,
-            111
+            270_336,
+            8_388_608,
+            127
         )
     );
     assert_eq!(sb.encode().len(), 132);
@@ -370,7 +370,7 @@ fn default_pool_plan_matches_the_docs() {
 /// builds (and wrap, passing the bounds check, in release builds).
 #[test]
 fn superblock_with_overflowing_segment_table_is_refused() {
-    let mut sb = Superblock::plan(1 << 30, 1 << 20, 0, 0.1).unwrap();
+    let mut sb = Superblock::plan(1 << 30, 1 << 20, 0, 64).unwrap();
     sb.segment_count = u64::MAX / TABLE_ENTRY_SIZE + 2;
     let r = Superblock::decode(&sb.encode());
     assert!(
@@ -383,25 +383,26 @@ fn superblock_with_overflowing_segment_table_is_refused() {
 /// builds and, in release builds, wrap (a metadata length near u64::MAX rounded up to 0 bytes).
 #[test]
 fn plan_refuses_sizes_that_overflow() {
-    for (pool, seg, meta, frac) in [
-        (1u64 << 40, 1u64 << 16, u64::MAX, 0.5f64),
-        (1u64 << 40, 1u64 << 16, u64::MAX - 1_000_000, 0.5),
-        (u64::MAX, 1u64 << 63, 0, 0.9),
-        (u64::MAX - 4095, 1u64 << 62, 0, 0.9),
+    for (pool, seg, meta, cells) in [
+        (1u64 << 40, 1u64 << 16, u64::MAX, 64u64),
+        (1u64 << 40, 1u64 << 16, u64::MAX - 1_000_000, 64),
+        (u64::MAX, 1u64 << 63, 0, 64),
+        (u64::MAX - 4095, 1u64 << 62, 0, 64),
+        (1u64 << 30, 1u64 << 16, 0, u64::MAX),
     ] {
-        let r = Superblock::plan(pool, seg, meta, frac);
+        let r = Superblock::plan(pool, seg, meta, cells);
         assert!(
             matches!(r, Err(LayoutError::Invalid { .. })),
-            "plan({pool}, {seg}, {meta}, {frac}) gave {r:?}"
+            "plan({pool}, {seg}, {meta}, {cells}) gave {r:?}"
         );
     }
-    let sb = Superblock::plan(u64::MAX, 1 << 16, 0, 0.9).unwrap();
+    let sb = Superblock::plan(u64::MAX, 1 << 16, 0, 4096).unwrap();
     assert_sane_layout(&sb);
 }
 
 #[test]
 fn superblock_other_version_is_refused_by_name() {
-    let sb = Superblock::plan(1 << 30, 8 << 20, 1 << 20, 0.125).unwrap();
+    let sb = Superblock::plan(1 << 30, 8 << 20, 1 << 20, 4096).unwrap();
     let mut enc = sb.encode();
     enc[8..12].copy_from_slice(&(FORMAT_VERSION + 1).to_le_bytes());
     let crc = crc32c::crc32c(&enc[..enc.len() - 4]);
@@ -510,7 +511,8 @@ proptest! {
             Just(SegState::Free),
             Just(SegState::Open),
             Just(SegState::Sealed),
-            Just(SegState::Merged)
+            Just(SegState::Merged),
+            Just(SegState::Index)
         ],
         kn_id in any::<u32>(),
         stream in any::<u16>(),
@@ -529,7 +531,7 @@ proptest! {
 
     #[test]
     fn table_entry_unknown_state_is_refused(
-        state in 4u8..=255,
+        state in 5u8..=255,
         rest in any::<u64>(),
         w in prop::array::uniform3(any::<u64>()),
     ) {
@@ -896,7 +898,7 @@ proptest! {
     fn bucket_roundtrip(
         next in any::<u64>(),
         slots in prop::array::uniform3((any::<u64>(), any::<u64>())),
-        state in prop_oneof![Just(0u64), Just(RETIRED), any::<u64>()],
+        state in prop_oneof![Just(0u64), (0u32..64).prop_map(depth_word), any::<u64>()],
     ) {
         let b = Bucket { next, slots, state };
         let enc = b.encode();
@@ -909,7 +911,8 @@ proptest! {
         }
         prop_assert_eq!(&enc[STATE_OFFSET..], &state.to_le_bytes());
         prop_assert_eq!(Bucket::decode(&enc), Ok(b));
-        prop_assert_eq!(b.is_retired(), state == RETIRED);
+        let tagged = state >> 8 == depth_word(0) >> 8 && (state & 0xff) <= 63;
+        prop_assert_eq!(b.depth().is_some(), tagged);
     }
 
     #[test]
@@ -951,96 +954,81 @@ proptest! {
     }
 
     #[test]
-    fn table_header_roundtrip(
-        shift in 0u32..58,
-        off in any::<u64>(),
-        generation in any::<u64>(),
-        hash in any::<u64>(),
+    fn index_header_roundtrip(
+        chunk_shift in 0u32..40,
+        dir in any::<u64>(),
+        max_chunks in 1u64..1 << 20,
+        min_level in 0u32..63,
     ) {
-        // Any bucket array that fits below 2^64.
-        let span = (1u64 << shift) * BUCKET_SIZE as u64;
-        let off = (off % (u64::MAX - span + 1)) & !63;
-        let h = TableHeader { bucket_count: 1 << shift, buckets_off: off, generation };
+        let h = IndexHeader {
+            chunk_buckets: 1 << chunk_shift,
+            directory_off: (dir % (1 << 48)) & !7,
+            max_chunks,
+            min_level,
+        };
         let enc = h.encode();
-        prop_assert_eq!(enc.len(), TABLE_HEADER_SIZE);
-        prop_assert_eq!(&enc[0..8], &TABLE_MAGIC.to_le_bytes());
-        prop_assert!(enc[32..60].iter().all(|&b| b == 0), "reserved bytes are zero");
-        prop_assert_eq!(TableHeader::decode(&enc), Ok(h));
-        // Home buckets of a realistic table are the buckets themselves.
-        let small = TableHeader { bucket_count: 1 << (shift % 32), buckets_off: (off % (1 << 40)) & !63, generation };
-        let home = small.home_bucket(hash);
-        prop_assert_eq!(home, small.buckets_off + (hash % small.bucket_count) * BUCKET_SIZE as u64);
-        prop_assert_eq!(home % 64, 0);
-    }
-
-    /// Whatever header decode accepts, its home buckets are computed without overflow and lie
-    /// inside its bucket array.
-    #[test]
-    fn table_header_home_bucket_stays_in_the_table(
-        shift in 0u32..64,
-        off in edgy_u64(),
-        generation in any::<u64>(),
-        hash in any::<u64>(),
-    ) {
-        let h = TableHeader { bucket_count: 1 << shift, buckets_off: off & !63, generation };
-        if let Ok(h) = TableHeader::decode(&h.encode()) {
-            let end = u128::from(h.buckets_off) + u128::from(h.bucket_count) * BUCKET_SIZE as u128;
-            prop_assert!(end <= u128::from(u64::MAX));
-            let home = h.home_bucket(hash);
-            prop_assert!(home >= h.buckets_off && u128::from(home) + (BUCKET_SIZE as u128) <= end);
-        }
+        prop_assert_eq!(&enc[0..8], &INDEX_MAGIC.to_le_bytes());
+        prop_assert_eq!(IndexHeader::decode(&enc), Ok(h));
+        let (chunk, within) = h.locate(dir);
+        prop_assert_eq!(chunk * h.chunk_buckets + within / BUCKET_SIZE as u64, dir);
+        prop_assert_eq!(within % 64, 0);
     }
 
     #[test]
-    fn table_header_any_bit_flip_is_refused(
-        shift in 0u32..64,
-        off in any::<u64>(),
-        generation in any::<u64>(),
-    ) {
-        let h = TableHeader { bucket_count: 1 << shift, buckets_off: off & !63, generation };
+    fn index_header_any_bit_flip_is_refused(chunk_shift in 0u32..40, max_chunks in 1u64..4096) {
+        let h = IndexHeader { chunk_buckets: 1 << chunk_shift, directory_off: 4096, max_chunks, min_level: 6 };
         let mut enc = h.encode();
-        for bit in 0..TABLE_HEADER_SIZE * 8 {
+        for bit in 0..64 * 8 {
             flip_bit(&mut enc, bit);
-            let r = TableHeader::decode(&enc);
+            let r = IndexHeader::decode(&enc);
             prop_assert!(r.is_err(), "bit {} flipped was accepted: {:?}", bit, r);
             flip_bit(&mut enc, bit);
         }
     }
 
     #[test]
-    fn table_header_bad_fields_are_refused_behind_a_valid_crc(
-        count in any::<u64>(),
-        off in any::<u64>(),
-        generation in any::<u64>(),
-    ) {
-        let fits = count.checked_mul(BUCKET_SIZE as u64).and_then(|n| n.checked_add(off)).is_some();
-        prop_assume!(!count.is_power_of_two() || off % 64 != 0 || !fits);
-        let enc = TableHeader { bucket_count: count, buckets_off: off, generation }.encode();
-        let is_invalid = matches!(TableHeader::decode(&enc), Err(LayoutError::Invalid { .. }));
-        prop_assert!(is_invalid);
+    fn index_header_and_shape_decode_never_panic(bytes in prop::collection::vec(any::<u8>(), 0..200)) {
+        let _ = IndexHeader::decode(&bytes);
+        let _ = IndexHeader::decode_with_shape(&bytes);
     }
 
-    /// Power-of-two counts and aligned offsets whose bucket array would pass 2^64.
+    /// Any shape decode accepts maps every hash to an existing bucket of the right depth, and a
+    /// reader with a stale shape reaches the same bucket by following depths.
     #[test]
-    fn table_header_past_the_address_space_is_refused(
-        shift in 0u32..64,
-        generation in any::<u64>(),
-        pick in any::<u64>(),
-    ) {
-        // An array of `span` bytes fits iff off + span <= u64::MAX, so the 64-byte aligned
-        // offsets that do not fit are lo, lo + 64, ..., 2^64 - 64.
-        let span = u128::from(1u64 << shift) * BUCKET_SIZE as u128;
-        let lo = (1u128 << 64).saturating_sub(span);
-        let choices = ((1u128 << 64) - 64 - lo) / 64 + 1;
-        let off = (lo + (u128::from(pick) % choices) * 64) as u64;
-        let enc = TableHeader { bucket_count: 1 << shift, buckets_off: off, generation }.encode();
-        let is_invalid = matches!(TableHeader::decode(&enc), Err(LayoutError::Invalid { .. }));
-        prop_assert!(is_invalid);
+    fn shapes_and_stale_readers_agree(level in 0u32..20, split_pick in any::<u64>(), grow in 0u32..64, hash in any::<u64>()) {
+        let old = Shape { level, split: split_pick % (1 << level) };
+        prop_assert_eq!(Shape::from_word(old.word()), Ok(old));
+        let mut new = old;
+        for _ in 0..grow {
+            new = new.grown();
+        }
+        // The depth of bucket b in `new`: level+1 if already split this round, else level;
+        // buckets at or past 2^level were made by this round's splits.
+        let depth_of = |b: u64| -> u32 {
+            let low = b & ((1 << new.level) - 1);
+            if b >= 1 << new.level || low < new.split { new.level + 1 } else { new.level }
+        };
+        let (want, want_depth) = new.home(hash);
+        prop_assert!(want < new.buckets());
+        prop_assert_eq!(depth_of(want), want_depth);
+        let (mut b, mut d) = old.home(hash);
+        for _ in 0..64 {
+            let bd = depth_of(b);
+            prop_assert!(bd >= d);
+            match next_home(hash, b, d, bd) {
+                Some((nb, nd)) => { prop_assert!(nb < new.buckets()); b = nb; d = nd; }
+                None => break,
+            }
+        }
+        prop_assert_eq!(b, want);
     }
 
+    /// Chain walks over arbitrary bytes end (or refuse) without panicking.
     #[test]
-    fn table_header_decode_never_panics(bytes in prop::collection::vec(any::<u8>(), 0..140)) {
-        let _ = TableHeader::decode(&bytes);
+    fn walk_chain_over_arbitrary_bytes(bytes in prop::collection::vec(any::<u8>(), 0..2048), start in any::<u64>()) {
+        let mut n = 0;
+        let _ = walk_chain(&bytes, start % 4096, 100, |_, _| { n += 1; true });
+        prop_assert!(n <= 100);
     }
 }
 
@@ -1148,10 +1136,8 @@ proptest! {
 fn roots_words_are_aligned_and_inside_the_area() {
     for w in [
         Roots::INDEX_TABLE,
-        Roots::HEAP_NEXT,
         Roots::SEGMENT_GENERATION,
         Roots::KN_EPOCH,
-        Roots::INDEX_PREV_TABLE,
     ] {
         assert_eq!(w % 8, 0);
         assert!(
