@@ -18,6 +18,7 @@ pub mod fault;
 pub mod grants;
 pub mod op;
 pub mod pm;
+pub mod powerloss;
 pub mod shm;
 pub mod stats;
 pub mod tcp;
@@ -32,6 +33,7 @@ use bytes::Bytes;
 pub use error::{FabricError, Result};
 pub use op::{AccessKey, Completion, Op};
 pub use pm::{Durability, DurabilityRequest, PmRegion};
+pub use powerloss::{PersistHook, PowerLossImage, PowerLossStats};
 pub use stats::{FabricStats, StatsSnapshot};
 
 /// A caller's handle on one remote region.

@@ -8,6 +8,9 @@
 //!   loss, slowly.
 //! - `ProcessCrash`: ordinary page-cache file (or tmpfs); persist = a store fence only. Data
 //!   survives the crash of any process (the kernel owns the pages) but not of the machine.
+//! - `SimulatedPowerLoss` (tests only): as `ProcessCrash`, and persist also records the lines
+//!   it covers in a shadow image, from which [`PmRegion::power_loss_image`] builds what the
+//!   medium may hold after a power failure (see [`crate::powerloss`]).
 //!
 //! Invariants: the mapping never changes size; every access is bounds-checked by the caller
 //! through [`PmRegion::check`]; 8-byte words used atomically are 8-byte aligned.
@@ -19,6 +22,7 @@ use std::ptr::NonNull;
 use std::sync::atomic::{fence, AtomicU64, Ordering};
 
 use crate::error::{FabricError, Result};
+use crate::powerloss::{PersistHook, PowerLossImage, PowerLossStats, Shadow};
 
 /// How stores to the region are made durable.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -26,6 +30,9 @@ pub enum Durability {
     Dax(FlushInstr),
     Msync,
     ProcessCrash,
+    /// Tests only: `ProcessCrash` plus a record of the persisted lines, for crash images. Costs
+    /// a DRAM copy of the whole region and a copy of every persisted line.
+    SimulatedPowerLoss,
 }
 
 impl std::fmt::Display for Durability {
@@ -36,6 +43,11 @@ impl std::fmt::Display for Durability {
             Durability::ProcessCrash => write!(
                 f,
                 "process-crash (page cache, fence only): survives process crashes, not power loss"
+            ),
+            Durability::SimulatedPowerLoss => write!(
+                f,
+                "simulated-power-loss (page cache, persisted lines recorded): FOR TESTS ONLY, \
+                 survives process crashes, not power loss"
             ),
         }
     }
@@ -59,6 +71,8 @@ pub enum DurabilityRequest {
     Dax,
     Msync,
     ProcessCrash,
+    /// Tests only (see [`Durability::SimulatedPowerLoss`]).
+    SimulatedPowerLoss,
 }
 
 impl std::str::FromStr for DurabilityRequest {
@@ -69,8 +83,10 @@ impl std::str::FromStr for DurabilityRequest {
             "dax" => Ok(Self::Dax),
             "msync" => Ok(Self::Msync),
             "process-crash" => Ok(Self::ProcessCrash),
+            "simulated-power-loss" => Ok(Self::SimulatedPowerLoss),
             other => Err(FabricError::Config(format!(
-                "unknown durability {other:?}: expected auto, dax, msync or process-crash"
+                "unknown durability {other:?}: expected auto, dax, msync, process-crash or \
+                 simulated-power-loss (tests only)"
             ))),
         }
     }
@@ -83,6 +99,8 @@ pub struct PmRegion {
     len: usize,
     durability: Durability,
     path: PathBuf,
+    /// The persisted lines, in `SimulatedPowerLoss` mode only.
+    shadow: Option<Shadow>,
     _file: File,
 }
 
@@ -175,14 +193,24 @@ impl PmRegion {
                 try_map(libc::MAP_SHARED).map_err(err)?,
                 Durability::ProcessCrash,
             ),
+            DurabilityRequest::SimulatedPowerLoss => (
+                try_map(libc::MAP_SHARED).map_err(err)?,
+                Durability::SimulatedPowerLoss,
+            ),
         };
-        Ok(PmRegion {
+        let mut region = PmRegion {
             base: NonNull::new(ptr.cast()).expect("mmap returned null"),
             len,
             durability,
             path: path.to_path_buf(),
+            shadow: None,
             _file: file,
-        })
+        };
+        if durability == Durability::SimulatedPowerLoss {
+            // What the file holds now is what the medium holds: persisted.
+            region.shadow = Some(Shadow::new(&region)?);
+        }
+        Ok(region)
     }
 
     pub fn len(&self) -> u64 {
@@ -309,7 +337,57 @@ impl PmRegion {
                 fence(Ordering::SeqCst);
                 Ok(())
             }
+            Durability::SimulatedPowerLoss => {
+                fence(Ordering::SeqCst);
+                let shadow = self.shadow.as_ref().expect("mapped with a shadow");
+                let n = shadow.begin();
+                shadow.call_hook(self, n);
+                shadow.record(self, offset, len);
+                fence(Ordering::SeqCst);
+                Ok(())
+            }
         }
+    }
+
+    fn shadow(&self, what: &str) -> Result<&Shadow> {
+        self.shadow.as_ref().ok_or_else(|| {
+            FabricError::Config(format!(
+                "{what} needs a region mapped with durability simulated-power-loss; {} is {}",
+                self.path.display(),
+                self.durability
+            ))
+        })
+    }
+
+    /// Persists begun so far (simulated-power-loss regions; 0 for the others, which do not
+    /// count).
+    pub fn persist_count(&self) -> u64 {
+        self.shadow.as_ref().map_or(0, Shadow::persist_count)
+    }
+
+    /// Sets (or clears) the function called at every persist with the persist's number;
+    /// simulated-power-loss regions only. The hook runs on the persisting thread when the
+    /// persist begins, before its lines are recorded and with no lock held: an image it takes
+    /// with [`PmRegion::power_loss_image`] is a power failure right before this persist's
+    /// write-back (its stores are in limbo). Its own persists do not call it again.
+    pub fn set_persist_hook(&self, hook: Option<PersistHook>) -> Result<()> {
+        self.shadow("a persist hook")?.set_hook(hook);
+        Ok(())
+    }
+
+    /// What the medium may hold if power failed now: every line not equal to its persisted
+    /// state is dropped, kept or torn, chosen by `rng_seed` (see [`crate::powerloss`]).
+    /// Persists wait while the image is taken; stores do not. Simulated-power-loss regions
+    /// only.
+    pub fn power_loss_image(&self, rng_seed: u64) -> Result<PowerLossImage> {
+        Ok(self.shadow("a power-loss image")?.image(self, rng_seed))
+    }
+
+    /// [`PmRegion::power_loss_image`] written as a new file at `path`, ready to be mapped.
+    pub fn write_power_loss_image(&self, path: &Path, rng_seed: u64) -> Result<PowerLossStats> {
+        let image = self.power_loss_image(rng_seed)?;
+        image.write_to(path)?;
+        Ok(image.stats)
     }
 
     /// Raw base pointer, for backends that register the whole mapping with a NIC.

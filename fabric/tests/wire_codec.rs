@@ -2,13 +2,16 @@
 //! no byte string (truncated, corrupted or random) makes a decoder panic.
 
 use bytes::Bytes;
-use dinomo_fabric::tcp::{decode_request, decode_response, encode_request, encode_response};
+use dinomo_fabric::tcp::{
+    decode_request, decode_response, encode_request, encode_response, MAX_REPLY,
+};
 use dinomo_fabric::{AccessKey, Completion, FabricError, Op};
 use proptest::prelude::*;
 
 fn op() -> impl Strategy<Value = Op> {
     prop_oneof![
-        (any::<u64>(), any::<u32>()).prop_map(|(offset, len)| Op::Read { offset, len }),
+        // At most 20 ops of 1 MiB: well inside the reply limit (tested below on its own).
+        (any::<u64>(), 0..=1u32 << 20).prop_map(|(offset, len)| Op::Read { offset, len }),
         (any::<u64>(), proptest::collection::vec(any::<u8>(), 0..300)).prop_map(|(offset, d)| {
             Op::Write {
                 offset,
@@ -75,6 +78,22 @@ proptest! {
         let body = frame.slice(4..);
         let at = cut.index(body.len());
         prop_assert!(decode_request(body.slice(..at)).is_err());
+    }
+
+    #[test]
+    fn reads_are_refused_by_encode_exactly_when_the_reply_exceeds_the_limit(
+        lens in proptest::collection::vec(prop_oneof![0..=MAX_REPLY as u32, any::<u32>()], 1..4)
+    ) {
+        let ops: Vec<Op> = lens.iter().map(|&len| Op::Read { offset: 0, len }).collect();
+        // Response: id, status, count, then per READ its kind, length and data.
+        let reply: u64 = 11 + lens.iter().map(|&l| 5 + u64::from(l)).sum::<u64>();
+        match encode_request(1, AccessKey { slot: 0, token: 1 }, &ops) {
+            Ok(frame) => {
+                prop_assert!(reply <= MAX_REPLY as u64);
+                prop_assert_eq!(decode_request(frame.slice(4..)).unwrap().2, ops);
+            }
+            Err(_) => prop_assert!(reply > MAX_REPLY as u64),
+        }
     }
 
     #[test]
