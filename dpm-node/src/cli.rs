@@ -21,6 +21,11 @@ pub struct Args {
     /// Size of a new pool, e.g. 1GiB (overrides pool_size).
     #[arg(long, env = "DINOMO_DPM_POOL_SIZE")]
     pub pool_size: Option<String>,
+    /// Log segment size of a new pool, a power of two >= 64KiB, e.g. 8MiB (overrides
+    /// segment_size). Small pools want small segments: every KV node shard keeps one segment
+    /// open, and the index grows a segment at a time.
+    #[arg(long, env = "DINOMO_DPM_SEGMENT_SIZE")]
+    pub segment_size: Option<String>,
     /// gRPC address (overrides listen).
     #[arg(long, env = "DINOMO_DPM_LISTEN")]
     pub listen: Option<String>,
@@ -60,6 +65,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
     if let Some(v) = args.pool_size {
         file.pool_size = v;
+    }
+    if let Some(v) = args.segment_size {
+        file.segment_size = v;
     }
     if let Some(v) = args.listen {
         file.listen = v;

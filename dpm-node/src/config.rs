@@ -22,8 +22,10 @@ pub struct DpmConfigFile {
     pub pool_size: String,
     /// Size of a log segment, a power of two >= 64KiB, e.g. "8MiB". Used only at creation.
     pub segment_size: String,
-    /// Share of the pool, after fixed areas, given to the index heap (0.01..=0.9).
-    pub index_fraction: f64,
+    /// Indirect cells (for selectively replicated hot keys) a new pool can hold at once, 64
+    /// bytes each. Used only at creation. The index itself needs no share of the pool set
+    /// aside: it grows into free segments.
+    pub max_indirect_cells: u64,
     /// Size of the cluster-metadata area, e.g. "1MiB". Used only at creation.
     pub metadata_size: String,
     /// Create (format) the pool when the file does not exist. An existing file is never
@@ -31,11 +33,14 @@ pub struct DpmConfigFile {
     pub create: bool,
     /// How stores become durable: "auto" (DAX when MAP_SYNC works, else process-crash),
     /// "dax" (fail unless DAX), "msync" (survives power loss on ordinary files, slow),
-    /// "process-crash" (survives crashes of any process, not of the machine).
+    /// "process-crash" (survives crashes of any process, not of the machine), or
+    /// "simulated-power-loss" (tests only: process-crash plus a record of persisted cache
+    /// lines, from which crash images that lose or tear unpersisted lines are made).
     pub durability: String,
     /// Threads that merge KN logs into the index.
     pub merge_workers: usize,
-    /// Buckets of the first index table (rounded up to a power of two).
+    /// Home buckets of a new index (rounded up to a power of two, at most one segment's worth);
+    /// it grows one bucket at a time from there.
     pub initial_index_buckets: u64,
     /// Milliseconds between garbage-collection passes.
     pub gc_interval_ms: u64,
@@ -46,13 +51,17 @@ pub struct DpmConfigFile {
     pub listen: String,
     /// Fabric offered to KNs: "shm" (same host; KNs map the pool) or "tcp" (emulated NIC).
     pub fabric: String,
-    /// Address of the tcp fabric NIC (used when `fabric = "tcp"`; also started for "shm" so
-    /// that remote tools can attach).
+    /// Address of the tcp fabric NIC, started only when `fabric = "tcp"`.
     pub fabric_listen: String,
     /// Address of the Prometheus /metrics endpoint; empty to disable.
     pub metrics_listen: String,
     /// Grant slots in the fabric grant table (concurrent KN registrations).
     pub max_grants: u32,
+    /// Debug check for tests: after every merge and every cleaned segment, recount each
+    /// segment's live bytes from the index and compare them with the counters (slow: a full
+    /// index walk each time, and merges run one at a time). A mismatch fails the MergeAll that
+    /// saw it and is counted in `dinomo_dpm_accounting_mismatches_total`.
+    pub verify_accounting: bool,
 }
 
 impl Default for DpmConfigFile {
@@ -61,7 +70,7 @@ impl Default for DpmConfigFile {
             pool_path: PathBuf::from("dinomo.pool"),
             pool_size: "1GiB".into(),
             segment_size: "8MiB".into(),
-            index_fraction: 0.125,
+            max_indirect_cells: 4096,
             metadata_size: "1MiB".into(),
             create: true,
             durability: "auto".into(),
@@ -74,6 +83,7 @@ impl Default for DpmConfigFile {
             fabric_listen: "127.0.0.1:7701".into(),
             metrics_listen: "127.0.0.1:9700".into(),
             max_grants: 256,
+            verify_accounting: false,
         }
     }
 }
@@ -101,6 +111,7 @@ pub struct DpmConfig {
     pub fabric_listen: SocketAddr,
     pub metrics_listen: Option<SocketAddr>,
     pub max_grants: u32,
+    pub verify_accounting: bool,
 }
 
 /// Parses sizes like "8MiB" (see [`dinomo_node_common::parse_size`]).
@@ -126,15 +137,15 @@ impl DpmConfigFile {
             pool_len: parse_size(&self.pool_size)?,
             segment_size: parse_size(&self.segment_size)?,
             metadata_len: parse_size(&self.metadata_size)?,
-            index_fraction: self.index_fraction,
+            max_cells: self.max_indirect_cells,
         };
         dinomo_layout::superblock::Superblock::plan(
             format.pool_len,
             format.segment_size,
             format.metadata_len,
-            format.index_fraction,
+            format.max_cells,
         )
-        .map_err(|e| DpmError::Config(format!("pool_size/segment_size/index_fraction: {e}")))?;
+        .map_err(|e| DpmError::Config(format!("pool_size/segment_size/max_indirect_cells: {e}")))?;
         if self.merge_workers == 0 || self.merge_workers > 64 {
             return Err(DpmError::Config(format!(
                 "merge_workers = {}: must be 1..=64",
@@ -177,6 +188,7 @@ impl DpmConfigFile {
                 Some(addr("metrics_listen", &self.metrics_listen)?)
             },
             max_grants: self.max_grants.max(1),
+            verify_accounting: self.verify_accounting,
         })
     }
 }

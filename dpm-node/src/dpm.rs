@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use dinomo_fabric::grants::GrantTable;
 use dinomo_fabric::AccessKey;
-use dinomo_layout::index::EntryPtr;
+use dinomo_layout::index::{EntryPtr, IndexArea};
 use dinomo_layout::log::{decode_entry, LogOp};
 use dinomo_layout::meta::Roots;
 use dinomo_layout::segment::SegState;
@@ -24,11 +24,15 @@ use crate::cells::Cells;
 use crate::config::DpmConfig;
 use crate::error::{DpmError, Result};
 use crate::gc::Gc;
-use crate::index::{heap_alloc, Index};
+use crate::index::{Index, IndexSpace};
 use crate::merge::{MergeMode, MergeReport, Merger};
 use crate::metastore::MetaStore;
 use crate::pool::Pool;
-use crate::segments::{LogId, SegmentGrant, Segments, CLEANER_KN};
+use crate::segments::{LogId, SegmentGrant, Segments, Tier, CLEANER_KN};
+
+/// Longest a KN's segment allocation waits for merges that would make room. Short: the KN's
+/// shard waits meanwhile, and a reconfiguration gives a KN 5 s to prepare.
+const ALLOCATION_WAIT: Duration = Duration::from_secs(2);
 
 /// What a KN learns when it registers.
 #[derive(Debug, Clone)]
@@ -58,6 +62,11 @@ pub struct DpmStats {
     pub index_items: u64,
     pub index_buckets: u64,
     pub index_resizes: u64,
+    pub index_space: IndexSpace,
+    /// Free segments kept back for the cleaner, index growth and deletes.
+    pub segments_reserved: u64,
+    /// Bytes of log entries the index points at (headers included).
+    pub live_log_bytes: u64,
     pub entries_merged: u64,
     pub pending_segments: HashMap<u32, u64>,
 }
@@ -108,8 +117,17 @@ impl Dpm {
             segment_size = pool.superblock().segment_size,
             "pool open"
         );
-        let index = Arc::new(Index::open(pool.clone(), config.initial_index_buckets)?);
-        let segments = Arc::new(Segments::open(pool.clone())?);
+        let mut segments = Segments::open(pool.clone())?;
+        if config.verify_accounting {
+            tracing::warn!("verify_accounting is on: every merge recounts the index (slow)");
+            segments.enable_verification();
+        }
+        let segments = Arc::new(segments);
+        let index = Arc::new(Index::open(
+            pool.clone(),
+            segments.clone(),
+            config.initial_index_buckets,
+        )?);
         // The cleaner's open segment of a previous run is finished as it is.
         for (_, chain) in segments.chains_of(CLEANER_KN) {
             let mut c = chain.state.lock();
@@ -117,21 +135,15 @@ impl Dpm {
                 segments.set_state(id, SegState::Merged)?;
             }
         }
-        let mut rebuild = Ok(());
-        index.for_each(|_, p| {
-            if rebuild.is_ok() {
-                rebuild = segments.add_live(p, 1);
-            }
-        })?;
-        rebuild?;
+        index.for_each(|_, p| segments.add_live(p, 1))?;
         let merger = Arc::new(Merger::new(pool.clone(), index.clone(), segments.clone()));
         let meta = MetaStore::open(pool.clone())?;
-        let cells = Arc::new(Cells::default());
+        let cells = Arc::new(Cells::new(IndexArea::of(pool.superblock())));
         for (name, v) in meta.scan("cell/") {
             let key = unhex(&name["cell/".len()..]);
             let off = v.try_into().ok().map(u64::from_le_bytes);
             match (key, off) {
-                (Some(key), Some(off)) => cells.insert(&key, off),
+                (Some(key), Some(off)) if cells.claim(&key, off) => {}
                 _ => tracing::warn!(%name, "ignoring a corrupt indirect-cell record"),
             }
         }
@@ -310,7 +322,15 @@ impl Dpm {
     }
 
     /// Allocates the next segment of one of the KN's logs (`stream`: one per shard).
-    pub fn allocate_segment(&self, kn: u32, stream: u16, epoch: u64) -> Result<SegmentGrant> {
+    /// `deletes_only`: the KN will write only deletes into it, which may use the delete reserve
+    /// of a full pool (deletes are how space comes back).
+    pub fn allocate_segment(
+        &self,
+        kn: u32,
+        stream: u16,
+        epoch: u64,
+        deletes_only: bool,
+    ) -> Result<SegmentGrant> {
         self.check_epoch(kn, epoch)?;
         if kn == CLEANER_KN {
             return Err(DpmError::KnOutOfRange {
@@ -318,7 +338,100 @@ impl Dpm {
                 max: Roots::MAX_KNS,
             });
         }
-        self.segments.allocate(LogId { kn, stream }, epoch)
+        let tier = if deletes_only {
+            Tier::Deletes
+        } else {
+            Tier::Log
+        };
+        // Before refusing, get back what merging and collecting would: index space set aside
+        // for sealed segments is needed only until they are merged (wait for the workers), and
+        // deletes or overwrites sitting in open segments free space only once merged (merge
+        // what every log holds so far, then collect). Bounded in time.
+        // Other logs' deletes may free whole segments meanwhile, so reclaiming is retried.
+        let started = std::time::Instant::now();
+        let deadline = started + ALLOCATION_WAIT;
+        loop {
+            self.segments
+                .set_index_need(self.index_need_segments(!deletes_only));
+            match self.segments.allocate(LogId { kn, stream }, epoch, tier) {
+                Err(DpmError::PoolFull { .. }) if std::time::Instant::now() < deadline => {
+                    // Sealed segments are normally merged within milliseconds; one whose merge
+                    // is stuck must not keep this call from reclaiming.
+                    let patient = started.elapsed() < Duration::from_millis(500);
+                    if patient && self.segments.sealed_log_segments() > 0 {
+                        self.merger.notify();
+                        std::thread::sleep(Duration::from_millis(5));
+                        continue;
+                    }
+                    let before = self.segments.free_count();
+                    self.reclaim_for_allocation();
+                    // Puts are refused at once when nothing came back; deletes wait for the
+                    // other logs' deletes to free space (they are how a full pool drains).
+                    if !deletes_only && self.segments.free_count() <= before {
+                        return self.segments.allocate(LogId { kn, stream }, epoch, tier);
+                    }
+                    if deletes_only {
+                        std::thread::sleep(Duration::from_millis(20));
+                    }
+                }
+                other => return other,
+            }
+        }
+    }
+
+    /// A full pool's last resort before refusing a KN a segment: merge what every KN log holds
+    /// so far (open segments stay open; the merge stops at each log's valid end, so KNs go on
+    /// appending), then run garbage collection, so the deletes and overwrites just logged give
+    /// their space back.
+    fn reclaim_for_allocation(&self) {
+        for (log, chain) in self.segments.chains() {
+            if log.kn == CLEANER_KN {
+                continue;
+            }
+            let _merging = chain.merging.lock();
+            if let Err(e) = self.merger.merge_chain(log, &chain, MergeMode::All) {
+                tracing::warn!(kn = log.kn, error = %e, "merging to make room failed");
+            }
+        }
+        for _ in 0..3 {
+            match self.gc.run_once() {
+                Ok(r) if r.freed > 0 || r.cleaned > 0 => continue,
+                Ok(_) => break,
+                Err(e) => {
+                    tracing::warn!(error = %e, "collecting to make room failed");
+                    break;
+                }
+            }
+        }
+        metrics::counter!("dinomo_dpm_full_pool_reclaims_total").increment(1);
+    }
+
+    /// Segments the index may need to index every log segment not merged yet (and the one
+    /// being allocated, if it will hold puts): their bytes times the index bytes per live log
+    /// byte seen so far (bounded, see below), less the index space allocated but
+    /// unused, plus one for chunk granularity (0 when the unused space covers it). Log admission keeps that many free, so merges
+    /// never stall on a full pool.
+    fn index_need_segments(&self, with_new_puts: bool) -> u64 {
+        let seg = self.pool.superblock().segment_size;
+        let (used, spare) = self.index.usage();
+        let live = self.segments.total_live_bytes();
+        // The ratio seen so far, but never below 0.5 (a workload that turns to small entries
+        // after large ones needs far more index per log byte than its history says; small
+        // entries cost about 0.75) and never above 1.25 (the smallest entries).
+        let ratio = if live < seg {
+            0.75
+        } else {
+            (used as f64 / live as f64).clamp(0.5, 1.25)
+        };
+        let pending = self.segments.unmerged_log_segments() + u64::from(with_new_puts);
+        if pending == 0 {
+            return 0;
+        }
+        let need = (pending as f64 * seg as f64 * ratio) as u64;
+        if need <= spare {
+            return 0;
+        }
+        (need - spare).div_ceil(seg) + 1
     }
 
     /// Marks a segment sealed and wakes the merge workers; returns how many segments of this
@@ -415,14 +528,16 @@ impl Dpm {
             self.pool.region().persist(off, 8)?;
             return Ok(off);
         }
-        let off = heap_alloc(&self.pool, 64)?;
+        let off = self.cells.allocate(key)?;
         self.pool
             .region()
             .word(off)?
             .store(current, Ordering::Release);
         self.pool.region().persist(off, 8)?;
-        self.meta.update(&[(&name, Some(&off.to_le_bytes()))])?;
-        self.cells.insert(key, off);
+        if let Err(e) = self.meta.update(&[(&name, Some(&off.to_le_bytes()))]) {
+            self.cells.remove(key);
+            return Err(e);
+        }
         metrics::gauge!("dinomo_dpm_indirect_cells").set(self.cells.len() as f64);
         tracing::info!(key = %hex(key), offset = off, "indirect cell installed");
         Ok(off)
@@ -433,8 +548,8 @@ impl Dpm {
         self.cells.get(key)
     }
 
-    /// De-replication: writes the cell's value back into the index, then forgets the cell (its
-    /// 64 bytes of heap are not reused). The caller must have stopped the key's owners and
+    /// De-replication: writes the cell's value back into the index, then frees the cell for
+    /// reuse. The caller must have stopped the key's owners and
     /// merged their logs first, so no later merge can put an older write of the key over it.
     pub fn remove_cell(&self, key: &[u8]) -> Result<bool> {
         let name = format!("cell/{}", hex(key));
@@ -442,6 +557,7 @@ impl Dpm {
             return Ok(false);
         };
         let hash = dinomo_layout::key_hash(key);
+        let _accounting = self.segments.accounting_guard();
         let target = Cells::current(&self.pool, off);
         let is_put = match target {
             Some(ptr) => {
@@ -467,15 +583,16 @@ impl Dpm {
                     None
                 } else {
                     let old = self.index.upsert(key, hash, ptr)?;
-                    self.segments.add_live(ptr, 1)?;
+                    self.segments.add_live(ptr, 1);
                     old
                 }
             }
             _ => self.index.remove(key, hash)?,
         };
         if let Some(old) = old {
-            self.segments.add_live(old, -1)?;
+            self.segments.add_live(old, -1);
         }
+        self.segments.verify(&self.index, "a cell removal")?;
         // The index now holds the value (and pins its segment through the live bytes).
         self.meta.update(&[(&name, None)])?;
         self.cells.remove(key);
@@ -504,6 +621,9 @@ impl Dpm {
             index_items: self.index.items(),
             index_buckets: self.index.bucket_count(),
             index_resizes: self.index.resizes(),
+            index_space: self.index.space(),
+            segments_reserved: self.segments.reserves().total(),
+            live_log_bytes: self.segments.total_live_bytes(),
             entries_merged: self.merger.entries_merged(),
             pending_segments: self
                 .segments
@@ -515,6 +635,24 @@ impl Dpm {
                     m
                 }),
         }
+    }
+
+    /// Recounts the live bytes of every segment from the index and compares them with the
+    /// counters the merges, the cleaner and cell removal keep. Exact only while no merge, GC
+    /// pass or cell removal runs, unless `verify_accounting` is on (then it takes their lock). `Err` names the first segments
+    /// that differ. Tests call it after merges; `verify_accounting` makes every merge call it.
+    pub fn check_accounting(&self) -> std::result::Result<(), String> {
+        let _guard = self.segments.accounting_guard();
+        match self.segments.diff(&self.index) {
+            Ok(None) => Ok(()),
+            Ok(Some(diff)) => Err(diff),
+            Err(e) => Err(e.to_string()),
+        }
+    }
+
+    /// Mismatches the `verify_accounting` check has found (tests assert 0).
+    pub fn accounting_mismatches(&self) -> u64 {
+        self.segments.accounting_mismatches()
     }
 
     /// Stops the background threads (the pool stays consistent whether or not this runs).

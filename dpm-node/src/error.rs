@@ -13,10 +13,21 @@ pub enum DpmError {
     Layout { path: String, source: LayoutError },
     #[error(transparent)]
     Fabric(#[from] FabricError),
-    #[error("no free log segment left ({count} segments in the pool, all in use)")]
-    OutOfSegments { count: u64 },
-    #[error("the index heap is full ({used} of {len} bytes used); format a larger pool or raise index_fraction")]
-    IndexHeapFull { used: u64, len: u64 },
+    /// No free segment for this kind of use: what is full and what to do.
+    #[error(
+        "the pool is full: {free} of {total} segments are free and {kept} are kept in reserve \
+         (for the cleaner, index growth and deletes), so a {tier:?} allocation is refused; \
+         delete or overwrite keys to free space (the cleaner compacts what they leave), or \
+         move the data to a larger pool"
+    )]
+    PoolFull {
+        free: u64,
+        total: u64,
+        kept: u64,
+        tier: crate::segments::Tier,
+    },
+    #[error("all {cells} indirect cells of the pool are in use; de-replicate a key first")]
+    CellsFull { cells: u64 },
     #[error("KN {kn} is not registered")]
     UnknownKn { kn: u32 },
     #[error("KN {kn} epoch {epoch} is fenced (the DPM accepts epoch {fence} or later)")]
@@ -27,6 +38,9 @@ pub enum DpmError {
     BadSegment { segment: u64, detail: String },
     #[error("metadata of {len} bytes does not fit the {cap}-byte metadata area")]
     MetadataTooLarge { len: usize, cap: usize },
+    /// The `verify_accounting` debug check found counters that differ from a recount.
+    #[error("live-byte accounting differs from the index: {0}")]
+    Accounting(String),
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
     #[error("configuration: {0}")]

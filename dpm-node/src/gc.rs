@@ -1,8 +1,8 @@
 //! Garbage collection of log segments.
 //!
 //! - A merged segment with no live byte (no index slot points into it) is freed.
-//! - A merged segment whose live bytes are below `clean_threshold` of its written bytes is
-//!   cleaned: its live entries are copied, as one checksummed batch, into a segment the cleaner
+//! - A merged segment whose live bytes are below `clean_threshold` of its written bytes (below
+//!   90% when the pool is nearly full) is cleaned, sparsest first: its live entries are copied, as one checksummed batch, into a segment the cleaner
 //!   owns, and each index slot is moved from the old copy to the new one only if it still points
 //!   at the old copy (a merge may have replaced it meanwhile). The old segment then has no live
 //!   byte and is freed by a later pass.
@@ -12,6 +12,9 @@
 //! Crash safety: the copy is persisted before any slot points at it; a crash mid-clean leaves
 //! unreferenced copies (dead bytes in the cleaner's segment) and the old entries still indexed.
 //! At open, the cleaner's open segment is marked merged (see Dpm::open).
+//!
+//! Space: the cleaner allocates with [`Tier::Cleaner`], which may take the last free segments
+//! (KNs and index growth leave it a reserve), so compaction can always make progress.
 
 use std::sync::Arc;
 
@@ -24,7 +27,11 @@ use crate::cells::Cells;
 use crate::error::Result;
 use crate::index::Index;
 use crate::pool::Pool;
-use crate::segments::{Progress, SegmentGrant, Segments, CLEANER_LOG};
+use crate::segments::{Progress, SegmentGrant, Segments, Tier, CLEANER_LOG};
+
+/// Under space pressure, clean any merged segment less live than this (cleaning a segment
+/// that is 90% live gains 10% of a segment for a segment's worth of copying).
+const PRESSURE_CLEAN_THRESHOLD: f64 = 0.9;
 
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub struct GcReport {
@@ -49,6 +56,9 @@ pub struct Gc {
     /// Clean merged segments whose live bytes are below this fraction of their written bytes.
     clean_threshold: f64,
     target: Mutex<Option<Target>>,
+    /// One pass at a time (the GC thread, or a full pool's allocation making room): two passes
+    /// would both free the same dead segment.
+    pass: Mutex<()>,
 }
 
 impl Gc {
@@ -66,13 +76,20 @@ impl Gc {
             cells,
             clean_threshold,
             target: Mutex::new(None),
+            pass: Mutex::new(()),
         }
     }
 
-    /// One pass over the segment table.
+    /// One pass over the segment table: frees dead segments, then cleans sparse ones, the
+    /// sparsest first. When free segments run short (the pool is nearly full), every merged
+    /// segment that is not nearly all live is a candidate, so deletes and overwrites give
+    /// space back even when they leave segments half full. A segment that fails to clean is
+    /// logged and skipped; the pass goes on with the others.
     pub fn run_once(&self) -> Result<GcReport> {
+        let _pass = self.pass.lock();
         let mut report = GcReport::default();
         let current_target = self.target.lock().as_ref().map(|t| t.grant.segment_id);
+        let mut sparse = Vec::new();
         for id in 0..self.segments.count() {
             if Some(id) == current_target {
                 continue;
@@ -92,14 +109,49 @@ impl Gc {
             }
             let written = u64::from(Progress::from_word(e.merged_upto).offset)
                 .saturating_sub(HEADER_SIZE as u64);
-            if self.clean_threshold > 0.0 && (live as f64) < written as f64 * self.clean_threshold {
-                report.moved_entries += self.clean(id)?;
-                report.cleaned += 1;
+            if written > 0 {
+                sparse.push((live as f64 / written as f64, id));
+            }
+        }
+        let threshold = if self.under_pressure() {
+            PRESSURE_CLEAN_THRESHOLD.max(self.clean_threshold)
+        } else {
+            self.clean_threshold
+        };
+        sparse.retain(|&(ratio, _)| threshold > 0.0 && ratio < threshold);
+        sparse.sort_by(|a, b| a.0.total_cmp(&b.0));
+        for (_, id) in sparse {
+            let cleaned = {
+                let _accounting = self.segments.accounting_guard();
+                self.clean(id).and_then(|moved| {
+                    self.segments
+                        .verify(&self.index, "cleaning")
+                        .map(|()| moved)
+                })
+            };
+            match cleaned {
+                Ok(moved) => {
+                    report.moved_entries += moved;
+                    report.cleaned += 1;
+                }
+                Err(e) => {
+                    metrics::counter!("dinomo_dpm_gc_clean_errors_total").increment(1);
+                    tracing::warn!(segment = id, error = %e, "cleaning a segment failed; skipping it this pass");
+                    if matches!(e, crate::error::DpmError::PoolFull { .. }) {
+                        break; // no target segment: nothing else can be cleaned either
+                    }
+                }
             }
         }
         metrics::counter!("dinomo_dpm_gc_freed_segments_total").increment(report.freed);
         metrics::counter!("dinomo_dpm_gc_cleaned_segments_total").increment(report.cleaned);
         Ok(report)
+    }
+
+    /// Free segments are no more than the reserves plus a small margin.
+    fn under_pressure(&self) -> bool {
+        let margin = (self.segments.count() / 16).max(2);
+        (self.segments.free_count() as u64) <= self.segments.reserves().total() + margin
     }
 
     /// Copies the live entries of merged segment `id` to the cleaner's segment.
@@ -171,8 +223,8 @@ impl Gc {
             for ((old, hash, _), off) in chunk.iter().zip(offsets) {
                 let new = EntryPtr::new(base + off as u64, old.len as usize);
                 if self.index.replace_if(*hash, *old, new)? {
-                    self.segments.add_live(new, 1)?;
-                    self.segments.add_live(*old, -1)?;
+                    self.segments.add_live(new, 1);
+                    self.segments.add_live(*old, -1);
                     moved += 1;
                 }
             }
@@ -194,7 +246,7 @@ impl Gc {
             chain.state.lock().pending.remove(&t.grant.chain_seq);
         }
         if guard.is_none() {
-            let grant = self.segments.allocate(CLEANER_LOG, 0)?;
+            let grant = self.segments.allocate(CLEANER_LOG, 0, Tier::Cleaner)?;
             *guard = Some(Target {
                 grant,
                 pos: grant.first_batch,

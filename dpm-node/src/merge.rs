@@ -11,9 +11,10 @@
 //! Ownership partitioning means two KNs never log the same key, so order across logs does not
 //! matter.
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use dinomo_layout::index::EntryPtr;
 use dinomo_layout::log::{entry_len, scan, LogOp};
@@ -59,6 +60,10 @@ impl MergeReport {
     }
 }
 
+/// First and longest pause before a background worker retries a log whose merge failed.
+const RETRY_FIRST: Duration = Duration::from_millis(50);
+const RETRY_MAX: Duration = Duration::from_secs(5);
+
 #[derive(Debug)]
 pub struct Merger {
     pool: Arc<Pool>,
@@ -66,6 +71,10 @@ pub struct Merger {
     segments: Arc<Segments>,
     entries_total: AtomicU64,
     wake: (Mutex<bool>, Condvar),
+    /// Logs whose last background merge failed: when to try again and the pause after that,
+    /// so a merge that cannot progress (say, no space for index buckets) neither spins nor
+    /// floods the log.
+    retry: Mutex<HashMap<LogId, (Instant, Duration)>>,
 }
 
 impl Merger {
@@ -76,6 +85,7 @@ impl Merger {
             segments,
             entries_total: AtomicU64::new(0),
             wake: (Mutex::new(false), Condvar::new()),
+            retry: Mutex::new(HashMap::new()),
         }
     }
 
@@ -113,21 +123,33 @@ impl Merger {
         let progress = Progress::from_word(entry.merged_upto);
         let mut s = scan(view, progress.offset as usize, progress.chain);
         let mut report = MergeReport::default();
+        // A batch in a sealed segment was persisted before its KN sealed it. In a segment
+        // still open, the KN may be between storing a batch and persisting it (a batch is
+        // visible, checksums and all, before it is durable): persist it before indexing it,
+        // so the index never points at bytes a power failure could take back.
+        let open = entry.state == SegState::Open;
         for batch in s.by_ref() {
+            if open {
+                self.pool
+                    .region()
+                    .persist(seg_off + batch.offset as u64, batch.len as u64)?;
+            }
             for (at, e) in &batch.entries {
                 let ptr =
                     EntryPtr::new(seg_off + *at as u64, entry_len(e.key.len(), e.value.len()));
                 let hash = dinomo_layout::key_hash(e.key);
+                // The index changes first and either fully or not at all; the accounting that
+                // follows cannot fail, so a failed merge leaves the counters matching the index.
                 let old = match e.op {
                     LogOp::Put => {
                         let old = self.index.upsert(e.key, hash, ptr)?;
-                        self.segments.add_live(ptr, 1)?;
+                        self.segments.add_live(ptr, 1);
                         old
                     }
                     LogOp::Delete => self.index.remove(e.key, hash)?,
                 };
                 if let Some(old) = old {
-                    self.segments.add_live(old, -1)?;
+                    self.segments.add_live(old, -1);
                 }
             }
             report.batches += 1;
@@ -163,6 +185,19 @@ impl Merger {
     ) -> Result<MergeReport> {
         let kn = log.kn;
         let mut report = MergeReport::default();
+        let _accounting = self.segments.accounting_guard();
+        let result = self.merge_chain_locked(kn, chain, mode, &mut report);
+        self.segments.verify(&self.index, "a merge")?;
+        result.map(|()| report)
+    }
+
+    fn merge_chain_locked(
+        &self,
+        kn: u32,
+        chain: &ChainHandle,
+        mode: MergeMode,
+        report: &mut MergeReport,
+    ) -> Result<()> {
         let pending: Vec<(u64, u64)> = chain
             .state
             .lock()
@@ -200,7 +235,7 @@ impl Merger {
                 metrics::counter!("dinomo_dpm_merged_segments_total").increment(1);
             }
         }
-        Ok(report)
+        Ok(())
     }
 
     /// Synchronous MergeAll for one KN: every one of its logs.
@@ -237,12 +272,30 @@ impl Merger {
             {
                 continue;
             }
+            if self
+                .retry
+                .lock()
+                .get(&log)
+                .is_some_and(|(at, _)| Instant::now() < *at)
+            {
+                continue;
+            }
             let kn = log.kn;
             match self.merge_chain(log, &chain, MergeMode::Sealed) {
-                Ok(r) => merged += r.entries.max(r.segments),
+                Ok(r) => {
+                    merged += r.entries.max(r.segments);
+                    if self.retry.lock().remove(&log).is_some() {
+                        tracing::info!(kn, stream = log.stream, "merging a KN log works again");
+                    }
+                }
                 Err(e) => {
                     metrics::counter!("dinomo_dpm_merge_errors_total").increment(1);
-                    tracing::error!(kn, error = %e, "merging a KN log failed; will retry");
+                    let mut retry = self.retry.lock();
+                    let pause = retry
+                        .get(&log)
+                        .map_or(RETRY_FIRST, |(_, p)| (*p * 2).min(RETRY_MAX));
+                    retry.insert(log, (Instant::now() + pause, pause));
+                    tracing::error!(kn, stream = log.stream, error = %e, retry_in = ?pause, "merging a KN log failed");
                 }
             }
         }

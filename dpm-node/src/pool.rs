@@ -10,7 +10,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use dinomo_fabric::{Durability, DurabilityRequest, PmRegion};
-use dinomo_layout::meta::Roots;
 use dinomo_layout::segment::{TableEntry, TABLE_ENTRY_SIZE};
 use dinomo_layout::superblock::{Superblock, SUPERBLOCK_SIZE};
 
@@ -22,7 +21,8 @@ pub struct FormatOptions {
     pub pool_len: u64,
     pub segment_size: u64,
     pub metadata_len: u64,
-    pub index_fraction: f64,
+    /// Indirect cells (replicated hot keys) the pool can hold at once.
+    pub max_cells: u64,
 }
 
 impl Default for FormatOptions {
@@ -31,7 +31,7 @@ impl Default for FormatOptions {
             pool_len: 1 << 30,
             segment_size: 8 << 20,
             metadata_len: 1 << 20,
-            index_fraction: 0.125,
+            max_cells: 4096,
         }
     }
 }
@@ -54,7 +54,7 @@ impl Pool {
             opts.pool_len,
             opts.segment_size,
             opts.metadata_len,
-            opts.index_fraction,
+            opts.max_cells,
         )
         .map_err(|source| DpmError::Layout {
             path: path.display().to_string(),
@@ -66,13 +66,9 @@ impl Pool {
             .map(|d| d.as_secs())
             .unwrap_or(0);
         let region = Arc::new(PmRegion::create(path, opts.pool_len, durability)?);
-        // A fresh file is zero-filled: free segment-table entries, empty metadata slots and zero
-        // roots are all encoded as zeros. The heap starts empty; the index table is created by
-        // the index module on first open.
-        region
-            .word(sb.roots_off + Roots::HEAP_NEXT)?
-            .store(sb.index_heap_off, Ordering::Release);
-        region.persist(sb.roots_off, dinomo_layout::meta::ROOTS_SIZE)?;
+        // A fresh file is zero-filled: free segment-table entries, empty metadata slots, zero
+        // roots, an empty chunk directory and free cells are all encoded as zeros. The index
+        // is created by the index module on first open.
         region.write_durable(0, &sb.encode())?;
         Ok(Pool { region, sb })
     }

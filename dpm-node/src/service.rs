@@ -26,8 +26,8 @@ pub fn to_status(e: DpmError) -> Status {
         DpmError::KnOutOfRange { .. }
         | DpmError::InvalidArgument(_)
         | DpmError::BadSegment { .. } => Status::invalid_argument(msg),
-        DpmError::OutOfSegments { .. }
-        | DpmError::IndexHeapFull { .. }
+        DpmError::PoolFull { .. }
+        | DpmError::CellsFull { .. }
         | DpmError::MetadataTooLarge { .. } => Status::resource_exhausted(msg),
         _ => Status::internal(msg),
     }
@@ -100,7 +100,7 @@ impl DpmService for DpmGrpc {
             Status::invalid_argument(format!("stream {} is out of range (0..65536)", r.stream))
         })?;
         let g = self
-            .blocking(move |d| d.allocate_segment(r.kn_id, stream, r.epoch))
+            .blocking(move |d| d.allocate_segment(r.kn_id, stream, r.epoch, r.deletes_only))
             .await?;
         Ok(Response::new(pb::AllocateSegmentResponse {
             segment_id: g.segment_id,
@@ -230,6 +230,11 @@ impl DpmService for DpmGrpc {
             entries_merged: s.entries_merged,
             pending_segments: s.pending_segments.into_iter().collect(),
             durability: self.dpm.pool().durability().to_string(),
+            pool_bytes: self.dpm.pool().superblock().pool_len,
+            segment_size: self.dpm.pool().superblock().segment_size,
+            live_log_bytes: s.live_log_bytes,
+            index_bytes: s.index_space.bytes,
+            segments_reserved: s.segments_reserved,
         }))
     }
 }

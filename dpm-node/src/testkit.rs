@@ -33,7 +33,7 @@ pub struct LocalSource {
 #[async_trait]
 impl SegmentSource for LocalSource {
     async fn allocate(&self) -> Result<SegmentGrant> {
-        self.dpm.allocate_segment(self.kn, 0, self.epoch)
+        self.dpm.allocate_segment(self.kn, 0, self.epoch, false)
     }
     async fn seal(&self, segment: u64) -> Result<u64> {
         self.dpm.seal_segment(self.kn, self.epoch, segment)
@@ -139,6 +139,7 @@ impl SegmentSource for GrpcSource {
                 kn_id: self.kn,
                 epoch: self.epoch,
                 stream: 0,
+                deletes_only: false,
             })
             .await
             .map_err(status)?

@@ -25,6 +25,8 @@ fn config(
         metrics_listen: String::new(),
         initial_index_buckets: 64,
         gc_interval_ms: 10,
+        // Every merge, clean and cell removal in these tests is checked against a recount.
+        verify_accounting: true,
         ..Default::default()
     };
     f(&mut c);
@@ -243,7 +245,7 @@ async fn fenced_kn_loses_fabric_access_and_control_calls() {
     let err = w.append(&[put("f", "2", 2)]).await.unwrap_err();
     assert!(matches!(err, DpmError::Fabric(_)), "{err}");
     assert!(matches!(
-        dpm.allocate_segment(6, 0, 1),
+        dpm.allocate_segment(6, 0, 1, false),
         Err(DpmError::Fenced { .. })
     ));
     dpm.merge_all(6, true).unwrap();
@@ -278,7 +280,7 @@ async fn restart_keeps_index_metadata_cells_and_fences() {
     assert_eq!(value(&dpm, "p").as_deref(), Some("persisted"));
     assert_eq!(dpm.get_metadata("cluster/map").as_deref(), Some(&b"v2"[..]));
     assert!(matches!(
-        dpm.allocate_segment(7, 0, 1),
+        dpm.allocate_segment(7, 0, 1, false),
         Err(DpmError::Fenced { .. })
     ));
     let cell = dpm.install_cell(b"p").unwrap();
@@ -333,7 +335,8 @@ fn bad_pools_are_refused_with_clear_errors() {
     bytes[8..12].copy_from_slice(&99u32.to_le_bytes());
     std::fs::write(&path, &bytes).unwrap();
     let e = open();
-    assert!(e.contains("version 99") && e.contains("version 1"), "{e}");
+    let reads = format!("reads version {}", dinomo_layout::FORMAT_VERSION);
+    assert!(e.contains("version 99") && e.contains(&reads), "{e}");
 
     std::fs::write(&path, &pristine).unwrap();
     Dpm::open(cfg.clone()).expect("the undamaged pool opens");
@@ -408,5 +411,269 @@ async fn a_cell_pins_its_segment_and_its_removal_writes_the_value_back() {
     assert_ne!(
         dpm.pool().read_table_entry(seg).unwrap().state,
         SegState::Free
+    );
+}
+
+/// A segment source whose segments hold deletes only (they may come from the delete reserve),
+/// on log `stream` of the KN.
+struct DeletesSource(LocalSource, u16);
+
+#[async_trait::async_trait]
+impl dinomo_dpm_node::testkit::SegmentSource for DeletesSource {
+    async fn allocate(&self) -> dinomo_dpm_node::Result<dinomo_dpm_node::segments::SegmentGrant> {
+        self.0
+            .dpm
+            .allocate_segment(self.0.kn, self.1, self.0.epoch, true)
+    }
+    async fn seal(&self, segment: u64) -> dinomo_dpm_node::Result<u64> {
+        self.0.seal(segment).await
+    }
+}
+
+/// Appends batches of 24-byte keys with `value_len`-byte values until the pool refuses a
+/// segment even after merging and a GC pass (the background GC's job, done here in step);
+/// returns the keys acknowledged.
+async fn fill(
+    dpm: &Dpm,
+    kn: u32,
+    w: &mut Writer,
+    prefix: &str,
+    value_len: usize,
+    version: &mut u64,
+) -> (Vec<String>, String) {
+    let mut acked = Vec::new();
+    let value = "v".repeat(value_len);
+    // Batches of at most ~16 KiB, so a batch always fits a 64 KiB segment.
+    let per_batch = (16384 / (value_len + 64)).max(1);
+    loop {
+        let keys: Vec<String> = (0..per_batch)
+            .map(|i| format!("{prefix}{:0>20}", acked.len() + i))
+            .collect();
+        let batch: Vec<_> = keys
+            .iter()
+            .map(|k| {
+                *version += 1;
+                put(k, &value, *version)
+            })
+            .collect();
+        match w.append(&batch).await {
+            Ok(_) => acked.extend(keys),
+            Err(full @ DpmError::PoolFull { .. }) => {
+                dpm.merge_all(kn, false).unwrap();
+                let mut freed = 0;
+                for _ in 0..50 {
+                    let r = dpm.gc().run_once().unwrap();
+                    freed += r.freed;
+                    if r.freed == 0 && r.cleaned == 0 {
+                        break;
+                    }
+                }
+                if freed == 0 {
+                    return (acked, full.to_string());
+                }
+            }
+            Err(e) => panic!("unexpected error while filling: {e}"),
+        }
+    }
+}
+
+/// Issue 9: the pool fills with data, not with index. 24-byte keys and 8-byte values (where the
+/// index weighs most) fill at least half the pool with live log bytes before the first refusal;
+/// full is a clean state (a clear error, restart works, every acknowledged key is there, the
+/// counters match a recount); deletes give the space back.
+#[tokio::test]
+async fn small_values_fill_half_the_pool_and_full_is_recoverable() {
+    fill_delete_refill(8, 0.5).await;
+}
+
+/// The same with 1 KiB values: at least 80% of the pool holds live log bytes.
+#[tokio::test]
+async fn large_values_fill_four_fifths_of_the_pool() {
+    fill_delete_refill(1024, 0.8).await;
+}
+
+/// A 16 MiB pool of 64 KiB segments whose GC passes only when a test asks. Accounting is
+/// checked at the end of each phase (check_accounting) rather than after each of the hundreds
+/// of merges over an index of up to 160k keys.
+fn small_full_pool_config(dir: &std::path::Path) -> dinomo_dpm_node::config::DpmConfig {
+    config(dir, |c| {
+        c.pool_size = "16MiB".into();
+        c.segment_size = "64KiB".into();
+        c.metadata_size = "64KiB".into();
+        c.max_indirect_cells = 64;
+        c.gc_interval_ms = 1_000_000;
+        c.verify_accounting = false;
+    })
+}
+
+async fn fill_delete_refill(value_len: usize, min_ratio: f64) {
+    let v = "v".repeat(value_len);
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = small_full_pool_config(dir.path());
+    let pool_len = 16u64 << 20;
+    let mut version = 0;
+    let acked = {
+        let dpm = Dpm::open(cfg.clone()).unwrap();
+        let mut w = writer(&dpm, 1);
+        let (acked, err) = fill(&dpm, 1, &mut w, "a", value_len, &mut version).await;
+        assert!(
+            err.contains("the pool is full") && err.contains("delete"),
+            "the refusal says what is full and what to do: {err}"
+        );
+        dpm.merge_all(1, true).unwrap();
+        let s = dpm.stats();
+        let ratio = s.live_log_bytes as f64 / pool_len as f64;
+        println!(
+            "filled: {} keys, live log {} bytes = {:.3} of the pool, index {} bytes = {:.1} B/key ({} buckets, {} splits), {} of {} segments free, {} reserved",
+            acked.len(),
+            s.live_log_bytes,
+            ratio,
+            s.index_space.bytes,
+            s.index_space.bytes as f64 / acked.len() as f64,
+            s.index_space.buckets,
+            s.index_resizes,
+            s.segments_free,
+            s.segments_total,
+            s.segments_reserved,
+        );
+        assert!(
+            ratio >= min_ratio,
+            "live log bytes are only {ratio:.3} of the pool"
+        );
+        assert_eq!(s.index_items, acked.len() as u64);
+        dpm.check_accounting().unwrap();
+        acked
+    };
+    // Restart on a full pool: every acknowledged key is there.
+    let dpm = Dpm::open(cfg.clone()).unwrap();
+    dpm.check_accounting().unwrap();
+    for k in &acked {
+        assert_eq!(value(&dpm, k).as_deref(), Some(v.as_str()), "{k}");
+    }
+    // Deletes are accepted on a full pool (from the delete reserve) and give space back.
+    let reg = dpm.register_kn(Some(1), "test").unwrap();
+    let fabric =
+        ShmFabric::connect(&dpm.config.pool_path, reg.key, DurabilityRequest::Auto).unwrap();
+    let mut d = LogWriter::new(
+        Faulty::new(fabric),
+        DeletesSource(
+            LocalSource {
+                dpm: dpm.clone(),
+                kn: 1,
+                epoch: reg.epoch,
+            },
+            0,
+        ),
+    );
+    let half: Vec<&String> = acked.iter().step_by(2).collect();
+    for chunk in half.chunks(256) {
+        let batch: Vec<_> = chunk
+            .iter()
+            .map(|k| {
+                version += 1;
+                del(k, version)
+            })
+            .collect();
+        d.append(&batch)
+            .await
+            .expect("deletes are accepted on a full pool");
+        // Merging as it goes frees the segments the deletes empty.
+        dpm.merge_all(1, false).unwrap();
+        dpm.gc().run_once().unwrap();
+    }
+    d.seal().await.unwrap();
+    dpm.merge_all(1, true).unwrap();
+    let free_before = dpm.stats().segments_free;
+    for _ in 0..4 {
+        dpm.gc().run_once().unwrap();
+    }
+    dpm.check_accounting().unwrap();
+    let free_after = dpm.stats().segments_free;
+    println!("after deleting half: {free_before} then {free_after} segments free");
+    let mut w = writer(&dpm, 2);
+    let (again, _) = fill(&dpm, 2, &mut w, "b", value_len, &mut version).await;
+    dpm.merge_all(2, true).unwrap();
+    dpm.check_accounting().unwrap();
+    println!(
+        "loaded {} new keys into the space the deletes freed",
+        again.len()
+    );
+    assert!(
+        again.len() >= half.len() * 2 / 3,
+        "only {} new keys fit after deleting {} of {}",
+        again.len(),
+        half.len(),
+        acked.len()
+    );
+    for (i, k) in acked.iter().enumerate() {
+        let want = (i % 2 == 1).then_some(v.as_str());
+        assert_eq!(value(&dpm, k).as_deref(), want, "{k}");
+    }
+    for k in &again {
+        assert_eq!(value(&dpm, k).as_deref(), Some(v.as_str()), "{k}");
+    }
+}
+
+/// Deletes on a full pool succeed even when nothing merges or collects on its own (GC thread
+/// idle), through four logs at once, each of which needs a segment of its own before any
+/// space comes back: a refused allocation merges what the logs hold and collects, again and
+/// again, until the other logs' tombstones have freed whole segments.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn deletes_on_a_full_pool_succeed_through_many_open_logs() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = small_full_pool_config(dir.path());
+    let dpm = Dpm::open(cfg).unwrap();
+    let mut w = writer(&dpm, 1);
+    let mut version = 0;
+    let (acked, _) = fill(&dpm, 1, &mut w, "a", 8, &mut version).await;
+    dpm.merge_all(1, true).unwrap();
+    let reg = dpm.register_kn(Some(2), "deleter").unwrap();
+    let started = Instant::now();
+    let tasks: Vec<_> = (0..4u16)
+        .map(|stream| {
+            let fabric =
+                ShmFabric::connect(&dpm.config.pool_path, reg.key, DurabilityRequest::Auto)
+                    .unwrap();
+            let mut log = LogWriter::new(
+                Faulty::new(fabric),
+                DeletesSource(
+                    LocalSource {
+                        dpm: dpm.clone(),
+                        kn: 2,
+                        epoch: reg.epoch,
+                    },
+                    stream,
+                ),
+            );
+            // Log `stream` deletes every fourth chunk of 200 keys, in load order.
+            let mine: Vec<Vec<String>> = acked
+                .chunks(200)
+                .skip(stream as usize)
+                .step_by(4)
+                .map(|c| c.to_vec())
+                .collect();
+            tokio::spawn(async move {
+                for (i, chunk) in mine.iter().enumerate() {
+                    let batch: Vec<_> = chunk.iter().map(|k| del(k, 1 << 40)).collect();
+                    log.append(&batch).await.unwrap_or_else(|e| {
+                        panic!("log {stream}: delete batch {i} refused on a full pool: {e}")
+                    });
+                }
+                log.seal().await.unwrap();
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await.unwrap();
+    }
+    dpm.merge_all(2, true).unwrap();
+    assert_eq!(dpm.stats().index_items, 0);
+    dpm.check_accounting().unwrap();
+    println!(
+        "deleted {} keys through 4 logs on a full pool in {:?}; {} of {} segments free after",
+        acked.len(),
+        started.elapsed(),
+        dpm.stats().segments_free,
+        dpm.stats().segments_total
     );
 }

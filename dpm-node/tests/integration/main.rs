@@ -3,5 +3,6 @@
 mod crash;
 mod dax;
 mod dpm;
+mod powerloss;
 mod process;
 mod service;

@@ -13,7 +13,8 @@ use dinomo_proto::dpm::dpm_service_client::DpmServiceClient;
 pub struct DpmProcess {
     child: Child,
     pub grpc: SocketAddr,
-    pub fabric: SocketAddr,
+    /// The tcp fabric NIC's address; `None` when the node serves shm (it prints `shm:PATH`).
+    pub fabric: Option<SocketAddr>,
 }
 
 /// Writes a config for a small test pool and returns its path.
@@ -63,14 +64,13 @@ impl DpmProcess {
                     std::fs::read_to_string(log).unwrap_or_default()
                 )
             });
-        let field = |name: &str| -> SocketAddr {
+        let field = |name: &str| -> Option<SocketAddr> {
             line.split_whitespace()
                 .find_map(|w| w.strip_prefix(name))
                 .and_then(|v| v.parse().ok())
-                .unwrap_or_else(|| panic!("bad READY line {line:?}"))
         };
         DpmProcess {
-            grpc: field("grpc="),
+            grpc: field("grpc=").unwrap_or_else(|| panic!("bad READY line {line:?}")),
             fabric: field("fabric="),
             child,
         }

@@ -26,6 +26,7 @@ async fn control_calls_and_their_errors() {
         .into_inner();
     let f = r.fabric.clone().unwrap();
     assert_eq!(f.kind, "shm");
+    assert!(dpm.fabric.is_none(), "a shm dpm-node starts no tcp NIC");
     assert!(
         std::path::Path::new(&f.address).exists(),
         "shm fabric address is the pool path"
@@ -37,6 +38,7 @@ async fn control_calls_and_their_errors() {
             kn_id: r.kn_id,
             epoch: r.epoch,
             stream: 0,
+            deletes_only: false,
         })
         .await
         .unwrap()
@@ -66,6 +68,7 @@ async fn control_calls_and_their_errors() {
             kn_id: 77,
             epoch: 1,
             stream: 0,
+            deletes_only: false,
         })
         .await
         .unwrap_err();
@@ -84,6 +87,7 @@ async fn control_calls_and_their_errors() {
             kn_id: 100_000,
             epoch: 1,
             stream: 0,
+            deletes_only: false,
         })
         .await
         .unwrap_err();
@@ -96,6 +100,7 @@ async fn control_calls_and_their_errors() {
             kn_id: r.kn_id,
             epoch: r.epoch,
             stream: 0,
+            deletes_only: false,
         })
         .await
         .unwrap_err();
