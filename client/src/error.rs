@@ -17,6 +17,11 @@ pub enum ClientError {
     /// died while it was in flight). Read the key to find out.
     #[error("outcome unknown: {0}")]
     OutcomeUnknown(String),
+    /// The cluster's memory pool is full: the write was not applied. The message says what is
+    /// full and what to do (delete or overwrite keys, or use a larger pool); retrying the
+    /// same write right away won't help.
+    #[error("resource exhausted: {0}")]
+    ResourceExhausted(String),
     /// The deadline passed while the cluster was unavailable or reconfiguring.
     #[error("deadline exceeded after {attempts} attempts; last error: {last}")]
     DeadlineExceeded { attempts: u32, last: String },
@@ -33,6 +38,7 @@ impl ClientError {
             Code::AlreadyExists => ClientError::AlreadyExists,
             Code::NotFound => ClientError::NotFound,
             Code::InvalidArgument => ClientError::InvalidArgument(s.message().to_string()),
+            Code::ResourceExhausted => ClientError::ResourceExhausted(s.message().to_string()),
             _ => ClientError::Other(format!("{:?}: {}", s.code(), s.message())),
         }
     }

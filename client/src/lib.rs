@@ -337,6 +337,10 @@ impl Client {
                                 Code::InvalidArgument => {
                                     return Err(ClientError::InvalidArgument(x.message))
                                 }
+                                // Refused before anything was written: final, not retried.
+                                Code::ResourceExhausted => {
+                                    return Err(ClientError::ResourceExhausted(x.message))
+                                }
                                 Code::Unknown if !op.idempotent() => {
                                     return Err(ClientError::OutcomeUnknown(x.message))
                                 }
@@ -348,7 +352,10 @@ impl Client {
                             }
                         }
                         Err(s) if from_kn(&s) => match s.code() {
-                            Code::InvalidArgument | Code::NotFound | Code::AlreadyExists => {
+                            Code::InvalidArgument
+                            | Code::NotFound
+                            | Code::AlreadyExists
+                            | Code::ResourceExhausted => {
                                 return Err(ClientError::from_final_status(&s))
                             }
                             _ => s.message().to_string(),

@@ -97,8 +97,10 @@ impl DpmLink {
         }
     }
 
-    /// The next segment of log `stream` (one log per shard).
-    pub async fn allocate(&self, stream: u16) -> KvResult<Segment> {
+    /// The next segment of log `stream` (one log per shard). `deletes_only`: the shard will
+    /// write only deletes into it (the DPM may grant it from its delete reserve). A full pool
+    /// is [`KvError::ResourceExhausted`], with the DPM's explanation.
+    pub async fn allocate(&self, stream: u16, deletes_only: bool) -> KvResult<Segment> {
         let r = self
             .client
             .clone()
@@ -106,9 +108,15 @@ impl DpmLink {
                 kn_id: self.kn_id,
                 epoch: self.epoch,
                 stream: u32::from(stream),
+                deletes_only,
             })
             .await
-            .map_err(|s| unavailable("allocate", s))?
+            .map_err(|s| match s.code() {
+                tonic::Code::ResourceExhausted => {
+                    KvError::ResourceExhausted(format!("DPM: {}", s.message()))
+                }
+                _ => unavailable("allocate", s),
+            })?
             .into_inner();
         Ok(Segment {
             id: r.segment_id,

@@ -17,6 +17,9 @@ pub enum KvError {
     WrongOwner { kn: u32, map_version: u64 },
     #[error("unavailable: {0}; retry after a backoff")]
     Unavailable(String),
+    /// The DPM's pool is full; the message says what is full and what to do.
+    #[error("resource exhausted: {0}")]
+    ResourceExhausted(String),
     #[error("outcome unknown: {0}; the write may or may not have been applied")]
     OutcomeUnknown(String),
     #[error("internal error: {0}")]
@@ -31,6 +34,7 @@ impl KvError {
             KvError::AlreadyExists => Code::AlreadyExists,
             KvError::WrongOwner { .. } => Code::FailedPrecondition,
             KvError::Unavailable(_) => Code::Unavailable,
+            KvError::ResourceExhausted(_) => Code::ResourceExhausted,
             KvError::OutcomeUnknown(_) => Code::Unknown,
             KvError::Internal(_) => Code::Internal,
         }

@@ -149,6 +149,8 @@ struct OpenSegment {
     seg: Segment,
     pos: u64,
     chain: u32,
+    /// Granted from the DPM's delete reserve (the pool was full): only deletes go into it.
+    deletes_only: bool,
 }
 
 #[derive(Debug)]
@@ -586,7 +588,9 @@ impl Shard {
             return;
         };
         let need = batch.builder.encoded_len() as u64;
-        if let Err(e) = self.make_room(need).await {
+        // A batch of deletes only may use the DPM's delete reserve when the pool is full.
+        let deletes_only = batch.waiters.iter().all(|w| w.value.is_none());
+        if let Err(e) = self.make_room(need, deletes_only).await {
             tracing::warn!(shard = self.id, error = %e, "cannot get log space; failing the batch");
             self.fail_all(batch.waiters, &e);
             return;
@@ -630,9 +634,10 @@ impl Shard {
         });
     }
 
-    async fn make_room(&mut self, need: u64) -> KvResult<()> {
+    async fn make_room(&mut self, need: u64, deletes_only: bool) -> KvResult<()> {
         if let Some(s) = &self.segment {
-            if s.pos + need <= s.seg.len {
+            // Writes other than deletes never go into a segment from the delete reserve.
+            if s.pos + need <= s.seg.len && (deletes_only || !s.deletes_only) {
                 return Ok(());
             }
         }
@@ -645,7 +650,12 @@ impl Shard {
             self.seal(s.seg.id).await;
         }
         self.wait_for_merge().await?;
-        let seg = self.link.allocate(self.id as u16).await?;
+        let (seg, from_reserve) = match self.link.allocate(self.id as u16, false).await {
+            Err(KvError::ResourceExhausted(_)) if deletes_only => {
+                (self.link.allocate(self.id as u16, true).await?, true)
+            }
+            other => (other?, false),
+        };
         if seg.first_batch + need > seg.len {
             return Err(KvError::Internal(format!(
                 "a batch of {need} bytes does not fit a {}-byte segment",
@@ -656,6 +666,7 @@ impl Shard {
             seg,
             pos: seg.first_batch,
             chain: seg.chain_seed,
+            deletes_only: from_reserve,
         });
         Ok(())
     }

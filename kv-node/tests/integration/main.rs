@@ -4,3 +4,4 @@ mod api;
 mod failover;
 mod harness;
 mod model;
+mod remote_index;
