@@ -113,8 +113,20 @@ pub async fn run(a: StatusArgs) -> anyhow::Result<()> {
         Ok(mut d) => {
             let s = d.stats(StatsRequest {}).await?.into_inner();
             println!(
-                "dpm-node {}: {} of {} segments free, {} keys indexed ({} buckets, {} resizes), {} entries merged, pending segments {:?}, durability {}",
-                a.dpm, s.segments_free, s.segments_total, s.index_items, s.index_buckets, s.index_resizes, s.entries_merged, s.pending_segments, s.durability
+                "dpm-node {}: {} of {} segments free ({} kept in reserve), {} keys indexed ({} buckets, {} splits), {} entries merged, pending segments {:?}, durability {}",
+                a.dpm, s.segments_free, s.segments_total, s.segments_reserved, s.index_items, s.index_buckets, s.index_resizes, s.entries_merged, s.pending_segments, s.durability
+            );
+            let share = |b: u64| b as f64 / s.pool_bytes.max(1) as f64 * 100.0;
+            println!(
+                "  space: pool {} MiB; live data {:.1} MiB ({:.1}%); index {:.1} MiB ({:.1}%, {:.1} B/key); free {:.1} MiB ({:.1}%)",
+                s.pool_bytes >> 20,
+                s.live_log_bytes as f64 / 1048576.0,
+                share(s.live_log_bytes),
+                s.index_bytes as f64 / 1048576.0,
+                share(s.index_bytes),
+                s.index_bytes as f64 / s.index_items.max(1) as f64,
+                (s.segments_free * s.segment_size) as f64 / 1048576.0,
+                share(s.segments_free * s.segment_size),
             );
         }
         Err(e) => println!("dpm-node {}: unreachable: {e}", a.dpm),

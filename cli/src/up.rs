@@ -30,6 +30,12 @@ pub struct UpArgs {
     /// Size of a new pool.
     #[arg(long, default_value = "1GiB")]
     pub pool_size: String,
+    /// Log segment size of a new pool (a power of two >= 64KiB). Every KV node shard keeps a
+    /// segment open and the index grows a segment at a time, so a small pool holds more data
+    /// with smaller segments; a value (plus its key) must fit a quarter of a segment, so
+    /// segments below 8MiB need a KV node config with a smaller max_value_bytes.
+    #[arg(long, default_value = "8MiB")]
+    pub segment_size: String,
     /// Shards per KV node.
     #[arg(long, default_value_t = 2)]
     pub shards: u32,
@@ -149,6 +155,8 @@ pub async fn run(a: UpArgs) -> anyhow::Result<()> {
                 a.data_dir.join("dinomo.pool").display().to_string(),
                 "--pool-size".into(),
                 a.pool_size.clone(),
+                "--segment-size".into(),
+                a.segment_size.clone(),
                 "--listen".into(),
                 dpm.clone(),
                 "--fabric-listen".into(),

@@ -62,8 +62,8 @@ use serde::Serialize;
 /// Key size of the workload (the paper's 8-byte keys).
 const KEY_SIZE: usize = 8;
 const METADATA_LEN: u64 = 1 << 20;
-const INDEX_FRACTION: f64 = 0.125;
-/// Resize threshold of the index (items per bucket), to estimate the index heap needed.
+const MAX_CELLS: u64 = 64;
+/// Split threshold of the index (items per bucket), to estimate the index space needed.
 const INDEX_MAX_LOAD: f64 = 2.25;
 const INDEX_BUCKET: u64 = 64;
 /// Longest a merge run may take before the program gives up.
@@ -166,7 +166,7 @@ struct DeferredSeals {
 #[async_trait]
 impl SegmentSource for DeferredSeals {
     async fn allocate(&self) -> dinomo_dpm_node::Result<SegmentGrant> {
-        self.dpm.allocate_segment(self.kn, 0, self.epoch)
+        self.dpm.allocate_segment(self.kn, 0, self.epoch, false)
     }
 
     async fn seal(&self, segment: u64) -> dinomo_dpm_node::Result<u64> {
@@ -432,7 +432,6 @@ fn open_fresh(plan: &PoolPlan, merge_workers: usize) -> Result<Fresh> {
         pool_path: dir.path().join("pool"),
         pool_size: plan.pool_size.to_string(),
         segment_size: plan.segment_size.to_string(),
-        index_fraction: INDEX_FRACTION,
         metadata_size: METADATA_LEN.to_string(),
         durability: plan.durability.clone(),
         merge_workers,
@@ -745,15 +744,17 @@ fn plan_pool(args: &Args, shape: Shape) -> Result<PoolPlan> {
         })
         .sum::<u64>()
         + 4;
-    // Final table plus every smaller one plus overflow buckets, generously.
+    // Home buckets plus overflow buckets, generously; the index lives in segments.
     let final_buckets = ((shape.total as f64 / INDEX_MAX_LOAD) as u64 + 1)
         .next_power_of_two()
         .max(args.initial_buckets.next_power_of_two());
-    let index_needed = 4 * final_buckets * INDEX_BUCKET + (8 << 20);
+    let index_needed = 2 * final_buckets * INDEX_BUCKET + 2 * segment_size;
+    let index_segments = index_needed.div_ceil(segment_size);
     let fits = |len: u64| -> Result<bool> {
-        let sb = Superblock::plan(len, segment_size, METADATA_LEN, INDEX_FRACTION)
+        let sb = Superblock::plan(len, segment_size, METADATA_LEN, MAX_CELLS)
             .map_err(|e| anyhow::anyhow!("pool plan: {e}"))?;
-        Ok(sb.segment_count >= segments_needed && sb.index_heap_len >= index_needed)
+        // A quarter of the segments may be kept in reserve (Reserves::for_pool).
+        Ok(sb.segment_count * 3 / 4 >= segments_needed + index_segments)
     };
     let pool_size = match &args.pool_size {
         Some(s) => {

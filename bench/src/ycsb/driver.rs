@@ -14,7 +14,7 @@
 //! issued to its completion, failures included (a timed-out request did cost that long).
 
 use std::collections::BTreeMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -40,9 +40,9 @@ fn new_histogram() -> Histogram<u64> {
 /// Latencies and errors of one phase (one client's, or merged).
 #[derive(Debug, Clone, Default)]
 pub struct Recorder {
-    hist: [Option<Histogram<u64>>; 4],
-    ops: [u64; 4],
-    errors_by_op: [u64; 4],
+    hist: [Option<Histogram<u64>>; OpKind::ALL.len()],
+    ops: [u64; OpKind::ALL.len()],
+    errors_by_op: [u64; OpKind::ALL.len()],
     errors: BTreeMap<String, u64>,
     examples: BTreeMap<String, String>,
     last_completion: Option<Instant>,
@@ -152,6 +152,8 @@ pub struct PhaseSpec {
     /// Requests in flight per client.
     pub outstanding: usize,
     pub seed: u64,
+    /// Stop issuing at the first `resource_exhausted` error (the cluster's pool is full).
+    pub stop_on_full: bool,
 }
 
 /// What every client of a phase shares.
@@ -164,6 +166,9 @@ pub struct PhaseEnv {
     pub chooser: KeyChooser,
     /// Advanced by one per completed operation (the load's progress bar).
     pub progress: Option<ProgressBar>,
+    /// Set when a client saw the pool full and the phase stops on that
+    /// ([`PhaseSpec::stop_on_full`]).
+    pub full: AtomicBool,
 }
 
 /// What a phase measured.
@@ -213,6 +218,7 @@ fn issue(target: Arc<dyn Target>, op: Op, measured: bool) -> BoxFuture<'static, 
             OpKind::Update => target.update(key, value).await,
             OpKind::Insert => target.insert(key, value).await,
             OpKind::ReadModifyWrite => target.read_modify_write(key, value).await,
+            OpKind::Delete => target.delete(key).await,
         };
         let end = Instant::now();
         Done {
@@ -251,6 +257,10 @@ async fn client_loop(
     let mut stopping = false;
     loop {
         while !stopping && inflight.len() < spec.outstanding.max(1) {
+            if env.full.load(Ordering::Relaxed) {
+                stopping = true;
+                break;
+            }
             let now = Instant::now();
             let measured = now >= warmup_end;
             if measured {
@@ -270,7 +280,7 @@ async fn client_loop(
                 _ => chooser.next(&mut rng, env.keyspace.limit()),
             };
             let value = match kind {
-                OpKind::Read => Bytes::new(),
+                OpKind::Read | OpKind::Delete => Bytes::new(),
                 _ => env.values.value(&mut rng),
             };
             let op = Op {
@@ -286,6 +296,11 @@ async fn client_loop(
         };
         if done.kind == OpKind::Insert {
             env.keyspace.complete(done.keynum);
+        }
+        if spec.stop_on_full
+            && matches!(&done.result, Err(e) if e.kind == OpError::RESOURCE_EXHAUSTED)
+        {
+            env.full.store(true, Ordering::Relaxed);
         }
         if done.measured {
             rec.record(done.kind, done.latency, done.result.as_ref().map(|_| ()));
@@ -372,6 +387,36 @@ mod tests {
             d.insert(key, value);
             Ok(())
         }
+        async fn delete(&self, key: Bytes) -> Result<(), OpError> {
+            self.data.lock().unwrap().remove(&key);
+            Ok(())
+        }
+    }
+
+    /// A target that holds at most `cap` keys and then refuses inserts as a full pool does.
+    #[derive(Debug)]
+    struct Small {
+        mem: Memory,
+        cap: usize,
+    }
+
+    #[async_trait]
+    impl Target for Small {
+        async fn get(&self, key: Bytes) -> Result<Option<Bytes>, OpError> {
+            self.mem.get(key).await
+        }
+        async fn update(&self, key: Bytes, value: Bytes) -> Result<(), OpError> {
+            self.mem.update(key, value).await
+        }
+        async fn insert(&self, key: Bytes, value: Bytes) -> Result<(), OpError> {
+            if self.mem.data.lock().unwrap().len() >= self.cap {
+                return Err(OpError::new(OpError::RESOURCE_EXHAUSTED, "full"));
+            }
+            self.mem.insert(key, value).await
+        }
+        async fn delete(&self, key: Bytes) -> Result<(), OpError> {
+            self.mem.delete(key).await
+        }
     }
 
     fn env(records: u64, acked: u64, next: u64) -> Arc<PhaseEnv> {
@@ -384,6 +429,7 @@ mod tests {
                 loaded: records,
             },
             progress: None,
+            full: AtomicBool::new(false),
         })
     }
 
@@ -395,6 +441,7 @@ mod tests {
             warmup: Duration::ZERO,
             outstanding: 4,
             seed: 3,
+            stop_on_full: false,
         }
     }
 
@@ -449,6 +496,47 @@ mod tests {
         .unwrap();
         assert_eq!(run.recorder.errors_of(OpKind::Read), 50);
         assert_eq!(run.recorder.errors_by_kind().get("not_found"), Some(&50));
+    }
+
+    #[tokio::test]
+    async fn a_load_until_full_stops_at_the_first_refusal_and_deletes_make_room() {
+        let small = Arc::new(Small {
+            mem: Memory::default(),
+            cap: 300,
+        });
+        let t: Arc<dyn Target> = small.clone();
+        let mut full_spec = spec(Workload::Load.mix(), 10_000);
+        full_spec.stop_on_full = true;
+        let load = run_phase(
+            std::slice::from_ref(&t),
+            env(10_000, 0, 0),
+            full_spec.clone(),
+            Instant::now(),
+        )
+        .await
+        .unwrap();
+        let r = &load.recorder;
+        assert_eq!(r.ops(OpKind::Insert) - r.errors_of(OpKind::Insert), 300);
+        // Stopped right after the first refusal (the 4 requests in flight may all be refused).
+        assert!(
+            (1..=4).contains(&r.errors_of(OpKind::Insert)),
+            "{:?}",
+            r.errors_by_kind()
+        );
+        let mut delete = env(300, 300, 300);
+        Arc::get_mut(&mut delete).unwrap().chooser = KeyChooser::Sequential {
+            next: Arc::default(),
+        };
+        let del = run_phase(
+            std::slice::from_ref(&t),
+            delete,
+            spec(Workload::Delete.mix(), 150),
+            Instant::now(),
+        )
+        .await
+        .unwrap();
+        assert_eq!(del.recorder.ops(OpKind::Delete), 150);
+        assert_eq!(small.mem.data.lock().unwrap().len(), 150);
     }
 
     #[test]

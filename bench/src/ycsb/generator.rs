@@ -275,6 +275,8 @@ pub enum KeyChooser {
     Zipfian { zipf: Zipfian, loaded: u64 },
     /// Newest keys hottest (zipfian distance back from the newest acknowledged key).
     Latest { zipf: Zipfian },
+    /// Key 0, 1, 2, ... in turn, shared by every client (clones share the counter).
+    Sequential { next: std::sync::Arc<AtomicU64> },
 }
 
 impl KeyChooser {
@@ -293,6 +295,7 @@ impl KeyChooser {
                 }
             }
             KeyChooser::Latest { zipf } => n - 1 - zipf.sample_n(rng, n),
+            KeyChooser::Sequential { next } => next.fetch_add(1, Ordering::Relaxed) % n,
         }
     }
 }
@@ -500,6 +503,21 @@ mod tests {
             assert!(k < 1200);
         }
         assert_eq!(fnv1a64(0) % 1000, hottest);
+    }
+
+    #[test]
+    fn sequential_visits_every_key_once_across_clones() {
+        let a = KeyChooser::Sequential {
+            next: std::sync::Arc::default(),
+        };
+        let (mut a, mut b) = (a.clone(), a);
+        let mut rng = SmallRng::seed_from_u64(1);
+        let mut seen: Vec<u64> = (0..10)
+            .flat_map(|_| [a.next(&mut rng, 20), b.next(&mut rng, 20)])
+            .collect();
+        seen.sort_unstable();
+        assert_eq!(seen, (0..20).collect::<Vec<_>>());
+        assert_eq!(a.next(&mut rng, 20), 0, "wraps around");
     }
 
     #[test]

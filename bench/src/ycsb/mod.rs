@@ -27,6 +27,7 @@ pub mod target;
 pub mod workload;
 
 use std::path::PathBuf;
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -108,6 +109,12 @@ pub struct BenchArgs {
     /// (Dinomo update, SET XX), inserts need it absent (Dinomo insert, SET NX).
     #[arg(long, value_enum, default_value_t = WriteMode::Upsert)]
     pub write_mode: WriteMode,
+
+    /// Stop the run (and the --load phase) at the first RESOURCE_EXHAUSTED, i.e. when the
+    /// cluster's pool is full, instead of counting errors: with --workload load and a large
+    /// --records this measures how many keys the pool holds (the summary's successful inserts).
+    #[arg(long)]
+    pub until_full: bool,
 
     /// Also write the summary as JSON to this file.
     #[arg(long)]
@@ -243,6 +250,9 @@ fn chooser(dist: Distribution, theta: f64, records: u64, acked: u64) -> KeyChoos
         Distribution::Latest => KeyChooser::Latest {
             zipf: Zipfian::new(theta, acked.max(1)),
         },
+        Distribution::Sequential => KeyChooser::Sequential {
+            next: Arc::default(),
+        },
     }
 }
 
@@ -269,6 +279,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
             keyspace: KeySpace::with_next(0, 0),
             chooser: KeyChooser::Uniform,
             progress: Some(progress_bar(args.records)),
+            full: AtomicBool::new(false),
         });
         let spec = PhaseSpec {
             mix: Workload::Load.mix(),
@@ -277,6 +288,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
             warmup: Duration::ZERO,
             outstanding: args.outstanding,
             seed: args.seed ^ 0x4c4f_4144,
+            stop_on_full: args.until_full,
         };
         let out = driver::run_phase(&conns.targets, env.clone(), spec, Instant::now()).await?;
         if let Some(pb) = &env.progress {
@@ -300,6 +312,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
         keyspace: KeySpace::with_next(acked, next_insert),
         chooser: chooser(plan.distribution, args.zipf_theta, args.records, acked),
         progress: None,
+        full: AtomicBool::new(false),
     });
     let spec = PhaseSpec {
         mix: args.workload.mix(),
@@ -308,6 +321,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
         warmup: Duration::from_secs_f64(args.warmup),
         outstanding: args.outstanding,
         seed: args.seed,
+        stop_on_full: args.until_full,
     };
     // Without a warm-up the "before" snapshot is taken before any client starts; with one,
     // at its end while the clients keep running.

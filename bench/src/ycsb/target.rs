@@ -32,6 +32,9 @@ pub struct OpError {
 }
 
 impl OpError {
+    /// The kind of a write refused because the cluster's pool is full.
+    pub const RESOURCE_EXHAUSTED: &'static str = "resource_exhausted";
+
     pub fn new(kind: impl Into<String>, message: impl Into<String>) -> Self {
         OpError {
             kind: kind.into(),
@@ -59,6 +62,7 @@ impl From<ClientError> for OpError {
             ClientError::AlreadyExists => "already_exists",
             ClientError::NotFound => "not_found",
             ClientError::InvalidArgument(_) => "invalid_argument",
+            ClientError::ResourceExhausted(_) => OpError::RESOURCE_EXHAUSTED,
             ClientError::OutcomeUnknown(_) => "outcome_unknown",
             ClientError::DeadlineExceeded { .. } => "deadline_exceeded",
             ClientError::NoMap(_) => "no_map",
@@ -116,6 +120,9 @@ pub trait Target: Send + Sync + fmt::Debug {
 
     /// Writes the value of a new key (see [`WriteMode`]).
     async fn insert(&self, key: Bytes, value: Bytes) -> Result<(), OpError>;
+
+    /// Deletes `key` (a missing key is not an error).
+    async fn delete(&self, key: Bytes) -> Result<(), OpError>;
 
     /// Reads `key`, then writes `value` to it (YCSB F). A missing key fails with `not_found`
     /// and is not written.
@@ -197,6 +204,11 @@ impl Target for DinomoTarget {
         }
         Ok(())
     }
+
+    async fn delete(&self, key: Bytes) -> Result<(), OpError> {
+        self.client.delete(key).await?;
+        Ok(())
+    }
 }
 
 /// Redis (or anything that speaks its protocol) over one multiplexed connection.
@@ -271,6 +283,15 @@ impl Target for RedisTarget {
                 false => Err(OpError::new("already_exists", "the key already exists")),
             },
         }
+    }
+
+    async fn delete(&self, key: Bytes) -> Result<(), OpError> {
+        let mut con = self.con.clone();
+        redis::cmd("DEL")
+            .arg(&key[..])
+            .query_async::<i64>(&mut con)
+            .await?;
+        Ok(())
     }
 }
 

@@ -22,14 +22,16 @@ pub enum OpKind {
     Update,
     Insert,
     ReadModifyWrite,
+    Delete,
 }
 
 impl OpKind {
-    pub const ALL: [OpKind; 4] = [
+    pub const ALL: [OpKind; 5] = [
         OpKind::Read,
         OpKind::Update,
         OpKind::Insert,
         OpKind::ReadModifyWrite,
+        OpKind::Delete,
     ];
 
     /// The label used in tables and JSON ("READ", "UPDATE", "INSERT", "READ-MODIFY-WRITE").
@@ -39,6 +41,7 @@ impl OpKind {
             OpKind::Update => "UPDATE",
             OpKind::Insert => "INSERT",
             OpKind::ReadModifyWrite => "READ-MODIFY-WRITE",
+            OpKind::Delete => "DELETE",
         }
     }
 
@@ -57,6 +60,9 @@ pub enum Distribution {
     Uniform,
     /// Newest keys hottest (zipfian with skew `--zipf-theta` counted back from the newest).
     Latest,
+    /// Every key once, in order (key 0, 1, 2, ... over all clients, wrapping around): with
+    /// `--operations` equal to `--records`, a workload of reads reads back every loaded key.
+    Sequential,
 }
 
 impl Distribution {
@@ -65,6 +71,7 @@ impl Distribution {
             Distribution::Zipfian => "zipfian",
             Distribution::Uniform => "uniform",
             Distribution::Latest => "latest",
+            Distribution::Sequential => "sequential",
         }
     }
 }
@@ -112,6 +119,10 @@ pub enum Workload {
     #[value(name = "read50-insert50")]
     #[serde(rename = "read50-insert50")]
     Read50Insert50,
+    /// Deletes only (of existing keys, chosen like reads): with `--distribution sequential`
+    /// and `--operations`, deletes that many keys from key 0 on, e.g. to free space in a full
+    /// pool.
+    Delete,
 }
 
 /// Proportions of each operation type (they sum to 1).
@@ -121,6 +132,7 @@ pub struct Mix {
     pub update: f64,
     pub insert: f64,
     pub read_modify_write: f64,
+    pub delete: f64,
 }
 
 impl Mix {
@@ -130,6 +142,7 @@ impl Mix {
             update,
             insert,
             read_modify_write,
+            delete: 0.0,
         }
     }
 
@@ -148,11 +161,16 @@ impl Mix {
         if u < acc {
             return OpKind::Insert;
         }
-        if self.read_modify_write > 0.0 {
+        acc += self.read_modify_write;
+        if u < acc {
             return OpKind::ReadModifyWrite;
+        }
+        if self.delete > 0.0 {
+            return OpKind::Delete;
         }
         // Only rounding gets here: fall back to the last type with a share.
         [
+            (self.read_modify_write, OpKind::ReadModifyWrite),
             (self.insert, OpKind::Insert),
             (self.update, OpKind::Update),
             (self.read, OpKind::Read),
@@ -163,7 +181,7 @@ impl Mix {
     }
 
     pub fn total(&self) -> f64 {
-        self.read + self.update + self.insert + self.read_modify_write
+        self.read + self.update + self.insert + self.read_modify_write + self.delete
     }
 
     /// The share of `kind`.
@@ -173,6 +191,7 @@ impl Mix {
             OpKind::Update => self.update,
             OpKind::Insert => self.insert,
             OpKind::ReadModifyWrite => self.read_modify_write,
+            OpKind::Delete => self.delete,
         }
     }
 
@@ -187,6 +206,7 @@ impl Mix {
                     OpKind::Update => "update",
                     OpKind::Insert => "insert",
                     OpKind::ReadModifyWrite => "read-modify-write",
+                    OpKind::Delete => "delete",
                 };
                 format!("{}% {name}", (self.share(*k) * 100.0).round())
             })
@@ -209,6 +229,7 @@ impl Workload {
             Workload::Read50Update50 => "read50-update50",
             Workload::Read95Insert5 => "read95-insert5",
             Workload::Read50Insert50 => "read50-insert50",
+            Workload::Delete => "delete",
         }
     }
 
@@ -221,6 +242,10 @@ impl Workload {
             Workload::D | Workload::Read95Insert5 => Mix::new(0.95, 0.0, 0.05, 0.0),
             Workload::F => Mix::new(0.5, 0.0, 0.0, 0.5),
             Workload::Read50Insert50 => Mix::new(0.5, 0.0, 0.5, 0.0),
+            Workload::Delete => Mix {
+                delete: 1.0,
+                ..Mix::new(0.0, 0.0, 0.0, 0.0)
+            },
         }
     }
 
@@ -376,7 +401,7 @@ mod tests {
         for w in Workload::value_variants() {
             let mix = w.mix();
             assert!((mix.total() - 1.0).abs() < 1e-12, "{}", w.name());
-            let mut c = [0u32; 4];
+            let mut c = [0u32; OpKind::ALL.len()];
             for _ in 0..10_000 {
                 c[mix.pick(&mut rng).index()] += 1;
             }
