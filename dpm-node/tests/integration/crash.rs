@@ -27,6 +27,11 @@ use super::process::{write_config, DpmProcess};
 const KILLS: usize = 50;
 const HOT_KEYS: u64 = 20;
 const KN: u32 = 1;
+/// Bytes of unique-key values written over the whole test, at most: after that the writer
+/// only overwrites hot keys. A fast machine writes more per round; without a bound it fills
+/// the 64 MiB pool, and a full pool is the power-loss test's subject, not this one's.
+/// DINOMO_CRASH_UNIQUE_MIB overrides it (a larger value drives the pool full between kills).
+const UNIQUE_BUDGET_MIB: u64 = 24;
 
 /// What the writer knows.
 #[derive(Debug, Default)]
@@ -46,6 +51,13 @@ struct Ledger {
     batches_acked: u64,
 }
 
+fn env_u64(name: &str, default: u64) -> u64 {
+    std::env::var(name)
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(default)
+}
+
 fn value_for(key: &[u8], version: u64, len: usize) -> Vec<u8> {
     let mut v = format!("{}:{version}:", String::from_utf8_lossy(key)).into_bytes();
     v.resize(len.max(v.len()), b'.');
@@ -60,16 +72,23 @@ fn version_of(value: &[u8]) -> u64 {
         .expect("value carries its version")
 }
 
-async fn register(dpm: &DpmProcess) -> (GrpcSource, AccessKey) {
+async fn register(dpm: &DpmProcess, log: &std::path::Path) -> (GrpcSource, AccessKey) {
     let mut client = dpm.client().await;
-    let r = client
+    let r = match client
         .register_kn(RegisterKnRequest {
             kn_id: Some(KN),
             endpoint: "crash-test".into(),
         })
         .await
-        .expect("register")
-        .into_inner();
+    {
+        Ok(r) => r.into_inner(),
+        Err(e) => {
+            let text = std::fs::read_to_string(log).unwrap_or_default();
+            let tail: Vec<&str> = text.lines().rev().take(60).collect();
+            let tail: Vec<&str> = tail.into_iter().rev().collect();
+            panic!("register: {e}\n--- dpm-node log, last lines ---\n{}", tail.join("\n"));
+        }
+    };
     let f = r.fabric.expect("fabric info");
     assert_eq!(f.kind, "tcp");
     (
@@ -92,20 +111,26 @@ async fn write_until_error(
     mut rng: StdRng,
     next_unique: Arc<std::sync::atomic::AtomicU64>,
     next_version: Arc<std::sync::atomic::AtomicU64>,
+    unique_bytes: Arc<std::sync::atomic::AtomicU64>,
 ) {
     use std::sync::atomic::Ordering::Relaxed;
+    let unique_budget = env_u64("DINOMO_CRASH_UNIQUE_MIB", UNIQUE_BUDGET_MIB) << 20;
     loop {
         let n = rng.random_range(1..=12);
         let mut batch = Vec::with_capacity(n);
         for _ in 0..n {
             let version = next_version.fetch_add(1, Relaxed);
             let len = rng.random_range(16..1500);
-            let key = if rng.random_bool(0.3) {
+            let unique_left = unique_bytes.load(Relaxed) < unique_budget;
+            let key = if !unique_left || rng.random_bool(0.3) {
                 format!("hot{}", rng.random_range(0..HOT_KEYS)).into_bytes()
             } else {
                 format!("u{}", next_unique.fetch_add(1, Relaxed)).into_bytes()
             };
             let value = value_for(&key, version, len);
+            if !key.starts_with(b"hot") {
+                unique_bytes.fetch_add(value.len() as u64, Relaxed);
+            }
             batch.push(LogRecord {
                 op: LogOp::Put,
                 version,
@@ -187,6 +212,8 @@ async fn dpm_killed_50_times_keeps_exactly_the_acknowledged_writes() {
         .unwrap_or_else(rand::random);
     println!("crash test seed {seed} (rerun with DINOMO_CRASH_SEED={seed})");
     let mut rng = StdRng::seed_from_u64(seed);
+    // Longest time a round writes before the kill (DINOMO_CRASH_ROUND_MS; default 80 ms).
+    let round_ms = env_u64("DINOMO_CRASH_ROUND_MS", 80).max(6);
     let dir = tempfile::tempdir().unwrap();
     let cfg = write_config(
         dir.path(),
@@ -196,14 +223,14 @@ async fn dpm_killed_50_times_keeps_exactly_the_acknowledged_writes() {
     let ledger = Arc::new(Mutex::new(Ledger::default()));
     let next_unique = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let next_version = Arc::new(std::sync::atomic::AtomicU64::new(1));
+    let unique_bytes = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let started = Instant::now();
 
     for round in 0..KILLS {
         let mut dpm = DpmProcess::start(&cfg, &log);
-        let (src, key) = register(&dpm).await;
-        let fabric = TcpFabric::connect(dpm.fabric, key)
-            .await
-            .expect("fabric connect");
+        let (src, key) = register(&dpm, &log).await;
+        let nic = dpm.fabric.expect("a tcp dpm-node prints its NIC address");
+        let fabric = TcpFabric::connect(nic, key).await.expect("fabric connect");
         let w = LogWriter::new(Faulty::new(fabric), src);
         let task = tokio::spawn(write_until_error(
             w,
@@ -211,8 +238,9 @@ async fn dpm_killed_50_times_keeps_exactly_the_acknowledged_writes() {
             StdRng::seed_from_u64(rng.random()),
             next_unique.clone(),
             next_version.clone(),
+            unique_bytes.clone(),
         ));
-        tokio::time::sleep(Duration::from_millis(rng.random_range(5..80))).await;
+        tokio::time::sleep(Duration::from_millis(rng.random_range(5..round_ms))).await;
         dpm.kill9();
         tokio::time::timeout(Duration::from_secs(10), task)
             .await
@@ -226,7 +254,7 @@ async fn dpm_killed_50_times_keeps_exactly_the_acknowledged_writes() {
 
     // Final restart: merge everything, stop cleanly, inspect the pool.
     let mut dpm = DpmProcess::start(&cfg, &log);
-    let (src, _) = register(&dpm).await;
+    let (src, _) = register(&dpm, &log).await;
     let merged = src
         .client
         .clone()
