@@ -242,14 +242,7 @@ impl Dpm {
         let mut sessions = self.sessions.lock();
         let kn = match kn_id {
             Some(k) => k,
-            None => (0..Roots::MAX_KNS)
-                .find(|k| {
-                    !sessions.contains_key(k) && self.meta.get(&format!("dpm/kn/{k}")).is_none()
-                })
-                .ok_or(DpmError::KnOutOfRange {
-                    kn: Roots::MAX_KNS,
-                    max: Roots::MAX_KNS,
-                })?,
+            None => self.id_for_endpoint(&sessions, endpoint)?,
         };
         let fence = self.fence_word(kn)?;
         let epoch = self
@@ -287,6 +280,43 @@ impl Dpm {
             segment_size: sb.segment_size,
             index_root: sb.roots_off + Roots::INDEX_TABLE,
         })
+    }
+
+    /// The id of a KN that registers without one. A KN that registered from `endpoint` before
+    /// is the same KN restarted: it gets that id back, so this registration merges what its
+    /// previous incarnation logged (under a new id, its open segments would never be merged and
+    /// it would serve without its own acknowledged writes). Otherwise the lowest id never
+    /// registered. Ids are stable only as long as the address is: orchestrators pass an id.
+    fn id_for_endpoint(&self, sessions: &HashMap<u32, KnSession>, endpoint: &str) -> Result<u32> {
+        // An unspecified address (0.0.0.0, port 0) names no one: several KNs may send it.
+        let specific = endpoint
+            .parse::<std::net::SocketAddr>()
+            .map_or(!endpoint.is_empty(), |a| {
+                !a.ip().is_unspecified() && a.port() != 0
+            });
+        let previous = specific
+            .then(|| {
+                self.meta
+                    .scan("dpm/kn/")
+                    .into_iter()
+                    .filter(|(_, v)| v.as_slice() == endpoint.as_bytes())
+                    .find_map(|(name, _)| name["dpm/kn/".len()..].parse::<u32>().ok())
+            })
+            .flatten();
+        if let Some(kn) = previous {
+            tracing::info!(
+                kn,
+                endpoint,
+                "a KN without an id registers from a known address: same id"
+            );
+            return Ok(kn);
+        }
+        (0..Roots::MAX_KNS)
+            .find(|k| !sessions.contains_key(k) && self.meta.get(&format!("dpm/kn/{k}")).is_none())
+            .ok_or(DpmError::KnOutOfRange {
+                kn: Roots::MAX_KNS,
+                max: Roots::MAX_KNS,
+            })
     }
 
     /// Refuses a KN epoch that has been fenced.

@@ -16,7 +16,7 @@ pub struct Proc {
 }
 
 impl Proc {
-    fn spawn(args: &[&str], log: &Path, field: &str) -> Proc {
+    pub(crate) fn spawn(args: &[&str], log: &Path, field: &str) -> Proc {
         let stderr = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -76,7 +76,7 @@ impl Drop for Proc {
 }
 
 /// A dpm-node (pool in `dir`) and a routing node polling it every 20 ms, on OS-chosen ports.
-fn dpm_and_routing(dir: &Path) -> (Proc, Proc) {
+pub(crate) fn dpm_and_routing(dir: &Path) -> (Proc, Proc) {
     let pool = dir.join("pool");
     let dpm = Proc::spawn(
         &[

@@ -6,3 +6,4 @@
 mod cluster;
 mod e2e;
 mod monitor;
+mod restart;

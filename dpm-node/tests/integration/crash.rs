@@ -86,7 +86,10 @@ async fn register(dpm: &DpmProcess, log: &std::path::Path) -> (GrpcSource, Acces
             let text = std::fs::read_to_string(log).unwrap_or_default();
             let tail: Vec<&str> = text.lines().rev().take(60).collect();
             let tail: Vec<&str> = tail.into_iter().rev().collect();
-            panic!("register: {e}\n--- dpm-node log, last lines ---\n{}", tail.join("\n"));
+            panic!(
+                "register: {e}\n--- dpm-node log, last lines ---\n{}",
+                tail.join("\n")
+            );
         }
     };
     let f = r.fabric.expect("fabric info");
