@@ -11,6 +11,15 @@ pub enum FabricError {
         "access denied: the key for grant slot {slot} is not valid (revoked or never granted)"
     )]
     AccessDenied { slot: u32 },
+    /// The key was revoked while the post was being applied: the caller's own CPU applies shm
+    /// posts and was between its check and the end of the post when the fence came. Its
+    /// operations may or may not have been applied, and the fence (with the merge after it)
+    /// may not have seen them: a WRITE of such a post has an unknown outcome, never "done".
+    #[error(
+        "access revoked during the post (grant slot {slot}): the caller was fenced while its \
+         operations were being applied; they may or may not have taken effect"
+    )]
+    RevokedDuringPost { slot: u32 },
     /// An operation addressed bytes outside the registered region.
     #[error("out of bounds: offset {offset} + len {len} exceeds the region of {region_len} bytes")]
     OutOfBounds {
@@ -43,6 +52,16 @@ impl FabricError {
     /// programming error); false for transport trouble.
     pub fn is_permanent(&self) -> bool {
         !matches!(self, FabricError::Transport(_) | FabricError::Injected(_))
+    }
+
+    /// True when the error proves the caller's key is no longer valid (it was fenced, or the
+    /// memory node restarted), rather than a network problem: the caller must register again.
+    /// A [`FabricError::RevokedDuringPost`] also leaves the post's outcome unknown.
+    pub fn is_revoked(&self) -> bool {
+        matches!(
+            self,
+            FabricError::AccessDenied { .. } | FabricError::RevokedDuringPost { .. }
+        )
     }
 }
 

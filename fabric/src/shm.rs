@@ -1,13 +1,17 @@
 //! The shm backend: the caller maps the pool file itself (MAP_SHARED) and performs the loads,
 //! stores, atomics and persists with its own CPU. Truly one-sided: the memory node's CPU does
-//! nothing. Access is checked against the grant table (also mapped) before every post.
+//! nothing. Access is checked against the grant table (also mapped) before every post, and
+//! again after it: a post whose key was revoked while it was being applied (the caller was
+//! fenced meanwhile, and may have been paused or descheduled between its check and its
+//! stores) fails with [`FabricError::RevokedDuringPost`], so it is never acknowledged as done;
+//! its bytes may still have landed after the fence returned (see grants.rs).
 
 use std::path::Path;
 use std::sync::Arc;
 
 use async_trait::async_trait;
 
-use crate::error::Result;
+use crate::error::{FabricError, Result};
 use crate::exec;
 use crate::grants::GrantTable;
 use crate::op::{AccessKey, Completion, Op};
@@ -46,14 +50,29 @@ impl ShmFabric {
     pub fn region(&self) -> &Arc<PmRegion> {
         &self.region
     }
+
+    /// The grant table this handle checks its key against (its own mapping of the file).
+    pub fn grants(&self) -> &Arc<GrantTable> {
+        &self.grants
+    }
 }
 
 #[async_trait]
 impl Fabric for ShmFabric {
     async fn post(&self, ops: &[Op]) -> Result<Vec<Completion>> {
         self.grants.check(self.key)?;
+        self.grants.run_post_hook(self.key);
         self.stats.record_post(ops);
-        exec::apply(&self.region, ops)
+        let done = exec::apply(&self.region, ops);
+        // Nothing in the memory node can wait for this CPU: a fence may have revoked the key
+        // (and the DPM merged the log) between the check and the stores. Such a post is not
+        // done, whatever the stores did; the caller must treat it as outcome unknown.
+        if self.grants.recheck(self.key).is_err() {
+            return Err(FabricError::RevokedDuringPost {
+                slot: self.key.slot,
+            });
+        }
+        done
     }
 
     fn stats(&self) -> &FabricStats {

@@ -11,6 +11,12 @@
 //!
 //! A response is sent only after every WRITE of the post is persisted (see exec.rs).
 //!
+//! Fencing: the NIC holds the post's grant slot ([`GrantTable::hold`]) from the key check to
+//! the end of the apply, and revoking takes the slot exclusively, so when a revoke on the
+//! memory node's grant table returns, every post that passed the check with the old key is
+//! applied (and persisted), and no later one passes it. A fenced caller's request still in
+//! flight is answered with an access error.
+//!
 //! # Limits (the NIC faces untrusted peers)
 //!
 //! The NIC listens on a network port before any access key is checked, so every number in a
@@ -590,7 +596,12 @@ async fn serve_conn(
             FabricError::Protocol(why) => FrameError::Bad(why),
             other => FrameError::Bad(other.to_string()),
         })?;
-        let result = grants.check(key).and_then(|()| exec::apply(region, &ops));
+        // The hold spans check and apply, so a revoke (a fence) that returns has seen every
+        // post checked against the old key applied; it is released before answering.
+        let result = grants.hold(key).and_then(|_hold| {
+            grants.run_post_hook(key);
+            exec::apply(region, &ops)
+        });
         w.write_all(&encode_response(id, &result))
             .await
             .map_err(FrameError::Io)?;

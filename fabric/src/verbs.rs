@@ -14,6 +14,17 @@
 //!   access error; a watcher also deregisters the MR of any connected key that was revoked in
 //!   the grant table by someone else (within [`REVOKE_POLL`]). Closing the side channel ends
 //!   the connection and frees its QP and MR.
+//!
+//!   Fencing: only [`VerbsNic::revoke`] is a fence for verbs callers. Deregistering an MR
+//!   returns once the device no longer places data through it, so when `revoke` returns every
+//!   operation of the caller either was placed before (a merge after the fence sees it) or
+//!   fails with a remote access error; a WRITE placed just before the deregistration whose
+//!   trailing READ is refused is reported as an error, never as done. A revoke made directly
+//!   in the [`GrantTable`] (what the DPM's FenceKn does) is *not* a fence here: until the
+//!   watcher notices it (up to [`REVOKE_POLL`] later) the caller's WRITEs still land and
+//!   complete successfully, and a caller whose key passed the handshake's check just
+//!   before such a revoke gets a live MR the same way. Whoever fences verbs callers must call
+//!   [`VerbsNic::revoke`] (the DPM does not start a verbs NIC today).
 //! - [`VerbsFabric`], the caller side: one RC QP, a registered local bounce buffer, and the
 //!   still-open side channel (the node sees the caller go away when it closes).
 //!
