@@ -6,6 +6,11 @@
 //! counter) and a fresh fabric grant; the previous incarnation's grant is revoked and its epoch
 //! refused from then on. The fence table lives in the pool's roots, so a restarted DPM still
 //! refuses a fenced KN.
+//!
+//! Monitors are fenced the same way, by term: [`Dpm::new_monitor_term`] starts a newer term
+//! and [`Dpm::with_monitor_term`] refuses an older one, so a deposed monitor can no longer
+//! fence, merge, change cells or publish; the cluster map is published by compare-and-swap
+//! ([`Dpm::compare_and_put_metadata`]). Both live in the metadata store.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -331,8 +336,16 @@ impl Dpm {
         Ok(())
     }
 
-    /// Fences a KN: its fabric access is revoked and its epoch refused. Its logs stay; call
-    /// [`Dpm::merge_all`] to make them readable by others.
+    /// Fences a KN: its fabric access is revoked, its epoch refused and its open segments
+    /// sealed. Its logs stay; call [`Dpm::merge_all`] to make them readable by others.
+    ///
+    /// When this returns, no fabric post of the KN can still be acknowledged as done without
+    /// being in place: the tcp NIC has finished every post that passed the grant check (the
+    /// revoke waits for them), and an shm post that the KN's own CPU applies after the revoke
+    /// fails with an outcome-unknown error (see the fabric's grants.rs). Such a late shm batch
+    /// can still land in the KN's segments; sealing them here means the merge that follows
+    /// retires them (Merged, never scanned again) instead of leaving them open and pending for
+    /// a later merge to index the late batch over newer writes of the keys' next owner.
     pub fn fence_kn(&self, kn: u32) -> Result<()> {
         let fence = self.fence_word(kn)?;
         let next = self
@@ -346,6 +359,15 @@ impl Dpm {
         if let Some(s) = self.sessions.lock().remove(&kn) {
             self.grants.revoke(s.key)?;
             tracing::info!(kn, epoch = s.epoch, "KN fenced");
+        }
+        // The KN can never append again (its epoch is refused, its key revoked), so its open
+        // segments are finished: sealing is idempotent and only touches open ones.
+        let pending = self.pending_segment_ids(kn);
+        for &id in &pending {
+            self.segments.seal(kn, id)?;
+        }
+        if !pending.is_empty() {
+            self.merger.notify();
         }
         metrics::counter!("dinomo_dpm_kn_fenced_total").increment(1);
         Ok(())
@@ -631,17 +653,81 @@ impl Dpm {
         Ok(true)
     }
 
+    /// Sets (`Some`) or deletes (`None`) a metadata entry, unconditionally (last writer wins).
     pub fn put_metadata(&self, name: &str, value: Option<&[u8]>) -> Result<()> {
+        Self::check_metadata_name(name)?;
+        self.meta.update(&[(name, value)])
+    }
+
+    /// Compare-and-swap of one metadata entry: sets (or deletes) it only if it holds `expected`
+    /// now (`None`: only if it does not exist), atomically with the comparison; otherwise
+    /// [`DpmError::MetadataChanged`] and nothing changes. The cluster map is published this
+    /// way, so two maps of the same version cannot both become the map of record.
+    pub fn compare_and_put_metadata(
+        &self,
+        name: &str,
+        expected: Option<&[u8]>,
+        value: Option<&[u8]>,
+    ) -> Result<()> {
+        Self::check_metadata_name(name)?;
+        let describe = |v: Option<&[u8]>| match v {
+            None => "absent".to_string(),
+            Some(v) => format!("a value of {} bytes", v.len()),
+        };
+        self.meta.update_if(
+            |map| {
+                let found = map.get(name).map(Vec::as_slice);
+                if found == expected {
+                    return Ok(());
+                }
+                Err(DpmError::MetadataChanged {
+                    name: name.to_string(),
+                    expected: describe(expected),
+                    found: describe(found),
+                })
+            },
+            &[(name, value)],
+        )
+    }
+
+    /// Starts a new monitor term (persisted): calls carrying an older one are refused from
+    /// now on, and none of them is still running when this returns.
+    pub fn new_monitor_term(&self) -> Result<u64> {
+        let term = self.meta.new_monitor_term()?;
+        metrics::gauge!("dinomo_dpm_monitor_term").set(term as f64);
+        tracing::info!(term, "a new monitor term started");
+        Ok(term)
+    }
+
+    /// The newest monitor term started (0: none).
+    pub fn monitor_term(&self) -> Result<u64> {
+        self.meta.monitor_term()
+    }
+
+    /// Runs `f` as a call of monitor term `term`: refused with
+    /// [`DpmError::StaleMonitorTerm`] if a newer term was started, and a new term waits until
+    /// `f` returns. `None` (KNs, tests, the CLI bootstrap) is not checked.
+    pub fn with_monitor_term<T>(
+        &self,
+        term: Option<u64>,
+        f: impl FnOnce(&Self) -> Result<T>,
+    ) -> Result<T> {
+        let _admitted = self.meta.check_monitor_term(term)?;
+        f(self)
+    }
+
+    pub fn get_metadata(&self, name: &str) -> Option<Vec<u8>> {
+        self.meta.get(name)
+    }
+
+    /// Metadata names callers may write: "dpm/" and "cell/" belong to the DPM itself.
+    fn check_metadata_name(name: &str) -> Result<()> {
         if name.is_empty() || name.starts_with("dpm/") || name.starts_with("cell/") {
             return Err(DpmError::InvalidArgument(format!(
                 "metadata name {name:?} is empty or reserved (dpm/, cell/)"
             )));
         }
-        self.meta.update(&[(name, value)])
-    }
-
-    pub fn get_metadata(&self, name: &str) -> Option<Vec<u8>> {
-        self.meta.get(name)
+        Ok(())
     }
 
     pub fn stats(&self) -> DpmStats {

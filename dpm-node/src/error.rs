@@ -36,6 +36,25 @@ pub enum DpmError {
     KnOutOfRange { kn: u32, max: u32 },
     #[error("segment {segment}: {detail}")]
     BadSegment { segment: u64, detail: String },
+    /// A compare-and-swap of a metadata entry found another value than the caller expected.
+    #[error(
+        "metadata {name:?} is {found}, not {expected} as the caller expected: it changed since \
+         it was read (another writer, e.g. another monitor, published first); re-read it and \
+         start over from the current value"
+    )]
+    MetadataChanged {
+        name: String,
+        /// What the caller expected ("absent" or "a value of N bytes").
+        expected: String,
+        found: String,
+    },
+    /// A call carried a monitor term older than the newest one started: it comes from a
+    /// monitor that was deposed.
+    #[error(
+        "monitor term {term} is stale: term {newest} was started since, so another monitor \
+         leads; this monitor must stop acting and re-check its leadership"
+    )]
+    StaleMonitorTerm { term: u64, newest: u64 },
     #[error("metadata of {len} bytes does not fit the {cap}-byte metadata area")]
     MetadataTooLarge { len: usize, cap: usize },
     /// The `verify_accounting` debug check found counters that differ from a recount.

@@ -1,12 +1,22 @@
 //! Cluster metadata kept in the pool: a small map of names to bytes (cluster map, KN
 //! endpoints, indirect cells, policy state), stored whole in one of two slots (A/B) so that a
 //! crash during an update leaves the previous version readable.
+//!
+//! Every update happens under one lock, so a conditional update ([`MetaStore::update_if`],
+//! the compare-and-swap that publishes the cluster map) sees no change between its check and
+//! its write.
+//!
+//! It also keeps the monitor term (the record `dpm/monitor-term`, 8 bytes little-endian; absent
+//! = 0, no term started yet): [`MetaStore::new_monitor_term`] starts the next one and
+//! [`MetaStore::check_monitor_term`] admits a call of the current term. A read-write gate makes
+//! the two exclusive: a new term waits for every admitted call to finish, so once it is
+//! persisted no call of an older term is running or can start.
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 use dinomo_layout::meta::{decode_slot, encode_slot, SLOT_HEADER};
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock, RwLockReadGuard};
 
 use crate::error::{DpmError, Result};
 use crate::pool::Pool;
@@ -17,10 +27,21 @@ struct State {
     seq: u64,
 }
 
+/// The metadata record of the newest monitor term (reserved: PutMetadata cannot write it).
+pub const MONITOR_TERM_KEY: &str = "dpm/monitor-term";
+
 #[derive(Debug)]
 pub struct MetaStore {
     pool: Arc<Pool>,
     state: Mutex<State>,
+    /// Held shared by calls admitted under a monitor term, exclusively to start a new term.
+    term_gate: RwLock<()>,
+}
+
+/// A call admitted under the current monitor term; a new term waits until it is dropped.
+#[derive(Debug)]
+pub struct TermGuard<'a> {
+    _gate: Option<RwLockReadGuard<'a, ()>>,
 }
 
 fn encode_map(map: &BTreeMap<String, Vec<u8>>) -> Vec<u8> {
@@ -97,6 +118,7 @@ impl MetaStore {
         Ok(MetaStore {
             pool,
             state: Mutex::new(State { map, seq }),
+            term_gate: RwLock::new(()),
         })
     }
 
@@ -117,7 +139,18 @@ impl MetaStore {
 
     /// Sets (`Some`) or removes (`None`) entries and persists the new map before returning.
     pub fn update(&self, changes: &[(&str, Option<&[u8]>)]) -> Result<()> {
+        self.update_if(|_| Ok(()), changes)
+    }
+
+    /// [`MetaStore::update`] if `check` accepts the current entries (it runs under the lock,
+    /// so nothing changes between the check and the write); its error is returned otherwise.
+    pub fn update_if(
+        &self,
+        check: impl FnOnce(&BTreeMap<String, Vec<u8>>) -> Result<()>,
+        changes: &[(&str, Option<&[u8]>)],
+    ) -> Result<()> {
         let mut st = self.state.lock();
+        check(&st.map)?;
         let mut map = st.map.clone();
         for (k, v) in changes {
             match v {
@@ -140,6 +173,59 @@ impl MetaStore {
         st.map = map;
         st.seq = seq;
         Ok(())
+    }
+
+    /// The newest monitor term started (0: none yet).
+    pub fn monitor_term(&self) -> Result<u64> {
+        term_of(&self.state.lock().map, &self.pool)
+    }
+
+    /// Starts the next monitor term and persists it; waits for every call admitted under an
+    /// older term to finish first.
+    pub fn new_monitor_term(&self) -> Result<u64> {
+        // Only this writes the record (PutMetadata refuses "dpm/" names), under the gate.
+        let _gate = self.term_gate.write();
+        let next = self.monitor_term()? + 1;
+        self.update(&[(MONITOR_TERM_KEY, Some(&next.to_le_bytes()))])?;
+        Ok(next)
+    }
+
+    /// Admits a call carrying monitor term `term` (`None`: a caller outside the monitor
+    /// protocol, not checked) until the guard is dropped; refuses an older term than the
+    /// newest started ([`DpmError::StaleMonitorTerm`]) and one never started.
+    pub fn check_monitor_term(&self, term: Option<u64>) -> Result<TermGuard<'_>> {
+        let Some(term) = term else {
+            return Ok(TermGuard { _gate: None });
+        };
+        let gate = self.term_gate.read();
+        let newest = self.monitor_term()?;
+        if term < newest {
+            return Err(DpmError::StaleMonitorTerm { term, newest });
+        }
+        if term > newest {
+            return Err(DpmError::InvalidArgument(format!(
+                "monitor term {term} was never started (the newest is {newest}); \
+                 a monitor gets its term from NewMonitorTerm"
+            )));
+        }
+        Ok(TermGuard { _gate: Some(gate) })
+    }
+}
+
+fn term_of(map: &BTreeMap<String, Vec<u8>>, pool: &Pool) -> Result<u64> {
+    match map.get(MONITOR_TERM_KEY) {
+        None => Ok(0),
+        Some(b) => b
+            .as_slice()
+            .try_into()
+            .map(u64::from_le_bytes)
+            .map_err(|_| DpmError::BadPool {
+                path: pool.path(),
+                detail: format!(
+                    "metadata {MONITOR_TERM_KEY:?} holds {} bytes, not the 8 of a term",
+                    b.len()
+                ),
+            }),
     }
 }
 

@@ -1,6 +1,11 @@
 //! DpmService over gRPC: decoding requests, calling [`Dpm`], and the one place where a
 //! [`DpmError`] becomes a `tonic::Status`. Blocking work (merging, allocation, PM persists)
 //! runs on the blocking pool so the runtime keeps serving.
+//!
+//! The calls a reconfiguration makes (metadata writes, FenceKn, MergeAll, cell changes) run
+//! under the caller's monitor term when the request carries one in the [`MONITOR_TERM_HEADER`]
+//! header (see dpm.proto, "Monitor terms"): a deposed monitor's call is refused before it
+//! does anything. Calls without the header are not checked.
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -13,6 +18,25 @@ use crate::config::FabricKind;
 use crate::dpm::Dpm;
 use crate::error::DpmError;
 
+/// The request header carrying the caller's monitor term (ASCII decimal), see dpm.proto.
+pub const MONITOR_TERM_HEADER: &str = "dinomo-monitor-term";
+
+/// The monitor term a request carries, if any.
+fn monitor_term<T>(req: &Request<T>) -> Result<Option<u64>, Status> {
+    let Some(v) = req.metadata().get(MONITOR_TERM_HEADER) else {
+        return Ok(None);
+    };
+    v.to_str()
+        .ok()
+        .and_then(|t| t.parse::<u64>().ok())
+        .map(Some)
+        .ok_or_else(|| {
+            Status::invalid_argument(format!(
+                "the {MONITOR_TERM_HEADER} header must be a decimal term, got {v:?}"
+            ))
+        })
+}
+
 /// Maps library errors to gRPC statuses with messages that say what to do.
 pub fn to_status(e: DpmError) -> Status {
     let msg = e.to_string();
@@ -20,6 +44,8 @@ pub fn to_status(e: DpmError) -> Status {
         DpmError::Fenced { .. } => {
             Status::permission_denied(format!("{msg}; re-register to get a new epoch"))
         }
+        DpmError::StaleMonitorTerm { .. } => Status::permission_denied(msg),
+        DpmError::MetadataChanged { .. } => Status::failed_precondition(msg),
         DpmError::UnknownKn { .. } => {
             Status::failed_precondition(format!("{msg}; call RegisterKn first"))
         }
@@ -143,10 +169,11 @@ impl DpmService for DpmGrpc {
         &self,
         req: Request<pb::MergeAllRequest>,
     ) -> Result<Response<pb::MergeAllResponse>, Status> {
+        let term = monitor_term(&req)?;
         let r = req.into_inner();
         let start = Instant::now();
         let rep = self
-            .blocking(move |d| d.merge_all(r.kn_id, r.seal_open))
+            .blocking(move |d| d.with_monitor_term(term, |d| d.merge_all(r.kn_id, r.seal_open)))
             .await?;
         let micros = start.elapsed().as_micros() as u64;
         metrics::histogram!("dinomo_dpm_merge_all_seconds").record(start.elapsed().as_secs_f64());
@@ -163,8 +190,10 @@ impl DpmService for DpmGrpc {
         &self,
         req: Request<pb::FenceKnRequest>,
     ) -> Result<Response<pb::FenceKnResponse>, Status> {
+        let term = monitor_term(&req)?;
         let kn = req.into_inner().kn_id;
-        self.blocking(move |d| d.fence_kn(kn)).await?;
+        self.blocking(move |d| d.with_monitor_term(term, |d| d.fence_kn(kn)))
+            .await?;
         Ok(Response::new(pb::FenceKnResponse {}))
     }
 
@@ -172,6 +201,7 @@ impl DpmService for DpmGrpc {
         &self,
         req: Request<pb::IndirectCellRequest>,
     ) -> Result<Response<pb::IndirectCellResponse>, Status> {
+        let term = monitor_term(&req)?;
         let req = req.into_inner();
         let key = req.key;
         if key.is_empty() {
@@ -183,7 +213,9 @@ impl DpmService for DpmGrpc {
                 None => Err(Status::not_found("the key has no indirect cell")),
             };
         }
-        let off = self.blocking(move |d| d.install_cell(&key)).await?;
+        let off = self
+            .blocking(move |d| d.with_monitor_term(term, |d| d.install_cell(&key)))
+            .await?;
         Ok(Response::new(pb::IndirectCellResponse { cell_offset: off }))
     }
 
@@ -191,8 +223,11 @@ impl DpmService for DpmGrpc {
         &self,
         req: Request<pb::IndirectCellRequest>,
     ) -> Result<Response<pb::RemoveIndirectCellResponse>, Status> {
+        let term = monitor_term(&req)?;
         let key = req.into_inner().key;
-        let existed = self.blocking(move |d| d.remove_cell(&key)).await?;
+        let existed = self
+            .blocking(move |d| d.with_monitor_term(term, |d| d.remove_cell(&key)))
+            .await?;
         Ok(Response::new(pb::RemoveIndirectCellResponse { existed }))
     }
 
@@ -200,10 +235,36 @@ impl DpmService for DpmGrpc {
         &self,
         req: Request<pb::PutMetadataRequest>,
     ) -> Result<Response<pb::PutMetadataResponse>, Status> {
+        let term = monitor_term(&req)?;
         let r = req.into_inner();
-        self.blocking(move |d| d.put_metadata(&r.name, r.value.as_deref()))
-            .await?;
+        self.blocking(move |d| {
+            d.with_monitor_term(term, |d| d.put_metadata(&r.name, r.value.as_deref()))
+        })
+        .await?;
         Ok(Response::new(pb::PutMetadataResponse {}))
+    }
+
+    async fn compare_and_put_metadata(
+        &self,
+        req: Request<pb::CompareAndPutMetadataRequest>,
+    ) -> Result<Response<pb::PutMetadataResponse>, Status> {
+        let term = monitor_term(&req)?;
+        let r = req.into_inner();
+        self.blocking(move |d| {
+            d.with_monitor_term(term, |d| {
+                d.compare_and_put_metadata(&r.name, r.expected.as_deref(), r.value.as_deref())
+            })
+        })
+        .await?;
+        Ok(Response::new(pb::PutMetadataResponse {}))
+    }
+
+    async fn new_monitor_term(
+        &self,
+        _req: Request<pb::NewMonitorTermRequest>,
+    ) -> Result<Response<pb::NewMonitorTermResponse>, Status> {
+        let term = self.blocking(|d| d.new_monitor_term()).await?;
+        Ok(Response::new(pb::NewMonitorTermResponse { term }))
     }
 
     async fn get_metadata(

@@ -11,7 +11,15 @@
 //!
 //! Invariants:
 //! - One reconfiguration at a time (`reconfig` lock): every map change goes through
-//!   `dinomo_client::admin::reconfigure` from the map of record, so versions only grow.
+//!   `dinomo_client::admin::reconfigure_led` from the map of record, so versions only grow.
+//! - Only the leader acts, and the DPM enforces it: when the orchestrator first says this
+//!   monitor leads, [`Monitor::lead`] starts a new monitor term at the DPM, which from then on
+//!   refuses the calls of every older term (a deposed monitor can no longer fence, merge,
+//!   change cells or publish). Every DPM call of a reconfiguration carries the term, and
+//!   leadership is re-checked before each of its steps (prepare, fence and merge, cells,
+//!   publish): a reconfiguration that lost it aborts there. The map is published by
+//!   compare-and-swap over the map the reconfiguration started from, so even two monitors
+//!   that both believe they lead cannot make two maps of one version the map of record.
 //! - A KN is stopped by the orchestrator only after a map without it was published and its
 //!   in-flight requests had `drain` to finish; a failed KN is fenced by the reconfiguration.
 //! - Every decision, including "none", is logged with its reason and counted in
@@ -21,7 +29,8 @@ use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use dinomo_client::admin::{self, ReconfigReport};
+use dinomo_client::admin::{self, Leadership, ReconfigReport};
+use dinomo_client::ClientError;
 use dinomo_placement::{ClusterMap, KnId};
 use dinomo_proto::kv::kv_service_client::KvServiceClient;
 use dinomo_proto::kv::KnStatsRequest;
@@ -121,6 +130,44 @@ pub struct Monitor {
     decisions: Mutex<VecDeque<DecisionRecord>>,
     recoveries: Mutex<Vec<Recovery>>,
     epoch: Mutex<u64>,
+    /// The DPM monitor term this monitor holds while it leads (None: not leading). An async
+    /// lock, held across the leadership check, so one term is started per leadership.
+    term: tokio::sync::Mutex<Option<u64>>,
+}
+
+/// A reconfiguration driven by this monitor under `term` (see [`Monitor::lead`]).
+struct Led<'a> {
+    monitor: &'a Monitor,
+    term: u64,
+}
+
+impl Leadership for Led<'_> {
+    fn term(&self) -> Option<u64> {
+        Some(self.term)
+    }
+
+    async fn check(&self, step: &'static str) -> dinomo_client::Result<()> {
+        let lost = |why: String| {
+            ClientError::Other(format!(
+                "reconfiguration aborted before its {step} step: {why}"
+            ))
+        };
+        match self.monitor.lead().await {
+            Ok(Some(t)) if t == self.term => Ok(()),
+            Ok(Some(t)) => Err(lost(format!(
+                "this monitor lost its leadership (term {}) and took it again (term {t}) \
+                 meanwhile",
+                self.term
+            ))),
+            Ok(None) => Err(lost(format!(
+                "this monitor no longer leads (term {})",
+                self.term
+            ))),
+            Err(e) => Err(lost(format!(
+                "cannot tell whether this monitor still leads: {e:#}"
+            ))),
+        }
+    }
 }
 
 fn kn_channel(endpoint: &str, timeout: Duration) -> Option<KvServiceClient<Channel>> {
@@ -160,7 +207,40 @@ impl Monitor {
             decisions: Mutex::new(VecDeque::new()),
             recoveries: Mutex::new(Vec::new()),
             epoch: Mutex::new(0),
+            term: tokio::sync::Mutex::new(None),
         })
+    }
+
+    /// Whether this monitor may act now, and under which DPM monitor term. Asks the
+    /// orchestrator (which renews the Lease on Kubernetes); on becoming leader, starts a new
+    /// term at the DPM, which deposes every other monitor there. Losing leadership, or not
+    /// being able to tell, drops the term: acting again takes a new one.
+    pub async fn lead(&self) -> anyhow::Result<Option<u64>> {
+        let mut term = self.term.lock().await;
+        match self.orchestrator.is_leader().await {
+            Ok(true) => {
+                if let Some(t) = *term {
+                    return Ok(Some(t));
+                }
+                let t = admin::new_monitor_term(self.dpm()).await?;
+                metrics::gauge!("dinomo_monitor_term").set(t as f64);
+                tracing::info!(term = t, "leading: started a new monitor term at the DPM");
+                *term = Some(t);
+                Ok(Some(t))
+            }
+            Ok(false) => {
+                if let Some(t) = term.take() {
+                    tracing::warn!(term = t, "lost leadership; standing by");
+                }
+                Ok(None)
+            }
+            Err(e) => {
+                if let Some(t) = term.take() {
+                    tracing::warn!(term = t, error = %e, "cannot tell whether this monitor leads; standing by");
+                }
+                Err(e.into())
+            }
+        }
     }
 
     pub fn orchestrator(&self) -> &Arc<dyn Orchestrator> {
@@ -261,7 +341,14 @@ impl Monitor {
         next: &ClusterMap,
         dead: &[KnId],
     ) -> anyhow::Result<ReconfigReport> {
-        let r = admin::reconfigure_without(self.dpm(), current, next, dead).await?;
+        let Some(term) = self.lead().await? else {
+            anyhow::bail!("this monitor does not lead; only the active monitor changes the map");
+        };
+        let led = Led {
+            monitor: self,
+            term,
+        };
+        let r = admin::reconfigure_led(self.dpm(), current, next, dead, &led).await?;
         metrics::gauge!("dinomo_monitor_map_version").set(next.version as f64);
         metrics::gauge!("dinomo_monitor_kns").set(next.kns.len() as f64);
         metrics::gauge!("dinomo_monitor_replicated_keys").set(next.replicated.len() as f64);
@@ -670,9 +757,10 @@ async fn probe_loop(m: std::sync::Weak<Monitor>) {
     loop {
         let Some(mon) = m.upgrade() else { return };
         let every = mon.cfg.failure.probe_every();
-        // Only the leader changes the map: two monitors recovering at once would publish two
-        // different maps with the same version.
-        if !matches!(mon.orchestrator.is_leader().await, Ok(true)) {
+        // Only the leader changes the map. (Two monitors that both believe they lead still
+        // cannot publish two maps of one version: the DPM refuses the older term, and the
+        // publish is a compare-and-swap.)
+        if !matches!(mon.lead().await, Ok(Some(_))) {
             drop(mon);
             tokio::time::sleep(every).await;
             continue;
@@ -694,13 +782,13 @@ async fn epoch_loop(m: std::sync::Weak<Monitor>) {
     loop {
         let Some(mon) = m.upgrade() else { return };
         next += mon.policy_config().epoch();
-        match mon.orchestrator.is_leader().await {
-            Ok(true) => {
+        match mon.lead().await {
+            Ok(Some(_)) => {
                 if let Err(e) = mon.run_epoch().await {
                     tracing::warn!(error = %e, "decision epoch skipped");
                 }
             }
-            Ok(false) => tracing::debug!("not the leader; standing by"),
+            Ok(None) => tracing::debug!("not the leader; standing by"),
             Err(e) => tracing::warn!(error = %e, "cannot tell whether this monitor leads"),
         }
         drop(mon);

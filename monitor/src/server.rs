@@ -18,6 +18,9 @@ use crate::Monitor;
 /// - A map from an earlier run: restarts its KNs (same ids, so each one's previous incarnation
 ///   is merged and fenced at registration), republishes it if their endpoints changed, then adds
 ///   KNs (by reconfiguration) until there are `kns`.
+///
+/// It runs before the monitor leads, so its DPM calls carry no monitor term; every publish is
+/// still a compare-and-swap (the first only if no map exists, later ones over the map read).
 pub async fn bootstrap_local(
     orch: &LocalOrchestrator,
     dpm: &str,
@@ -55,7 +58,7 @@ pub async fn bootstrap_local(
         next.kns = infos;
         next.version += 1;
         next.validate()?;
-        admin::publish_map(dpm, &next).await?;
+        admin::replace_map(dpm, &map, &next).await?;
         map = next;
     }
     while (map.kns.len() as u32) < kns {

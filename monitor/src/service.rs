@@ -20,15 +20,16 @@ impl Service {
     }
 }
 
-/// Admin actions change the map: only the leading monitor may take them.
+/// Admin actions change the map: only the leading monitor may take them (and the
+/// reconfiguration re-checks leadership before each of its steps).
 async fn must_lead(m: &Monitor) -> Result<(), Status> {
-    match m.orchestrator().is_leader().await {
-        Ok(true) => Ok(()),
-        Ok(false) => Err(Status::failed_precondition(
+    match m.lead().await {
+        Ok(Some(_)) => Ok(()),
+        Ok(None) => Err(Status::failed_precondition(
             "this monitor does not hold the lease; ask the active monitor",
         )),
         Err(e) => Err(Status::unavailable(format!(
-            "cannot tell whether this monitor leads: {e}"
+            "cannot tell whether this monitor leads: {e:#}"
         ))),
     }
 }

@@ -3,6 +3,8 @@
 mod crash;
 mod dax;
 mod dpm;
+mod fence_window;
 mod powerloss;
 mod process;
+mod publication;
 mod service;

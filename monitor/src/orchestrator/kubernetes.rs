@@ -32,7 +32,9 @@
 //!   passed, by which time the old leader stopped acting half a lease earlier (this assumes
 //!   the monitors' clocks agree to within that margin). Every write of the Lease carries the
 //!   `resourceVersion` it read, so of two monitors racing for it exactly one wins; the loser
-//!   gets 409 Conflict and is not leader.
+//!   gets 409 Conflict and is not leader. The clock assumption is not load-bearing for
+//!   safety: a new leader starts a new monitor term at the DPM, which refuses the old
+//!   leader's fences, merges and map publishes from then on (see `Monitor::lead`).
 
 use std::collections::BTreeMap;
 use std::time::Duration;

@@ -63,7 +63,11 @@ pub trait Orchestrator: Send + Sync + Debug {
         candidates.first().copied()
     }
 
-    /// Whether this monitor may act now (holds the Lease); renews it. Called every epoch.
+    /// Whether this monitor may act now (holds the Lease); renews it. Called every epoch and
+    /// probe round, before each admin action and before each step of a reconfiguration
+    /// (`Monitor::lead`). When it first returns true the monitor starts a new monitor term at
+    /// the DPM, which refuses the calls of older terms: a rival that still believes it leads
+    /// is stopped there, whatever this method told it.
     async fn is_leader(&self) -> Result<bool> {
         Ok(true)
     }
