@@ -59,6 +59,8 @@ pub struct Gc {
     /// One pass at a time (the GC thread, or a full pool's allocation making room): two passes
     /// would both free the same dead segment.
     pass: Mutex<()>,
+    /// Passes finished (tests wait on it instead of sleeping).
+    passes: std::sync::atomic::AtomicU64,
 }
 
 impl Gc {
@@ -77,6 +79,7 @@ impl Gc {
             clean_threshold,
             target: Mutex::new(None),
             pass: Mutex::new(()),
+            passes: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -86,6 +89,18 @@ impl Gc {
     /// space back even when they leave segments half full. A segment that fails to clean is
     /// logged and skipped; the pass goes on with the others.
     pub fn run_once(&self) -> Result<GcReport> {
+        let r = self.pass_locked();
+        self.passes
+            .fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        r
+    }
+
+    /// How many passes have finished since the node started.
+    pub fn passes(&self) -> u64 {
+        self.passes.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    fn pass_locked(&self) -> Result<GcReport> {
         let _pass = self.pass.lock();
         let mut report = GcReport::default();
         let current_target = self.target.lock().as_ref().map(|t| t.grant.segment_id);

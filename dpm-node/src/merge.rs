@@ -75,6 +75,8 @@ pub struct Merger {
     /// so a merge that cannot progress (say, no space for index buckets) neither spins nor
     /// floods the log.
     retry: Mutex<HashMap<LogId, (Instant, Duration)>>,
+    /// Background passes finished (tests wait on it instead of sleeping).
+    passes: AtomicU64,
 }
 
 impl Merger {
@@ -86,6 +88,7 @@ impl Merger {
             entries_total: AtomicU64::new(0),
             wake: (Mutex::new(false), Condvar::new()),
             retry: Mutex::new(HashMap::new()),
+            passes: AtomicU64::new(0),
         }
     }
 
@@ -250,7 +253,18 @@ impl Merger {
 
     /// One pass of a background worker over every chain with sealed work; returns the entries
     /// merged.
+    /// How many background passes (over every chain) have finished.
+    pub fn passes(&self) -> u64 {
+        self.passes.load(Ordering::Acquire)
+    }
+
     fn work_once(&self, worker: usize) -> u64 {
+        let merged = self.work_pass(worker);
+        self.passes.fetch_add(1, Ordering::AcqRel);
+        merged
+    }
+
+    fn work_pass(&self, worker: usize) -> u64 {
         let mut chains = self.segments.chains();
         if chains.is_empty() {
             return 0;

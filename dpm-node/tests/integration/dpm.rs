@@ -95,8 +95,9 @@ async fn sealed_segments_are_merged_in_order_by_workers() {
     w.append(&[put("a", "2", 3), del("b", 4), put("c", "1", 5)])
         .await
         .unwrap();
-    // Unsealed: not merged by the background workers.
-    std::thread::sleep(Duration::from_millis(50));
+    // Unsealed: not merged by the background workers (two whole passes go by).
+    let p = dpm.merger().passes();
+    wait_until("two merge passes", || dpm.merger().passes() >= p + 2);
     assert_eq!(value(&dpm, "a"), None);
     w.seal().await.unwrap();
     wait_until("merge", || dpm.pending_segments(1) == 0);
@@ -391,7 +392,8 @@ async fn a_cell_pins_its_segment_and_its_removal_writes_the_value_back() {
 
     // KN 2's segment has no live byte by the index, but the cell pins it through many GC passes.
     let seg = dpm.pool().superblock().segment_of(p.offset).unwrap();
-    std::thread::sleep(Duration::from_millis(200));
+    let passes = dpm.gc().passes();
+    wait_until("five GC passes", || dpm.gc().passes() >= passes + 5);
     let state = dpm.pool().read_table_entry(seg).unwrap().state;
     assert_ne!(
         state,
@@ -407,7 +409,8 @@ async fn a_cell_pins_its_segment_and_its_removal_writes_the_value_back() {
     assert_eq!(dpm.index().lookup(b"hot", hash).unwrap(), Some(p));
     assert_eq!(value(&dpm, "hot").as_deref(), Some("v1"));
     // And the index's reference keeps the segment alive from now on.
-    std::thread::sleep(Duration::from_millis(100));
+    let passes = dpm.gc().passes();
+    wait_until("three GC passes", || dpm.gc().passes() >= passes + 3);
     assert_ne!(
         dpm.pool().read_table_entry(seg).unwrap().state,
         SegState::Free
