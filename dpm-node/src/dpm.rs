@@ -35,6 +35,15 @@ use crate::metastore::MetaStore;
 use crate::pool::Pool;
 use crate::segments::{LogId, SegmentGrant, Segments, Tier, CLEANER_KN};
 
+
+/// The cluster map's name in the metadata (KNs, routing nodes and monitors read it there).
+pub const CLUSTER_MAP_KEY: &str = "cluster/map";
+
+/// Where the map a KN was fenced under is kept (see [`Dpm::confirm_serving`]).
+fn fenced_under_key(kn: u32) -> String {
+    format!("dpm/fenced-under/{kn}")
+}
+
 /// Longest a KN's segment allocation waits for merges that would make room. Short: the KN's
 /// shard waits meanwhile, and a reconfiguration gives a KN 5 s to prepare.
 const ALLOCATION_WAIT: Duration = Duration::from_secs(2);
@@ -225,6 +234,11 @@ impl Dpm {
         &self.index
     }
 
+    /// The background merge workers (tests wait on their passes).
+    pub fn merger(&self) -> &Arc<Merger> {
+        &self.merger
+    }
+
     pub fn gc(&self) -> &Arc<Gc> {
         &self.gc
     }
@@ -356,6 +370,10 @@ impl Dpm {
         self.pool.persist_root(Roots::KN_EPOCH);
         fence.store(next, Ordering::Release);
         self.pool.persist_root(Roots::KN_FENCE + 8 * u64::from(kn));
+        // Its serving lease is renewed again only under a later map (see confirm_serving).
+        let under = self.meta.get(CLUSTER_MAP_KEY).unwrap_or_default();
+        self.meta
+            .update(&[(&fenced_under_key(kn), Some(under.as_slice()))])?;
         if let Some(s) = self.sessions.lock().remove(&kn) {
             self.grants.revoke(s.key)?;
             tracing::info!(kn, epoch = s.epoch, "KN fenced");
@@ -371,6 +389,24 @@ impl Dpm {
         }
         metrics::counter!("dinomo_dpm_kn_fenced_total").increment(1);
         Ok(())
+    }
+
+    /// A KN's serving-lease renewal: the published map (if any), for a KN whose epoch is not
+    /// fenced and that was not fenced under the map published now. A fenced KN that
+    /// registered again (with a new epoch) still waits for the map that the fencing
+    /// reconfiguration publishes: under the old one it would serve keys that reconfiguration
+    /// is moving, from caches that may be stale by then.
+    pub fn confirm_serving(&self, kn: u32, epoch: u64) -> Result<Option<Vec<u8>>> {
+        self.check_epoch(kn, epoch)?;
+        let map = self.meta.get(CLUSTER_MAP_KEY);
+        let key = fenced_under_key(kn);
+        if let Some(under) = self.meta.get(&key) {
+            if map.as_deref().unwrap_or_default() == under.as_slice() {
+                return Err(DpmError::FencedUnderMap { kn });
+            }
+            self.meta.update(&[(&key, None)])?;
+        }
+        Ok(map)
     }
 
     /// Allocates the next segment of one of the KN's logs (`stream`: one per shard).

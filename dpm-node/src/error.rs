@@ -32,6 +32,13 @@ pub enum DpmError {
     UnknownKn { kn: u32 },
     #[error("KN {kn} epoch {epoch} is fenced (the DPM accepts epoch {fence} or later)")]
     Fenced { kn: u32, epoch: u64, fence: u64 },
+    /// A KN fenced under the cluster map published now asked to renew its serving lease: it
+    /// may serve again only under a later map (which the fencing reconfiguration publishes).
+    #[error(
+        "KN {kn} was fenced under the cluster map published now; it may serve again only \
+         once a new map is published"
+    )]
+    FencedUnderMap { kn: u32 },
     #[error("KN id {kn} is out of range (0..{max})")]
     KnOutOfRange { kn: u32, max: u32 },
     #[error("segment {segment}: {detail}")]

@@ -46,6 +46,7 @@ pub fn to_status(e: DpmError) -> Status {
         }
         DpmError::StaleMonitorTerm { .. } => Status::permission_denied(msg),
         DpmError::MetadataChanged { .. } => Status::failed_precondition(msg),
+        DpmError::FencedUnderMap { .. } => Status::failed_precondition(msg),
         DpmError::UnknownKn { .. } => {
             Status::failed_precondition(format!("{msg}; call RegisterKn first"))
         }
@@ -163,6 +164,17 @@ impl DpmService for DpmGrpc {
         Ok(Response::new(pb::PendingSegmentsResponse {
             pending_ids: self.dpm.pending_segment_ids(kn),
         }))
+    }
+
+    async fn confirm_serving(
+        &self,
+        req: Request<pb::ConfirmServingRequest>,
+    ) -> Result<Response<pb::GetMetadataResponse>, Status> {
+        let r = req.into_inner();
+        let value = self
+            .blocking(move |d| d.confirm_serving(r.kn_id, r.epoch))
+            .await?;
+        Ok(Response::new(pb::GetMetadataResponse { value }))
     }
 
     async fn merge_all(

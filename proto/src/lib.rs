@@ -26,6 +26,11 @@ pub const KN_ANSWER_TRAILER: &str = "dinomo-kn";
 /// The trailer carrying a KN's cluster-map version on WRONG_OWNER answers.
 pub const MAP_VERSION_TRAILER: &str = "dinomo-map-version";
 
+/// The longest serving lease a KV node may be configured with. A reconfiguration that fences
+/// a KN it could not prepare (it may still be alive) waits this long after the fence before
+/// it publishes the next map, so the fenced KN has stopped serving from its caches by then.
+pub const MAX_KN_SERVE_LEASE_MS: u64 = 500;
+
 /// RoutingService, served by routing nodes.
 pub mod routing {
     #![allow(missing_debug_implementations, clippy::all)]
