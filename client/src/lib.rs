@@ -161,11 +161,25 @@ fn from_kn(s: &tonic::Status) -> bool {
     s.metadata().get(dinomo_proto::KN_ANSWER_TRAILER).is_some()
 }
 
-/// A transport failure that happened before the request could reach the node.
+/// A transport failure that happened before the request could reach the node, so a
+/// non-idempotent op may be retried without risking a duplicate write.
+///
+/// Decided from the error's type, never from its text: a server's message may contain any
+/// words, and tonic/hyper may reword their Debug output in any release. tonic wraps every
+/// failure of its connector (TCP connect, including refusal and `connect_timeout`, and the TLS
+/// handshake) in [`tonic::ConnectError`]; no request is written on a connection that was never
+/// established, and a lazy channel reports a failed connect to the next call without sending
+/// it. Anything else (a reset, a GOAWAY, a timeout, an error of unknown type) may have reached
+/// the node after the request did, so it counts as maybe-sent.
 fn never_sent(s: &tonic::Status) -> bool {
-    let m = s.message().to_ascii_lowercase();
-    let src = format!("{:?}", s).to_ascii_lowercase();
-    m.contains("connect") || src.contains("connection refused") || src.contains("connecterror")
+    let mut cause: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(s);
+    while let Some(e) = cause {
+        if e.is::<tonic::ConnectError>() {
+            return true;
+        }
+        cause = e.source();
+    }
+    false
 }
 
 impl Client {
@@ -435,5 +449,95 @@ impl Client {
             }
             Ok(out)
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A status whose message (and Debug) contains the words the old substring check looked
+    /// for, but which is not a connect failure: the request may have been applied.
+    #[test]
+    fn connect_words_in_a_message_do_not_make_it_never_sent() {
+        let s = tonic::Status::unavailable("ConnectError: connection refused while connecting");
+        assert!(!never_sent(&s), "a bare message proves nothing: {s:?}");
+
+        let io = std::io::Error::new(
+            std::io::ErrorKind::ConnectionReset,
+            "peer reset after connect (connection refused by ConnectError)",
+        );
+        let s = tonic::Status::from_error(Box::new(io));
+        assert!(std::error::Error::source(&s).is_some());
+        assert!(
+            !never_sent(&s),
+            "a reset after sending is maybe-sent: {s:?}"
+        );
+    }
+
+    /// A loopback port with nobody listening.
+    fn closed_port() -> std::net::SocketAddr {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+        // dropped here: connecting to it is refused
+    }
+
+    fn kv_client(addr: std::net::SocketAddr) -> KvServiceClient<Channel> {
+        KvServiceClient::new(channel(&addr.to_string(), Duration::from_secs(2)).unwrap())
+    }
+
+    const PROBE_KEY: &str = "never-sent-probe-key";
+
+    fn one_put() -> pb::BatchRequest {
+        pb::BatchRequest {
+            requests: vec![Op::put(PROBE_KEY, "v").to_request(0)],
+        }
+    }
+
+    #[tokio::test]
+    async fn refused_connection_is_never_sent() {
+        let s = kv_client(closed_port()).batch(one_put()).await.unwrap_err();
+        assert!(
+            never_sent(&s),
+            "connection refused must be never-sent: {s:?}"
+        );
+    }
+
+    /// The request reached a peer that read it and then dropped the connection without an
+    /// answer: it may have been applied, so the status must not count as never sent.
+    #[tokio::test]
+    async fn dropped_after_receiving_is_maybe_sent() {
+        use tokio::io::AsyncReadExt;
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let peer = tokio::spawn(async move {
+            let (mut sock, _) = l.accept().await.unwrap();
+            // Read until the request's body (which carries the key verbatim) has arrived,
+            // then drop the connection without answering.
+            let mut got = Vec::new();
+            let mut buf = [0u8; 4096];
+            while !got
+                .windows(PROBE_KEY.len())
+                .any(|w| w == PROBE_KEY.as_bytes())
+            {
+                let n = sock.read(&mut buf).await.unwrap();
+                if n == 0 {
+                    break;
+                }
+                got.extend_from_slice(&buf[..n]);
+            }
+            drop(sock);
+            got.windows(PROBE_KEY.len())
+                .any(|w| w == PROBE_KEY.as_bytes())
+        });
+        let s = kv_client(addr).batch(one_put()).await.unwrap_err();
+        assert!(
+            peer.await.unwrap(),
+            "the peer should have received the request"
+        );
+        assert!(
+            !never_sent(&s),
+            "a request the peer received is maybe-sent: {s:?}"
+        );
     }
 }

@@ -125,8 +125,12 @@ impl RoutingService for Routing {
                         return;
                     }
                 }
-                if rx.changed().await.is_err() {
-                    return;
+                // Wait for a newer map, or for the client to go away: a dropped watcher is
+                // otherwise noticed only at the next send, and in a stable cluster there may
+                // never be one, so tasks of departed watchers would pile up.
+                tokio::select! {
+                    changed = rx.changed() => if changed.is_err() { return },
+                    () = tx.closed() => return,
                 }
             }
         });
@@ -162,4 +166,38 @@ pub async fn run(
         .await;
     poller.abort();
     Ok(r?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio_stream::StreamExt;
+
+    /// A watcher that goes away must not leave its task (and its clone of the map) behind
+    /// until the next map is published: in a stable cluster that is never, and clients that
+    /// re-watch on every reconnect would pile tasks up without bound.
+    #[tokio::test]
+    async fn a_dropped_watch_ends_its_task_without_waiting_for_a_new_map() {
+        let (tx, rx) = watch::channel((1u64, vec![1u8]));
+        let routing = Routing { current: rx };
+        let mut stream = routing
+            .watch_cluster_map(Request::new(pb::WatchClusterMapRequest {
+                known_version: 0,
+            }))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(stream.next().await.unwrap().unwrap().version, 1);
+        assert_eq!(tx.receiver_count(), 2, "the service's and the watch task's");
+        drop(stream);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+        while tx.receiver_count() > 1 && tokio::time::Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(
+            tx.receiver_count(),
+            1,
+            "the watch task outlived its client while no new map was published"
+        );
+    }
 }

@@ -1,0 +1,200 @@
+//! A write that fails may be retried only if it provably never left the client: a refused
+//! connection is retried (until the deadline), a connection that dies after the KN received
+//! the request ends in `OutcomeUnknown`, never in a silent retry.
+
+use std::pin::Pin;
+use std::time::Duration;
+
+use dinomo_client::{Client, ClientConfig, ClientError};
+use dinomo_placement::{ClusterMap, KnInfo};
+use dinomo_proto::kv;
+use dinomo_proto::kv::kv_service_server::{KvService, KvServiceServer};
+use dinomo_proto::routing as pb;
+use dinomo_proto::routing::routing_service_server::{RoutingService, RoutingServiceServer};
+use tokio::io::AsyncReadExt;
+use tonic::{Request, Response, Status};
+
+/// A routing node that always serves one map.
+struct FixedMap(Vec<u8>);
+
+type MapStream = Pin<Box<dyn futures::Stream<Item = Result<pb::ClusterMapReply, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl RoutingService for FixedMap {
+    async fn get_cluster_map(
+        &self,
+        _: Request<pb::GetClusterMapRequest>,
+    ) -> Result<Response<pb::ClusterMapReply>, Status> {
+        Ok(Response::new(pb::ClusterMapReply {
+            version: 1,
+            map: self.0.clone(),
+        }))
+    }
+
+    type WatchClusterMapStream = MapStream;
+
+    async fn watch_cluster_map(
+        &self,
+        _: Request<pb::WatchClusterMapRequest>,
+    ) -> Result<Response<MapStream>, Status> {
+        Err(Status::unimplemented("not in this test"))
+    }
+}
+
+/// A client whose only KN is at `kn`, through a fake routing node.
+async fn client_of(kn: std::net::SocketAddr) -> Client {
+    let map = ClusterMap::new(
+        vec![KnInfo {
+            id: 1,
+            endpoint: kn.to_string(),
+        }],
+        16,
+        1,
+    )
+    .unwrap();
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let routing = listener.local_addr().unwrap().to_string();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(RoutingServiceServer::new(FixedMap(map.encode())))
+            .serve_with_incoming(dinomo_proto::nodelay_incoming(listener)),
+    );
+    let mut cfg = ClientConfig::new(&[routing]);
+    cfg.deadline = Duration::from_millis(500);
+    cfg.rpc_timeout = Duration::from_secs(2);
+    Client::connect_with(cfg).await.unwrap()
+}
+
+#[tokio::test]
+async fn an_insert_refused_at_connect_is_retried_until_the_deadline() {
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let client = client_of(closed).await;
+    match client.insert("k", "v").await {
+        Err(ClientError::DeadlineExceeded { attempts, .. }) => {
+            assert!(attempts > 1, "a never-sent write is retried: {attempts}")
+        }
+        other => panic!("expected DeadlineExceeded after retries, got {other:?}"),
+    }
+}
+
+#[tokio::test]
+async fn an_insert_the_kn_received_is_not_retried() {
+    // A "KN" that reads the request and hangs up without answering.
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let kn = l.local_addr().unwrap();
+    let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = accepted.clone();
+    tokio::spawn(async move {
+        loop {
+            let (mut sock, _) = l.accept().await.unwrap();
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            tokio::spawn(async move {
+                let mut got = Vec::new();
+                let mut buf = [0u8; 4096];
+                let probe = b"outcome-probe-key";
+                while !got.windows(probe.len()).any(|w| w == probe) {
+                    match sock.read(&mut buf).await {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => got.extend_from_slice(&buf[..n]),
+                    }
+                }
+            });
+        }
+    });
+    let client = client_of(kn).await;
+    match client.insert("outcome-probe-key", "v").await {
+        Err(ClientError::OutcomeUnknown(_)) => {}
+        other => panic!("expected OutcomeUnknown, got {other:?}"),
+    }
+    assert_eq!(
+        accepted.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "the write was not sent again"
+    );
+}
+
+/// A "KN" behind a proxy that applies every request and then loses the answer, reporting it
+/// the way Envoy does. The words "connect" and "connection" in that message say nothing about
+/// whether the request was sent (here it was, and applied).
+struct LostAnswers(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+const PROXY_MESSAGE: &str = "upstream connect error or disconnect/reset before headers. \
+                             reset reason: connection termination";
+
+fn lost() -> Status {
+    Status::unavailable(PROXY_MESSAGE)
+}
+
+type KvStream = Pin<Box<dyn futures::Stream<Item = Result<kv::KvResponse, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl KvService for LostAnswers {
+    async fn get(&self, _: Request<kv::GetRequest>) -> Result<Response<kv::GetResponse>, Status> {
+        Err(lost())
+    }
+    async fn put(&self, _: Request<kv::PutRequest>) -> Result<Response<kv::PutResponse>, Status> {
+        Err(lost())
+    }
+    async fn delete(
+        &self,
+        _: Request<kv::DeleteRequest>,
+    ) -> Result<Response<kv::DeleteResponse>, Status> {
+        Err(lost())
+    }
+    async fn batch(
+        &self,
+        _: Request<kv::BatchRequest>,
+    ) -> Result<Response<kv::BatchResponse>, Status> {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Err(lost())
+    }
+    type PipelineStream = KvStream;
+    async fn pipeline(
+        &self,
+        _: Request<tonic::Streaming<kv::KvRequest>>,
+    ) -> Result<Response<KvStream>, Status> {
+        Err(lost())
+    }
+    async fn stats(
+        &self,
+        _: Request<kv::KnStatsRequest>,
+    ) -> Result<Response<kv::KnStatsResponse>, Status> {
+        Err(lost())
+    }
+    async fn prepare_map(
+        &self,
+        _: Request<kv::MapRequest>,
+    ) -> Result<Response<kv::MapReply>, Status> {
+        Err(lost())
+    }
+    async fn commit_map(
+        &self,
+        _: Request<kv::MapRequest>,
+    ) -> Result<Response<kv::MapReply>, Status> {
+        Err(lost())
+    }
+}
+
+/// Finding 1 of issue 10: a status that merely mentions "connect" made the old
+/// Debug-substring check call an applied insert "never sent" and retry it.
+#[tokio::test]
+async fn an_insert_lost_behind_a_proxy_saying_connect_is_not_retried() {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let kn = l.local_addr().unwrap();
+    let applied = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(KvServiceServer::new(LostAnswers(applied.clone())))
+            .serve_with_incoming(dinomo_proto::nodelay_incoming(l)),
+    );
+    let client = client_of(kn).await;
+    let r = client.insert("k", "v").await;
+    let n = applied.load(std::sync::atomic::Ordering::SeqCst);
+    assert!(
+        matches!(r, Err(ClientError::OutcomeUnknown(_))) && n == 1,
+        "expected OutcomeUnknown after one attempt; got {r:?} after {n} attempts"
+    );
+}
