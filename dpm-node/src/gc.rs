@@ -1,8 +1,9 @@
 //! Garbage collection of log segments.
 //!
 //! - A merged segment with no live byte (no index slot points into it) is freed.
-//! - A merged segment whose live bytes are below `clean_threshold` of its written bytes (below
-//!   90% when the pool is nearly full) is cleaned, sparsest first: its live entries are copied, as one checksummed batch, into a segment the cleaner
+//! - A merged segment whose live bytes are below `clean_threshold` of its capacity (below 90%
+//!   when the pool is nearly full) is cleaned, sparsest first: its live entries are copied, as
+//!   one checksummed batch, into a segment the cleaner
 //!   owns, and each index slot is moved from the old copy to the new one only if it still points
 //!   at the old copy (a merge may have replaced it meanwhile). The old segment then has no live
 //!   byte and is freed by a later pass.
@@ -53,7 +54,7 @@ pub struct Gc {
     index: Arc<Index>,
     segments: Arc<Segments>,
     cells: Arc<Cells>,
-    /// Clean merged segments whose live bytes are below this fraction of their written bytes.
+    /// Clean merged segments whose live bytes are below this fraction of their capacity.
     clean_threshold: f64,
     target: Mutex<Option<Target>>,
     /// One pass at a time (the GC thread, or a full pool's allocation making room): two passes
@@ -105,6 +106,7 @@ impl Gc {
         let mut report = GcReport::default();
         let current_target = self.target.lock().as_ref().map(|t| t.grant.segment_id);
         let mut sparse = Vec::new();
+        let capacity = self.pool.superblock().segment_size - HEADER_SIZE as u64;
         for id in 0..self.segments.count() {
             if Some(id) == current_target {
                 continue;
@@ -122,10 +124,15 @@ impl Gc {
                 report.freed += 1;
                 continue;
             }
+            // Against the segment's capacity, not its written bytes: what cleaning gives back
+            // is the space the live bytes do not use. A nearly empty segment that is all live
+            // (abandoned after a crash or a failed WRITE, the cleaner's last target at a
+            // restart) is sparse; measured against what was written it would never be
+            // cleaned, and one per crash would leak until the pool is full.
             let written = u64::from(Progress::from_word(e.merged_upto).offset)
                 .saturating_sub(HEADER_SIZE as u64);
             if written > 0 {
-                sparse.push((live as f64 / written as f64, id));
+                sparse.push((live as f64 / capacity as f64, id));
             }
         }
         let threshold = if self.under_pressure() {
