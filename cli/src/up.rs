@@ -3,6 +3,8 @@
 //! KV nodes itself (local orchestrator), publishes the cluster map (or resumes the published
 //! one), and from then on adds, removes and recovers KV nodes and replicates hot keys as its
 //! policy decides. `up` prints the endpoints and stops everything cleanly on Ctrl-C or SIGTERM.
+//! It supervises its children: one that exits unexpectedly is started again (at most
+//! `MAX_RESTARTS` times a minute), since everything it needs (pool, published map) persists.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
@@ -58,6 +60,31 @@ pub struct UpArgs {
 pub(crate) struct Node {
     name: String,
     child: Child,
+    /// How it was started, to start it again.
+    args: Vec<String>,
+    log: PathBuf,
+    /// When `up` restarted it lately (for the restart budget).
+    restarts: Vec<Instant>,
+}
+
+/// A node that exits unexpectedly is restarted, at most this many times in [`RESTART_WINDOW`];
+/// one that keeps dying (a bad config, a corrupt pool) stops the cluster instead.
+const MAX_RESTARTS: usize = 5;
+const RESTART_WINDOW: Duration = Duration::from_secs(60);
+
+impl Node {
+    /// Starts this node again after it exited; false once its restart budget is spent.
+    fn restart(&mut self) -> anyhow::Result<bool> {
+        let now = Instant::now();
+        self.restarts.retain(|t| now.duration_since(*t) < RESTART_WINDOW);
+        if self.restarts.len() >= MAX_RESTARTS {
+            return Ok(false);
+        }
+        let (fresh, _) = spawn(&self.name, &self.args, &self.log)?;
+        self.child = fresh.child;
+        self.restarts.push(now);
+        Ok(true)
+    }
 }
 
 pub(crate) fn spawn(name: &str, args: &[String], log: &Path) -> anyhow::Result<(Node, String)> {
@@ -90,6 +117,9 @@ pub(crate) fn spawn(name: &str, args: &[String], log: &Path) -> anyhow::Result<(
                 Node {
                     name: name.to_string(),
                     child,
+                    args: args.to_vec(),
+                    log: log.to_path_buf(),
+                    restarts: Vec::new(),
                 },
                 line,
             ));
@@ -129,6 +159,36 @@ pub(crate) fn stop(nodes: &mut Vec<Node>) {
             }
         }
     }
+}
+
+/// Restarts every node that exited; returns the name of one that could not be restarted.
+fn supervise(nodes: &mut [Node]) -> Option<String> {
+    for n in nodes.iter_mut() {
+        let Ok(Some(status)) = n.child.try_wait() else {
+            continue;
+        };
+        eprintln!(
+            "{} exited unexpectedly ({status}); restarting it (see {})",
+            n.name,
+            n.log.display()
+        );
+        match n.restart() {
+            Ok(true) => eprintln!("{} is back", n.name),
+            Ok(false) => {
+                eprintln!(
+                    "{} exited {MAX_RESTARTS} times within {} s; giving up",
+                    n.name,
+                    RESTART_WINDOW.as_secs()
+                );
+                return Some(n.name.clone());
+            }
+            Err(e) => {
+                eprintln!("{} could not be restarted: {e:#}", n.name);
+                return Some(n.name.clone());
+            }
+        }
+    }
+    None
 }
 
 pub async fn run(a: UpArgs) -> anyhow::Result<()> {
@@ -240,13 +300,16 @@ pub async fn run(a: UpArgs) -> anyhow::Result<()> {
         return Err(e);
     }
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    // Supervision: a node that exits unexpectedly is started again with the same arguments.
+    // The pool and the published map are persistent, so a new dpm-node serves the same data;
+    // KV nodes re-register with it, and a new monitor resumes the published map.
     let exited = loop {
         tokio::select! {
             _ = tokio::signal::ctrl_c() => break None,
             _ = term.recv() => break None,
             _ = tokio::time::sleep(Duration::from_millis(200)) => {
-                if let Some(n) = nodes.iter_mut().find_map(|n| matches!(n.child.try_wait(), Ok(Some(_))).then(|| n.name.clone())) {
-                    break Some(n);
+                if let Some(gave_up) = supervise(&mut nodes) {
+                    break Some(gave_up);
                 }
             }
         }
@@ -255,7 +318,7 @@ pub async fn run(a: UpArgs) -> anyhow::Result<()> {
     stop(&mut nodes);
     match exited {
         Some(name) => bail!(
-            "{name} exited unexpectedly; the cluster was stopped (see {})",
+            "{name} kept exiting and could not be restarted; the cluster was stopped (see {})",
             logs.display()
         ),
         None => {

@@ -13,6 +13,9 @@
 //! 4. `next` is published in the DPM's metadata (the map of record) and the prepared KNs commit
 //!    it; every other KN and the routing nodes pick it up on their next poll.
 //!
+//! Before step 1 the change is recorded at the DPM, and the record is deleted after step 4
+//! (see "Unfinished reconfigurations" below).
+//!
 //! No data moves: ownership changes only where requests are served.
 //!
 //! Publication is a compare-and-swap at the DPM (CompareAndPutMetadata): the first map only
@@ -22,6 +25,31 @@
 //! before anyone can see its map, so two different maps of one version never both become the
 //! map of record; the loser's KNs, merged and paused for nothing, resume when they take the
 //! winner's map.
+//!
+//! **Unfinished reconfigurations.** A change is recorded at the DPM before its first step
+//! ([`RECONFIGURATION_KEY`], an [`Intent`]: both maps, the dead KNs, the term), written with
+//! CompareAndPutMetadata only if no other change is recorded, and deleted after the publish.
+//! The record has two phases:
+//! - *Prepare* (written before PrepareMap): KNs may be paused, nothing at the DPM changed.
+//!   A KN whose prepare bound (kv-node `prepare_timeout_ms`) passes withdraws the change by
+//!   deleting this record (CAS over the bytes it read), then resumes under the published map.
+//! - *Commit* (CAS from the Prepare record, after the leadership check before fencing): the
+//!   point of no return. Fences, merges and cell changes follow, and a cell change cannot be
+//!   undone by republishing `current` (a removed cell's key would have no cell, an installed
+//!   one would go stale), so from here the change is only ever finished. KNs never withdraw
+//!   a Commit-phase record; they wait for the map.
+//!
+//! The CAS between the two phases is what makes the KNs' bound safe: a KN resumes only after
+//! deleting the Prepare record, and then the driver's move to Commit fails, so no fence or
+//! merge runs while a prepared KN serves again (without that, a KN resuming during a slow
+//! merge would write entries its successor never sees). A new leader calls
+//! [`resolve_unfinished`]: if the published map is already `next`, it deletes the record and
+//! commits `next` on the KNs; a Prepare record is rolled back (deleted; the paused KNs are
+//! told to ask the DPM, which they do before resuming); a Commit record is finished by
+//! re-running every step, each idempotent (PrepareMap again, which also re-pauses a KN that
+//! restarted; fence and merge; cells, which the DPM creates or removes idempotently; publish
+//! over `current`; CommitMap). Liveness of a Commit-phase change needs a leader, as any map
+//! change does.
 //!
 //! A monitor drives a reconfiguration through [`reconfigure_led`] with its [`Leadership`]:
 //! its term goes with every DPM call (the DPM refuses a term older than the newest, see
@@ -46,6 +74,10 @@ use crate::error::{ClientError, Result};
 
 /// The metadata name of the cluster map of record.
 pub const CLUSTER_MAP_KEY: &str = "cluster/map";
+
+/// The metadata name of the record of a reconfiguration in progress ([`Intent`]): written
+/// before its first step, deleted after its last (or when it is rolled back).
+pub const RECONFIGURATION_KEY: &str = "cluster/reconfiguration";
 
 /// The request header that carries a monitor term to the DPM (dpm.proto, "Monitor terms";
 /// the dpm-node reads the same name).
@@ -291,22 +323,77 @@ pub async fn reconfigure_led<L: Leadership>(
         affected: current.changed_ranges(next),
         ..Default::default()
     };
-    let endpoint_of = |kn: KnId| {
-        next.endpoint(kn)
-            .or_else(|| current.endpoint(kn))
-            .map(str::to_string)
-    };
-    let bytes = next.encode();
 
     let t = Instant::now();
     leader.check("prepare").await?;
+    // Recorded before anything is paused, so that a crash from here on leaves a trace.
+    let intent = Intent {
+        phase: IntentPhase::Prepare,
+        term,
+        nonce: nonce(),
+        dead: dead.to_vec(),
+        current: current.clone(),
+        next: next.clone(),
+    };
+    let prepare_raw = intent.encode();
+    cas_intent(&mut d, None, Some(prepare_raw.clone()), term)
+        .await
+        .map_err(|s| intent_error(&s))?;
+    let prepared = prepare_kns(current, next, dead, &mut report).await;
+    report.prepare = t.elapsed();
+
+    leader.check("fence and merge").await?;
+    // The point of no return: from here on, fences, merges and cells may change the DPM, so
+    // the change is finished, never undone. Fails if a KN withdrew it (its prepare bound
+    // passed) or another monitor resolved it meanwhile: nothing irreversible happened yet.
+    let commit_raw = Intent {
+        phase: IntentPhase::Commit,
+        ..intent
+    }
+    .encode();
+    if let Err(s) = cas_intent(&mut d, Some(prepare_raw), Some(commit_raw.clone()), term).await {
+        // Tell the KNs still paused to ask the DPM: the change is no longer recorded, so they
+        // resume under the published map.
+        nudge(current, &prepared_endpoints(current, next, &prepared)).await;
+        return Err(ClientError::Other(format!(
+            "reconfiguration to map version {} withdrawn before its fences and merges (a KN's \
+             prepare bound passed, or another monitor resolved it): {}; nothing was changed, \
+             start over",
+            next.version,
+            s.message()
+        )));
+    }
+    finish(
+        &mut d,
+        current,
+        next,
+        Some(expected),
+        commit_raw,
+        prepared,
+        leader,
+        &mut report,
+    )
+    .await?;
+    tracing::info!(?report, "reconfigured");
+    Ok(report)
+}
+
+/// Step 1: PrepareMap to every affected KN not known dead. Returns the KNs that answered (the
+/// others are added to `report.fenced`).
+async fn prepare_kns(
+    current: &ClusterMap,
+    next: &ClusterMap,
+    dead: &[KnId],
+    report: &mut ReconfigReport,
+) -> Vec<(KnId, KvServiceClient<Channel>)> {
+    let bytes = next.encode();
     let mut prepared = Vec::new();
     for &kn in &report.affected {
         if dead.contains(&kn) {
             report.fenced.push(kn);
             continue;
         }
-        let ok = match endpoint_of(kn) {
+        let ok = match endpoint_of(current, next, kn) {
             Some(ep) => match kn_client(&ep).await {
                 Some(mut c) => c
                     .prepare_map(MapRequest { map: bytes.clone() })
@@ -322,15 +409,54 @@ pub async fn reconfigure_led<L: Leadership>(
             None => report.fenced.push(kn),
         }
     }
-    report.prepare = t.elapsed();
+    prepared
+}
 
+fn endpoint_of(current: &ClusterMap, next: &ClusterMap, kn: KnId) -> Option<String> {
+    next.endpoint(kn)
+        .or_else(|| current.endpoint(kn))
+        .map(str::to_string)
+}
+
+fn prepared_endpoints(
+    current: &ClusterMap,
+    next: &ClusterMap,
+    prepared: &[(KnId, KvServiceClient<Channel>)],
+) -> Vec<String> {
+    prepared
+        .iter()
+        .filter_map(|(kn, _)| endpoint_of(current, next, *kn))
+        .collect()
+}
+
+/// Steps 2-4 from the point of no return (the intent, `commit_raw`, is in its Commit phase):
+/// fence and merge, cells, publish `next` over `expected` (None: it is published already),
+/// CommitMap, and the intent deleted. Every step is idempotent, so a new leader re-runs them
+/// all after a crash anywhere in between.
+#[allow(clippy::too_many_arguments)]
+async fn finish<L: Leadership>(
+    d: &mut DpmServiceClient<Channel>,
+    current: &ClusterMap,
+    next: &ClusterMap,
+    expected: Option<Vec<u8>>,
+    commit_raw: Vec<u8>,
+    prepared: Vec<(KnId, KvServiceClient<Channel>)>,
+    leader: &L,
+    report: &mut ReconfigReport,
+) -> Result<()> {
+    let term = leader.term();
     let t = Instant::now();
-    leader.check("fence and merge").await?;
     for &kn in &report.fenced {
         d.fence_kn(with_term(FenceKnRequest { kn_id: kn }, term))
             .await
             .map_err(|s| ClientError::Other(format!("fencing KN {kn}: {}", s.message())))?;
     }
+    // A fenced KN may still be alive (declared failed on a slow heartbeat) and serve from its
+    // caches until its serving lease runs out; it cannot renew the lease after the fence (the
+    // DPM's ConfirmServing). The new owners serve its keys only after the publish below, so
+    // the lease is waited out first.
+    let lease_out = (!report.fenced.is_empty())
+        .then(|| Instant::now() + Duration::from_millis(dinomo_proto::MAX_KN_SERVE_LEASE_MS));
     for &kn in &report.affected {
         let seal_open = report.fenced.contains(&kn);
         let r = d
@@ -347,6 +473,8 @@ pub async fn reconfigure_led<L: Leadership>(
         report.merged_entries += r.entries;
     }
     leader.check("indirect cells").await?;
+    // Both idempotent at the DPM: installing returns an existing cell, removing a missing one
+    // does nothing.
     for key in next.replicated.keys() {
         if !current.replicated.contains_key(key) {
             d.install_indirect_cell(with_term(
@@ -378,10 +506,16 @@ pub async fn reconfigure_led<L: Leadership>(
     report.merge = t.elapsed();
 
     let t = Instant::now();
+    if let Some(at) = lease_out {
+        tokio::time::sleep_until(at.into()).await;
+    }
     leader.check("publish").await?;
-    cas_map(&mut d, Some(expected), next, term)
-        .await
-        .map_err(|s| publish_error(next, &s))?;
+    if let Some(expected) = expected {
+        cas_map(d, Some(expected), next, term)
+            .await
+            .map_err(|s| publish_error(next, &s))?;
+    }
+    let bytes = next.encode();
     for (kn, mut c) in prepared {
         if next.contains(kn) {
             if let Err(s) = c.commit_map(MapRequest { map: bytes.clone() }).await {
@@ -389,7 +523,353 @@ pub async fn reconfigure_led<L: Leadership>(
             }
         }
     }
+    if let Err(s) = cas_intent(d, Some(commit_raw), None, term).await {
+        // The map is published; a later leader finds it so and deletes the record.
+        tracing::warn!(error = %s.message(), "could not delete the reconfiguration record");
+    }
     report.commit = t.elapsed();
-    tracing::info!(?report, "reconfigured");
-    Ok(report)
+    Ok(())
+}
+
+/// How [`resolve_unfinished`] settled a reconfiguration it found recorded at the DPM.
+#[derive(Debug, Clone)]
+pub enum Resolution {
+    /// Its map was published already: the record was deleted and the KNs told.
+    WasPublished { version: u64 },
+    /// It had not passed its point of no return: withdrawn, the published map stays.
+    RolledBack { version: u64 },
+    /// It had: its steps were re-run and its map published.
+    Finished(ReconfigReport),
+    /// The published map is neither its start nor its end (it was superseded): the record
+    /// was deleted.
+    Superseded { version: u64 },
+}
+
+/// Finds a reconfiguration recorded at the DPM and not finished (its driver crashed or lost
+/// leadership) and settles it, as the module doc describes: a new leader calls this before
+/// changing the map. `Ok(None)`: nothing was recorded.
+pub async fn resolve_unfinished<L: Leadership>(
+    dpm: &str,
+    leader: &L,
+) -> Result<Option<Resolution>> {
+    let term = leader.term();
+    let mut d = dpm_client(dpm).await?;
+    let Some(raw) = get_intent(&mut d).await? else {
+        return Ok(None);
+    };
+    let intent = Intent::decode(&raw)?;
+    let (current, next) = (&intent.current, &intent.next);
+    let published = published_map(dpm).await?;
+    let affected = current.changed_ranges(next);
+    let endpoints = || {
+        affected
+            .iter()
+            .filter_map(|&kn| endpoint_of(current, next, kn))
+            .collect::<Vec<_>>()
+    };
+    let same = |m: &Option<ClusterMap>, w: &ClusterMap| {
+        m.as_ref().is_some_and(|m| m.encode() == w.encode())
+    };
+    let delete = |d: &mut DpmServiceClient<Channel>, raw: Vec<u8>| {
+        let mut d = d.clone();
+        async move {
+            cas_intent(&mut d, Some(raw), None, term)
+                .await
+                .map_err(|s| {
+                    ClientError::Other(format!(
+                        "deleting the record of an unfinished reconfiguration: {}",
+                        s.message()
+                    ))
+                })
+        }
+    };
+    if same(&published, next) {
+        leader.check("commit").await?;
+        delete(&mut d, raw).await?;
+        nudge(next, &endpoints()).await;
+        tracing::info!(
+            version = next.version,
+            "unfinished reconfiguration was published; record deleted"
+        );
+        return Ok(Some(Resolution::WasPublished {
+            version: next.version,
+        }));
+    }
+    if !same(&published, current) {
+        leader.check("commit").await?;
+        delete(&mut d, raw).await?;
+        if let Some(p) = &published {
+            nudge(p, &endpoints()).await;
+        }
+        let version = published.map_or(0, |p| p.version);
+        tracing::warn!(
+            version,
+            from = current.version,
+            to = next.version,
+            "unfinished reconfiguration was superseded; record deleted"
+        );
+        return Ok(Some(Resolution::Superseded { version }));
+    }
+    match intent.phase {
+        IntentPhase::Prepare => {
+            // Nothing irreversible happened (no fence, merge or cell change comes before the
+            // Commit phase): withdraw it, and tell the paused KNs to ask the DPM.
+            leader.check("roll back").await?;
+            delete(&mut d, raw).await?;
+            nudge(current, &endpoints()).await;
+            tracing::warn!(
+                from = current.version,
+                to = next.version,
+                "unfinished reconfiguration rolled back"
+            );
+            Ok(Some(Resolution::RolledBack {
+                version: current.version,
+            }))
+        }
+        IntentPhase::Commit => {
+            // Fences, merges and cell changes may have happened: finish it. The KNs wait (a
+            // Commit-phase record is never withdrawn); re-preparing them pauses again any that
+            // restarted meanwhile.
+            let mut report = ReconfigReport {
+                from_version: current.version,
+                to_version: next.version,
+                affected,
+                ..Default::default()
+            };
+            let expected = published_bytes_of(&mut d, current).await?;
+            let t = Instant::now();
+            leader.check("prepare").await?;
+            let prepared = prepare_kns(current, next, &intent.dead, &mut report).await;
+            report.prepare = t.elapsed();
+            leader.check("fence and merge").await?;
+            finish(
+                &mut d,
+                current,
+                next,
+                Some(expected),
+                raw,
+                prepared,
+                leader,
+                &mut report,
+            )
+            .await?;
+            tracing::warn!(?report, "unfinished reconfiguration finished");
+            Ok(Some(Resolution::Finished(report)))
+        }
+    }
+}
+
+/// CommitMap(`map`) to each endpoint, best effort. A KN whose transition is newer than `map`
+/// takes it as a hint: it asks the DPM whether its change is still recorded, and resumes if not.
+async fn nudge(map: &ClusterMap, endpoints: &[String]) {
+    let bytes = map.encode();
+    for ep in endpoints {
+        if let Some(mut c) = kn_client(ep).await {
+            if let Err(s) = c.commit_map(MapRequest { map: bytes.clone() }).await {
+                tracing::debug!(endpoint = %ep, error = %s.message(), "commit hint not taken");
+            }
+        }
+    }
+}
+
+async fn get_intent(d: &mut DpmServiceClient<Channel>) -> Result<Option<Vec<u8>>> {
+    Ok(d.get_metadata(GetMetadataRequest {
+        name: RECONFIGURATION_KEY.into(),
+    })
+    .await
+    .map_err(|s| {
+        ClientError::Other(format!(
+            "reading the reconfiguration record: {}",
+            s.message()
+        ))
+    })?
+    .into_inner()
+    .value)
+}
+
+/// CompareAndPutMetadata of the reconfiguration record (value None: delete it).
+async fn cas_intent(
+    d: &mut DpmServiceClient<Channel>,
+    expected: Option<Vec<u8>>,
+    value: Option<Vec<u8>>,
+    term: Option<u64>,
+) -> std::result::Result<(), tonic::Status> {
+    d.compare_and_put_metadata(with_term(
+        CompareAndPutMetadataRequest {
+            name: RECONFIGURATION_KEY.into(),
+            value,
+            expected,
+        },
+        term,
+    ))
+    .await
+    .map(|_| ())
+}
+
+fn intent_error(s: &tonic::Status) -> ClientError {
+    if s.code() == Code::FailedPrecondition {
+        ClientError::Other(format!(
+            "another reconfiguration is recorded at the DPM ({RECONFIGURATION_KEY}) and not \
+             finished; the leading monitor resolves it first (admin::resolve_unfinished), then \
+             start over ({})",
+            s.message()
+        ))
+    } else {
+        ClientError::Other(format!(
+            "recording the reconfiguration at the DPM: {}",
+            s.message()
+        ))
+    }
+}
+
+/// A value that makes each recorded reconfiguration's bytes unique, so a record withdrawn and
+/// written again by someone else is never taken for the one a CAS expects.
+fn nonce() -> u64 {
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    t ^ rand::random::<u64>()
+}
+
+/// The phase of a recorded reconfiguration.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IntentPhase {
+    /// KNs may be paused; nothing at the DPM changed yet. A KN whose prepare bound passes may
+    /// withdraw it (delete the record); a new leader rolls it back.
+    Prepare = 1,
+    /// Past the point of no return: fences, merges and cells may have changed. Only finished.
+    Commit = 2,
+}
+
+/// The record of a reconfiguration in progress ([`RECONFIGURATION_KEY`]).
+///
+/// Format version 1 (integers little-endian), laid out so that a KN can read the phase
+/// and the target map without this crate:
+///
+/// | bytes | field |
+/// |---|---|
+/// | 0 | format version (1) |
+/// | 1 | phase (1 Prepare, 2 Commit) |
+/// | 2..10 | monitor term (0: none) |
+/// | 10..18 | nonce |
+/// | 18..22 | n = number of dead KNs, then n u32 KN ids |
+/// | then | u32 length + the current map (`ClusterMap::encode`) |
+/// | then | u32 length + the next map |
+#[derive(Debug, Clone, PartialEq)]
+pub struct Intent {
+    pub phase: IntentPhase,
+    pub term: Option<u64>,
+    pub nonce: u64,
+    pub dead: Vec<KnId>,
+    pub current: ClusterMap,
+    pub next: ClusterMap,
+}
+
+/// The version of [`Intent`]'s format written here.
+pub const INTENT_FORMAT: u8 = 1;
+
+impl Intent {
+    pub fn encode(&self) -> Vec<u8> {
+        let cur = self.current.encode();
+        let next = self.next.encode();
+        let mut b = Vec::with_capacity(30 + 4 * self.dead.len() + cur.len() + next.len());
+        b.push(INTENT_FORMAT);
+        b.push(self.phase as u8);
+        b.extend_from_slice(&self.term.unwrap_or(0).to_le_bytes());
+        b.extend_from_slice(&self.nonce.to_le_bytes());
+        b.extend_from_slice(&(self.dead.len() as u32).to_le_bytes());
+        for kn in &self.dead {
+            b.extend_from_slice(&kn.to_le_bytes());
+        }
+        for m in [&cur, &next] {
+            b.extend_from_slice(&(m.len() as u32).to_le_bytes());
+            b.extend_from_slice(m);
+        }
+        b
+    }
+
+    pub fn decode(b: &[u8]) -> Result<Intent> {
+        let bad = |what: &str| {
+            ClientError::Other(format!(
+                "the reconfiguration record at the DPM ({RECONFIGURATION_KEY}) is unreadable: \
+                 {what}"
+            ))
+        };
+        let mut r = b;
+        let mut take = |n: usize| -> Result<&[u8]> {
+            if r.len() < n {
+                return Err(bad("truncated"));
+            }
+            let (h, t) = r.split_at(n);
+            r = t;
+            Ok(h)
+        };
+        let u32_of = |s: &[u8]| u32::from_le_bytes(s.try_into().expect("4 bytes"));
+        let u64_of = |s: &[u8]| u64::from_le_bytes(s.try_into().expect("8 bytes"));
+        let v = take(1)?[0];
+        if v != INTENT_FORMAT {
+            return Err(bad(&format!(
+                "format version {v}, this build reads version {INTENT_FORMAT}"
+            )));
+        }
+        let phase = match take(1)?[0] {
+            1 => IntentPhase::Prepare,
+            2 => IntentPhase::Commit,
+            p => return Err(bad(&format!("unknown phase {p}"))),
+        };
+        let term = Some(u64_of(take(8)?)).filter(|&t| t != 0);
+        let nonce = u64_of(take(8)?);
+        let n = u32_of(take(4)?) as usize;
+        let mut dead = Vec::with_capacity(n.min(1024));
+        for _ in 0..n {
+            dead.push(u32_of(take(4)?));
+        }
+        let mut map = || -> Result<ClusterMap> {
+            let len = u32_of(take(4)?) as usize;
+            ClusterMap::decode(take(len)?).map_err(|e| bad(&format!("a map: {e}")))
+        };
+        let current = map()?;
+        let next = map()?;
+        Ok(Intent {
+            phase,
+            term,
+            nonce,
+            dead,
+            current,
+            next,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dinomo_placement::KnInfo;
+
+    #[test]
+    fn intent_round_trips_and_refuses_other_versions() {
+        let kns = (1..=3)
+            .map(|id| KnInfo {
+                id,
+                endpoint: format!("127.0.0.1:{}", 7800 + id),
+            })
+            .collect();
+        let current = ClusterMap::new(kns, 16, 1).unwrap();
+        let next = current.with_kn_removed(2).unwrap();
+        let i = Intent {
+            phase: IntentPhase::Commit,
+            term: Some(7),
+            nonce: 42,
+            dead: vec![2],
+            current,
+            next,
+        };
+        let b = i.encode();
+        assert_eq!(Intent::decode(&b).unwrap(), i);
+        let mut other = b.clone();
+        other[0] = 2;
+        let e = Intent::decode(&other).unwrap_err().to_string();
+        assert!(e.contains("format version 2"), "{e}");
+        assert!(Intent::decode(&b[..b.len() - 1]).is_err());
+    }
 }

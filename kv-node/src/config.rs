@@ -42,6 +42,13 @@ pub struct KnConfigFile {
     /// (milliseconds). A KN that was paused or cut off stops answering from its caches before
     /// the monitor declares it failed (keep it below the monitor's `failed_after_ms`).
     pub serve_lease_ms: u64,
+    /// How long a KN stays prepared for a map change (PrepareMap) that is not committed
+    /// (milliseconds). Then it asks the DPM: if the change is not recorded as past its point
+    /// of no return, it withdraws it and resumes under the published map; otherwise it waits
+    /// for the map and asks again after as long (docs/architecture.md, "Reconfiguration").
+    /// Keep it a few times the monitor's `failed_after_ms`, well above a reconfiguration's
+    /// prepare-to-publish time.
+    pub prepare_timeout_ms: u64,
     /// Prometheus /metrics address; empty to disable.
     pub metrics_listen: String,
 }
@@ -63,6 +70,7 @@ impl Default for KnConfigFile {
             max_unmerged_segments: 2,
             map_poll_ms: 100,
             serve_lease_ms: 250,
+            prepare_timeout_ms: 5000,
             metrics_listen: "127.0.0.1:9800".into(),
         }
     }
@@ -84,6 +92,7 @@ pub struct KnConfig {
     pub max_unmerged_segments: usize,
     pub map_poll: Duration,
     pub serve_lease: Duration,
+    pub prepare_timeout: Duration,
     pub metrics_listen: Option<SocketAddr>,
 }
 
@@ -147,7 +156,23 @@ impl KnConfigFile {
                         self.serve_lease_ms, self.map_poll_ms
                     ));
                 }
-                Duration::from_millis(self.serve_lease_ms)
+                let lease = Duration::from_millis(self.serve_lease_ms);
+                if lease > crate::lease::MAX_SERVE_LEASE {
+                    return Err(format!(
+                        "serve_lease_ms = {} is above {} ms, the longest lease a \
+                         reconfiguration waits out after fencing a KN; a longer lease could \
+                         serve stale values after a failover",
+                        self.serve_lease_ms,
+                        crate::lease::MAX_SERVE_LEASE.as_millis()
+                    ));
+                }
+                lease
+            },
+            prepare_timeout: {
+                if self.prepare_timeout_ms == 0 {
+                    return Err("prepare_timeout_ms = 0: must be positive".into());
+                }
+                Duration::from_millis(self.prepare_timeout_ms)
             },
             metrics_listen: if self.metrics_listen.is_empty() {
                 None

@@ -1,12 +1,23 @@
 //! The KN's link to the dpm-node: registration (epoch, fabric grant), segment allocation and
 //! sealing, merge progress, and the cluster map of record (DPM metadata "cluster/map").
+//!
+//! Sessions: a registration gives this KN an epoch and a fabric grant (a [`Session`]). Both die
+//! when the DPM restarts (its grant table is new), fences the KN, or forgets it. Every call
+//! that finds its session dead (PERMISSION_DENIED / FAILED_PRECONDITION from the DPM, a fabric
+//! post denied access) marks it lost; [`DpmLink::reregister`] then registers again under the
+//! same id (the DPM merges the previous incarnation's log first) and bumps the session's
+//! generation. Shards compare generations and start over (new fabric handle, empty caches and
+//! logs) when it changed. Every call to the DPM has a deadline, so a DPM that hangs is an
+//! error, not a stuck shard.
 
 use std::path::Path;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use dinomo_fabric::shm::ShmFabric;
 use dinomo_fabric::tcp::TcpFabric;
-use dinomo_fabric::{AccessKey, DurabilityRequest, Fabric};
+use dinomo_fabric::{AccessKey, DurabilityRequest, Fabric, FabricError};
 use dinomo_proto::dpm as pb;
 use dinomo_proto::dpm::dpm_service_client::DpmServiceClient;
 use tonic::transport::Channel;
@@ -26,12 +37,40 @@ pub struct Segment {
     pub chain_seed: u32,
 }
 
+/// How long a control call to the DPM may take (allocation and sealing are quick; a DPM that
+/// does not answer in this time is treated as unreachable).
+const CALL_TIMEOUT: Duration = Duration::from_secs(10);
+/// Registration merges the previous incarnation's whole log first: it may take a while.
+const REGISTER_TIMEOUT: Duration = Duration::from_secs(120);
+
+/// One registration: what the DPM granted.
 #[derive(Debug, Clone)]
+pub struct Session {
+    pub epoch: u64,
+    pub fabric: pb::FabricInfo,
+    /// 1 for the first registration of this process, +1 for each re-registration.
+    pub generation: u64,
+}
+
+impl Session {
+    pub fn access_key(&self) -> AccessKey {
+        AccessKey {
+            slot: self.fabric.grant_slot,
+            token: self.fabric.grant_token,
+        }
+    }
+}
+
+#[derive(Debug)]
 pub struct DpmLink {
     client: DpmServiceClient<Channel>,
     pub kn_id: u32,
-    pub epoch: u64,
-    pub fabric: pb::FabricInfo,
+    endpoint: String,
+    session: parking_lot::RwLock<Session>,
+    /// The session is known dead (see the module doc).
+    lost: AtomicBool,
+    /// One re-registration at a time.
+    reregistering: tokio::sync::Mutex<()>,
     pub index_root: u64,
     pub segment_size: u64,
 }
@@ -40,84 +79,223 @@ fn unavailable(what: &str, s: tonic::Status) -> KvError {
     KvError::Unavailable(format!("DPM {what}: {} ({:?})", s.message(), s.code()))
 }
 
+/// Runs one DPM call with a deadline.
+async fn with_deadline<T>(
+    what: &str,
+    limit: Duration,
+    call: impl std::future::Future<Output = Result<T, tonic::Status>>,
+) -> Result<T, tonic::Status> {
+    tokio::time::timeout(limit, call).await.unwrap_or_else(|_| {
+        Err(tonic::Status::deadline_exceeded(format!(
+            "no answer from the dpm-node to {what} in {} s",
+            limit.as_secs()
+        )))
+    })
+}
+
+async fn register_once(
+    client: &mut DpmServiceClient<Channel>,
+    kn_id: Option<u32>,
+    endpoint: &str,
+) -> KvResult<pb::RegisterKnResponse> {
+    with_deadline(
+        "register",
+        REGISTER_TIMEOUT,
+        client.register_kn(pb::RegisterKnRequest {
+            kn_id,
+            endpoint: endpoint.to_string(),
+        }),
+    )
+    .await
+    .map(|r| r.into_inner())
+    .map_err(|s| unavailable("register", s))
+}
+
 impl DpmLink {
     /// Connects to the dpm-node at `url` and registers (a new incarnation of) the KN.
     pub async fn register(url: &str, kn_id: Option<u32>, endpoint: &str) -> KvResult<Self> {
-        let mut client = DpmServiceClient::connect(url.to_string())
+        let channel = tonic::transport::Endpoint::from_shared(url.to_string())
+            .map_err(|e| KvError::InvalidArgument(format!("bad dpm-node address {url:?}: {e}")))?
+            .connect_timeout(Duration::from_secs(2))
+            .connect()
             .await
             .map_err(|e| {
                 KvError::Unavailable(format!("cannot reach the dpm-node at {url}: {e}"))
             })?;
-        let r = client
-            .register_kn(pb::RegisterKnRequest {
-                kn_id,
-                endpoint: endpoint.to_string(),
-            })
-            .await
-            .map_err(|s| unavailable("register", s))?
-            .into_inner();
+        let mut client = DpmServiceClient::new(channel);
+        let r = register_once(&mut client, kn_id, endpoint).await?;
         let fabric = r
             .fabric
             .ok_or_else(|| KvError::Internal("registration without fabric info".into()))?;
         Ok(DpmLink {
             client,
             kn_id: r.kn_id,
-            epoch: r.epoch,
-            fabric,
+            endpoint: endpoint.to_string(),
+            session: parking_lot::RwLock::new(Session {
+                epoch: r.epoch,
+                fabric,
+                generation: 1,
+            }),
+            lost: AtomicBool::new(false),
+            reregistering: tokio::sync::Mutex::new(()),
             index_root: r.index_root,
             segment_size: r.segment_size,
         })
     }
 
-    pub fn access_key(&self) -> AccessKey {
-        AccessKey {
-            slot: self.fabric.grant_slot,
-            token: self.fabric.grant_token,
+    /// The current session.
+    pub fn session(&self) -> Session {
+        self.session.read().clone()
+    }
+
+    /// The current session's epoch.
+    pub fn epoch(&self) -> u64 {
+        self.session.read().epoch
+    }
+
+    /// The current session's generation (see the module doc).
+    pub fn generation(&self) -> u64 {
+        self.session.read().generation
+    }
+
+    /// Marks the session of `generation` dead (a later session is not affected).
+    pub fn mark_lost(&self, generation: u64, why: &str) {
+        if self.generation() == generation && !self.lost.swap(true, Ordering::AcqRel) {
+            tracing::warn!(kn = self.kn_id, generation, why, "DPM session lost; re-registering");
+            metrics::counter!("dinomo_kn_sessions_lost_total").increment(1);
         }
     }
 
-    /// A new fabric handle (one per shard, so round trips are counted per shard).
-    pub async fn connect_fabric(&self) -> KvResult<Arc<dyn Fabric>> {
-        let key = self.access_key();
-        match self.fabric.kind.as_str() {
-            "shm" => Ok(Arc::new(ShmFabric::connect(
-                Path::new(&self.fabric.address),
-                key,
-                DurabilityRequest::Auto,
-            )?)),
-            "tcp" => {
-                let addr = self.fabric.address.parse().map_err(|e| {
-                    KvError::Internal(format!("bad fabric address {:?}: {e}", self.fabric.address))
-                })?;
-                Ok(Arc::new(TcpFabric::connect(addr, key).await?))
+    /// Is the session known dead (and not replaced yet)?
+    pub fn is_lost(&self) -> bool {
+        self.lost.load(Ordering::Acquire)
+    }
+
+    /// Registers again under this KN's id if the session of `generation` is lost; returns the
+    /// session to use (a newer one if another caller re-registered first).
+    pub async fn reregister(&self, generation: u64) -> KvResult<Session> {
+        let _one = self.reregistering.lock().await;
+        let current = self.session();
+        if current.generation != generation || !self.is_lost() {
+            return Ok(current);
+        }
+        let mut client = self.client.clone();
+        let r = register_once(&mut client, Some(self.kn_id), &self.endpoint).await?;
+        let fabric = r
+            .fabric
+            .ok_or_else(|| KvError::Internal("registration without fabric info".into()))?;
+        let next = Session {
+            epoch: r.epoch,
+            fabric,
+            generation: current.generation + 1,
+        };
+        *self.session.write() = next.clone();
+        self.lost.store(false, Ordering::Release);
+        tracing::info!(kn = self.kn_id, epoch = next.epoch, generation = next.generation, "re-registered with the DPM");
+        metrics::counter!("dinomo_kn_reregistrations_total").increment(1);
+        Ok(next)
+    }
+
+    /// Maps a DPM answer to a KN call: a fenced or forgotten session is marked lost.
+    fn failed(&self, generation: u64, what: &str, s: tonic::Status) -> KvError {
+        if matches!(
+            s.code(),
+            tonic::Code::PermissionDenied | tonic::Code::FailedPrecondition
+        ) {
+            self.mark_lost(generation, s.message());
+        }
+        unavailable(what, s)
+    }
+
+    /// A new fabric handle for the current session (one per shard, so round trips are counted
+    /// per shard), and that session's generation.
+    pub async fn connect_fabric(&self) -> KvResult<(Arc<dyn Fabric>, u64)> {
+        let session = self.session();
+        let key = session.access_key();
+        let fabric = &session.fabric;
+        // A grant refused at connect means the session is dead (the DPM restarted or fenced
+        // this KN): mark it, so it is registered again.
+        let refused = |e: FabricError| {
+            if e.is_revoked() {
+                self.mark_lost(session.generation, "the fabric refused this KN's grant");
             }
-            other => Err(KvError::Internal(format!(
-                "the DPM offers fabric {other:?}, which this KN does not speak"
-            ))),
+            KvError::from(e)
+        };
+        let handle: Arc<dyn Fabric> = match fabric.kind.as_str() {
+            "shm" => Arc::new(
+                ShmFabric::connect(Path::new(&fabric.address), key, DurabilityRequest::Auto)
+                    .map_err(refused)?,
+            ),
+            "tcp" => {
+                let addr = fabric.address.parse().map_err(|e| {
+                    KvError::Internal(format!("bad fabric address {:?}: {e}", fabric.address))
+                })?;
+                Arc::new(
+                    tokio::time::timeout(CALL_TIMEOUT, TcpFabric::connect(addr, key))
+                        .await
+                        .map_err(|_| {
+                            KvError::Unavailable(format!(
+                                "the DPM fabric at {addr} did not answer in {} s",
+                                CALL_TIMEOUT.as_secs()
+                            ))
+                        })?
+                        .map_err(refused)?,
+                )
+            }
+            other => {
+                return Err(KvError::Internal(format!(
+                    "the DPM offers fabric {other:?}, which this KN does not speak"
+                )))
+            }
+        };
+        Ok((handle, session.generation))
+    }
+
+    /// The epoch of session `generation`, or an error if a newer session replaced it (the
+    /// caller must start over on the new one).
+    fn epoch_of(&self, generation: u64) -> KvResult<u64> {
+        let s = self.session.read();
+        if s.generation == generation {
+            Ok(s.epoch)
+        } else {
+            Err(KvError::Unavailable(format!(
+                "this KN re-registered with the DPM (session {generation} -> {}); retry",
+                s.generation
+            )))
         }
     }
 
-    /// The next segment of log `stream` (one log per shard). `deletes_only`: the shard will
-    /// write only deletes into it (the DPM may grant it from its delete reserve). A full pool
-    /// is [`KvError::ResourceExhausted`], with the DPM's explanation.
-    pub async fn allocate(&self, stream: u16, deletes_only: bool) -> KvResult<Segment> {
-        let r = self
-            .client
-            .clone()
-            .allocate_segment(pb::AllocateSegmentRequest {
-                kn_id: self.kn_id,
-                epoch: self.epoch,
-                stream: u32::from(stream),
-                deletes_only,
-            })
-            .await
-            .map_err(|s| match s.code() {
-                tonic::Code::ResourceExhausted => {
-                    KvError::ResourceExhausted(format!("DPM: {}", s.message()))
-                }
-                _ => unavailable("allocate", s),
-            })?
-            .into_inner();
+    /// The next segment of log `stream` (one log per shard) in session `generation`.
+    /// `deletes_only`: the shard will write only deletes into it (the DPM may grant it from
+    /// its delete reserve). A full pool is [`KvError::ResourceExhausted`], with the DPM's
+    /// explanation.
+    pub async fn allocate(
+        &self,
+        generation: u64,
+        stream: u16,
+        deletes_only: bool,
+    ) -> KvResult<Segment> {
+        let epoch = self.epoch_of(generation)?;
+        let r = with_deadline(
+            "allocate",
+            CALL_TIMEOUT,
+            self.client
+                .clone()
+                .allocate_segment(pb::AllocateSegmentRequest {
+                    kn_id: self.kn_id,
+                    epoch,
+                    stream: u32::from(stream),
+                    deletes_only,
+                }),
+        )
+        .await
+        .map_err(|s| match s.code() {
+            tonic::Code::ResourceExhausted => {
+                KvError::ResourceExhausted(format!("DPM: {}", s.message()))
+            }
+            _ => self.failed(generation, "allocate", s),
+        })?
+        .into_inner();
         Ok(Segment {
             id: r.segment_id,
             offset: r.offset,
@@ -127,43 +305,52 @@ impl DpmLink {
         })
     }
 
-    /// Seals a segment; returns the ids of this KN's segments still unmerged.
-    pub async fn seal(&self, segment: u64) -> KvResult<Vec<u64>> {
-        Ok(self
-            .client
-            .clone()
-            .seal_segment(pb::SealSegmentRequest {
+    /// Seals a segment of session `generation`; returns the ids of this KN's segments still
+    /// unmerged.
+    pub async fn seal(&self, generation: u64, segment: u64) -> KvResult<Vec<u64>> {
+        let epoch = self.epoch_of(generation)?;
+        Ok(with_deadline(
+            "seal",
+            CALL_TIMEOUT,
+            self.client.clone().seal_segment(pb::SealSegmentRequest {
                 kn_id: self.kn_id,
-                epoch: self.epoch,
+                epoch,
                 segment_id: segment,
-            })
-            .await
-            .map_err(|s| unavailable("seal", s))?
-            .into_inner()
-            .pending_ids)
+            }),
+        )
+        .await
+        .map_err(|s| self.failed(generation, "seal", s))?
+        .into_inner()
+        .pending_ids)
     }
 
     pub async fn pending(&self) -> KvResult<Vec<u64>> {
-        Ok(self
-            .client
-            .clone()
-            .pending_segments(pb::PendingSegmentsRequest { kn_id: self.kn_id })
-            .await
-            .map_err(|s| unavailable("pending segments", s))?
-            .into_inner()
-            .pending_ids)
+        Ok(with_deadline(
+            "pending segments",
+            CALL_TIMEOUT,
+            self.client
+                .clone()
+                .pending_segments(pb::PendingSegmentsRequest { kn_id: self.kn_id }),
+        )
+        .await
+        .map_err(|s| unavailable("pending segments", s))?
+        .into_inner()
+        .pending_ids)
     }
 
     /// The offset of a replicated key's indirect cell (`None`: it has none yet).
     pub async fn cell_of(&self, key: &[u8]) -> KvResult<Option<u64>> {
-        match self
-            .client
-            .clone()
-            .install_indirect_cell(pb::IndirectCellRequest {
-                key: key.to_vec(),
-                lookup_only: true,
-            })
-            .await
+        match with_deadline(
+            "indirect cell",
+            CALL_TIMEOUT,
+            self.client
+                .clone()
+                .install_indirect_cell(pb::IndirectCellRequest {
+                    key: key.to_vec(),
+                    lookup_only: true,
+                }),
+        )
+        .await
         {
             Ok(r) => Ok(Some(r.into_inner().cell_offset)),
             Err(s) if s.code() == tonic::Code::NotFound => Ok(None),
@@ -171,17 +358,45 @@ impl DpmLink {
         }
     }
 
+    /// Renews the serving lease of session `generation`: the encoded map of record (if any),
+    /// given only while this KN is not fenced and was not fenced under that map (see the DPM's
+    /// ConfirmServing). A fenced epoch marks the session lost; "fenced under this map" does
+    /// not (registering again would not help: only the next map does).
+    pub async fn confirm_serving(&self, generation: u64) -> KvResult<Option<Vec<u8>>> {
+        let epoch = self.epoch_of(generation)?;
+        Ok(with_deadline(
+            "confirm serving",
+            CALL_TIMEOUT,
+            self.client
+                .clone()
+                .confirm_serving(pb::ConfirmServingRequest {
+                    kn_id: self.kn_id,
+                    epoch,
+                }),
+        )
+        .await
+        .map_err(|s| {
+            if s.code() == tonic::Code::PermissionDenied {
+                self.mark_lost(generation, s.message());
+            }
+            unavailable("confirm serving", s)
+        })?
+        .into_inner()
+        .value)
+    }
+
     /// The encoded cluster map of record, if one was published.
     pub async fn cluster_map(&self) -> KvResult<Option<Vec<u8>>> {
-        Ok(self
-            .client
-            .clone()
-            .get_metadata(pb::GetMetadataRequest {
+        Ok(with_deadline(
+            "metadata",
+            CALL_TIMEOUT,
+            self.client.clone().get_metadata(pb::GetMetadataRequest {
                 name: CLUSTER_MAP_KEY.into(),
-            })
-            .await
-            .map_err(|s| unavailable("metadata", s))?
-            .into_inner()
-            .value)
+            }),
+        )
+        .await
+        .map_err(|s| unavailable("metadata", s))?
+        .into_inner()
+        .value)
     }
 }

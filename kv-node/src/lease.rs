@@ -1,5 +1,11 @@
-//! The KN's serving lease: a KN answers requests only while its last successful read of the
-//! cluster map from the DPM *started* less than `serve_lease` ago.
+//! The KN's serving lease: a KN answers requests only while its last successful renewal
+//! (ConfirmServing at the DPM: the map of record, given only to a KN that is not fenced and
+//! was not fenced under that map) *started* less than `serve_lease` ago.
+//!
+//! A KN fenced while alive (declared failed on a slow heartbeat) cannot renew from the moment
+//! of the fence, even after it registers again, until the next map is published; the
+//! reconfiguration that fenced it waits out the longest lease ([`MAX_SERVE_LEASE`]) before it
+//! publishes that map, so by then the old owner has stopped serving the moved keys.
 //!
 //! Why: fencing at the DPM stops a failed KN's writes, not its reads from its own caches. A KN
 //! that was paused (SIGSTOP, a long GC-like stall) or cut off keeps its old map; once the
@@ -12,6 +18,11 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+
+/// The longest serving lease a KN accepts; a reconfiguration that fences a live KN waits
+/// this long before it publishes (dinomo_client::admin relies on it).
+pub const MAX_SERVE_LEASE: Duration =
+    Duration::from_millis(dinomo_proto::MAX_KN_SERVE_LEASE_MS);
 
 #[derive(Debug)]
 pub struct ServeLease {

@@ -19,6 +19,7 @@ pub mod node;
 pub mod remote_index;
 pub mod server;
 pub mod service;
+pub mod session;
 pub mod shard;
 pub mod stats;
 pub mod unmerged;

@@ -1,12 +1,29 @@
 //! The KV node as a library: registers with the DPM, starts its shards, keeps the cluster map
 //! (of record in the DPM's metadata) and routes each request to the shard that owns its key,
 //! after checking that this KN owns it.
+//!
+//! Map installs: a KN resets its shards (caches, copies of merged segments) whenever the map it
+//! installs changes its ownership, judged against the map it had. Maps carry no per-range
+//! ownership epochs, so a KN that skips versions (it polls, or missed a commit) cannot tell
+//! whether a range moved away and back between the versions it saw: any jump of more than one
+//! version resets too.
+//!
+//! Map changes: between PrepareMap and CommitMap the KN pauses the keys that move (the
+//! `transition`). That state is bounded by `prepare_timeout`: then the KN settles it with the
+//! DPM's record of the change ([`KvNode::settle_transition`]): withdrawn if it had not passed
+//! its point of no return, waited for if it had; when it ends, the KN takes the published map
+//! through [`KvNode::install_map`], so it never serves a key the map of record does not give
+//! it, nor a value cached under an ownership it lost.
+//!
+//! Stopping: [`KvNode::shutdown`] refuses new requests, lets every admitted one reach its shard,
+//! and waits (bounded) for each shard to write out and seal its log.
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use dinomo_fabric::Fabric;
 use dinomo_placement::{ClusterMap, KnInfo};
 use parking_lot::RwLock;
 use tokio::sync::oneshot;
@@ -31,6 +48,10 @@ fn bootstrap_map(kn: u32, endpoint: &str) -> ClusterMap {
     m.version = 0;
     m
 }
+
+/// Wraps each shard's fabric handle (shard id, handle) before the shard uses it: how tests put
+/// a fault-injecting fabric ([`dinomo_fabric::fault::Faulty`]) under a KN. Production passes none.
+pub type FabricHook = Arc<dyn Fn(u32, Arc<dyn Fabric>) -> Arc<dyn Fabric> + Send + Sync>;
 
 /// Totals across shards, for the Stats RPC and /metrics.
 #[derive(Debug, Clone, Default)]
@@ -65,20 +86,35 @@ pub struct KvNode {
     occupancy: RwLock<f64>,
     /// The map being moved to (between PrepareMap and CommitMap).
     transition: RwLock<Option<Arc<ClusterMap>>>,
+    /// When `transition` was last set or re-checked: it is settled with the DPM once
+    /// `config.prepare_timeout` has passed since ([`KvNode::settle_transition`]).
+    transition_since: RwLock<Instant>,
     install_lock: tokio::sync::Mutex<()>,
     /// Held shared by a request from its ownership check until it is queued at its shard;
     /// PrepareMap takes it exclusively (after setting `transition`), so every request admitted
     /// under the old map is queued before the SealLog that follows.
     gate: tokio::sync::RwLock<()>,
     lease: Arc<crate::lease::ServeLease>,
+    /// Whether the DPM session works (the session keeper updates it).
+    session_health: Arc<crate::session::SessionHealth>,
     /// Indirect-cell offsets of the replicated keys this KN co-owns, valid under the map
     /// version they are tagged with (a key de-replicated and replicated again gets a new cell).
     cells: RwLock<(u64, hashbrown::HashMap<Bytes, u64>)>,
+    /// Set by [`KvNode::shutdown`]: requests are refused.
+    stopping: AtomicBool,
 }
+
+/// How long [`KvNode::shutdown`] waits for the shards to seal their logs.
+pub const SHUTDOWN_WAIT: Duration = Duration::from_secs(10);
 
 impl KvNode {
     /// Registers with the DPM and starts the shards and the map watcher.
     pub async fn start(config: KnConfig) -> KvResult<Arc<Self>> {
+        Self::start_with(config, None).await
+    }
+
+    /// [`KvNode::start`], with each shard's fabric handle passed through `hook` (tests).
+    pub async fn start_with(config: KnConfig, hook: Option<FabricHook>) -> KvResult<Arc<Self>> {
         let link = Arc::new(DpmLink::register(&config.dpm, config.kn_id, &config.advertise).await?);
         let largest = config.max_key_bytes + config.max_value_bytes + 64;
         if largest as u64 > link.segment_size / 4 {
@@ -87,10 +123,11 @@ impl KvNode {
                 link.segment_size
             )));
         }
-        tracing::info!(kn = link.kn_id, epoch = link.epoch, fabric = %link.fabric.kind, "registered with the DPM");
+        tracing::info!(kn = link.kn_id, epoch = link.epoch(), fabric = %link.session().fabric.kind, "registered with the DPM");
         // Versions: unique per KN incarnation and increasing across incarnations.
-        let versions = Arc::new(AtomicU64::new(link.epoch << 32));
+        let versions = Arc::new(AtomicU64::new(link.epoch() << 32));
         let lease = Arc::new(crate::lease::ServeLease::new(config.serve_lease));
+        let session_health = Arc::new(crate::session::SessionHealth::default());
         let per_shard = config.cache_bytes / config.shards as usize;
         let mut shards = Vec::new();
         for i in 0..config.shards {
@@ -104,7 +141,7 @@ impl KvNode {
                 batch_delay: config.batch_delay,
                 max_unmerged_segments: config.max_unmerged_segments,
             };
-            shards.push(shard::spawn(i, cfg, link.clone(), versions.clone()).await?);
+            shards.push(shard::spawn(i, cfg, link.clone(), versions.clone(), hook.as_ref()).await?);
         }
         let map = match link.cluster_map().await? {
             Some(b) => ClusterMap::decode(&b)
@@ -120,12 +157,21 @@ impl KvNode {
             wrong_owner: AtomicU64::new(0),
             occupancy: RwLock::new(0.0),
             transition: RwLock::new(None),
+            transition_since: RwLock::new(Instant::now()),
             install_lock: tokio::sync::Mutex::new(()),
             gate: tokio::sync::RwLock::new(()),
             lease,
+            session_health: session_health.clone(),
             cells: RwLock::new((first_version, hashbrown::HashMap::new())),
+            stopping: AtomicBool::new(false),
         });
         tokio::spawn(watch_map(Arc::downgrade(&node)));
+        tokio::spawn(expire_transitions(Arc::downgrade(&node)));
+        tokio::spawn(crate::session::keep(
+            Arc::downgrade(&node.link),
+            session_health,
+            node.link.index_root,
+        ));
         tokio::spawn(measure_occupancy(Arc::downgrade(&node)));
         Ok(node)
     }
@@ -134,8 +180,14 @@ impl KvNode {
         self.link.kn_id
     }
 
+    /// False once the DPM session has been broken for a while (session module): the Stats
+    /// heartbeat then fails, so the monitor does not take a KN that cannot write for a live one.
+    pub fn session_healthy(&self) -> bool {
+        self.session_health.healthy()
+    }
+
     pub fn epoch(&self) -> u64 {
-        self.link.epoch
+        self.link.epoch()
     }
 
     pub fn map(&self) -> Arc<ClusterMap> {
@@ -143,8 +195,9 @@ impl KvNode {
     }
 
     /// Installs a newer map (older or equal versions are ignored). When the KN's ownership
-    /// changes under it, every shard is reset first (caches, and copies of merged segments), so
-    /// a key it gains is never served from state cached under an older ownership.
+    /// changes under it, or versions were skipped (module doc), every shard is reset first
+    /// (caches, and copies of merged segments), so a key it gains is never served from state
+    /// cached under an older ownership.
     pub async fn install_map(&self, map: ClusterMap) {
         let _g = self.install_lock.lock().await;
         let cur = self.map();
@@ -153,12 +206,15 @@ impl KvNode {
         }
         let me = self.link.kn_id;
         let changes = cur.changed_ranges(&map);
-        if changes.contains(&me) {
+        // A skipped version may have moved this KN's keys away and back.
+        let skipped = map.version - cur.version > 1;
+        let reset = skipped || changes.contains(&me);
+        if reset {
             self.control_all(Control::Reset).await;
         }
         {
             let mut cells = self.cells.write();
-            if cur.replicated != map.replicated {
+            if skipped || cur.replicated != map.replicated {
                 // A key de-replicated and replicated again gets a new cell.
                 cells.1.clear();
             }
@@ -169,6 +225,7 @@ impl KvNode {
             to = map.version,
             kns = map.kns.len(),
             ownership_changed = changes.contains(&me),
+            reset,
             "cluster map installed"
         );
         *self.map.write() = Arc::new(map);
@@ -183,7 +240,11 @@ impl KvNode {
             return Ok(cur.version);
         }
         let v = next.version;
-        *self.transition.write() = Some(Arc::new(next));
+        {
+            let mut t = self.transition.write();
+            *t = Some(Arc::new(next));
+            *self.transition_since.write() = Instant::now();
+        }
         // Wait out the requests between their ownership check and their shard queue.
         drop(self.gate.write().await);
         self.control_all(Control::SealLog).await;
@@ -195,15 +256,104 @@ impl KvNode {
         Ok(v)
     }
 
-    /// Reconfiguration step 3: take the new map and resume.
+    /// Reconfiguration step 3: take the new map and resume. A map older than the one this KN
+    /// is prepared for is a hint that the change was rolled back: the KN asks the DPM
+    /// ([`KvNode::settle_transition`], without withdrawing anything) and resumes if the change
+    /// is no longer recorded. The hint is checked, never trusted: a late commit of an earlier
+    /// change must not end the pause of the current one.
     pub async fn commit_map(&self, next: ClusterMap) -> KvResult<u64> {
         let v = next.version;
         self.install_map(next).await;
-        let mut t = self.transition.write();
-        if t.as_ref().is_some_and(|m| m.version <= v) {
-            *t = None;
+        let pending = {
+            let mut t = self.transition.write();
+            if t.as_ref().is_some_and(|m| m.version <= v) {
+                *t = None;
+            }
+            t.clone()
+        };
+        if let Some(t) = pending {
+            if let Err(e) = self.settle_transition(t, false).await {
+                tracing::debug!(error = %e, "cannot settle the transition now; its bound will");
+            }
         }
         Ok(self.map().version)
+    }
+
+    /// Ends the transition to `t` (if it is still the one in progress) unless the DPM says
+    /// its change must still complete; returns whether it ended. The reconfiguration record
+    /// (`client::admin::Intent`, metadata "cluster/reconfiguration") decides:
+    /// - it records `t` in its Commit phase: the change is past its point of no return and a
+    ///   monitor will publish `t`; the KN keeps waiting;
+    /// - it records `t` in its Prepare phase: with `withdraw` (the prepare bound passed), the
+    ///   KN deletes the record (CompareAndPutMetadata over the bytes read), after which the
+    ///   change can no longer reach its fences and merges; without, it keeps waiting;
+    /// - anything else (no record, another change): `t`'s change was finished or abandoned.
+    ///
+    /// Then the KN takes the published map through [`KvNode::install_map`] (which resets the
+    /// shards if its ownership changed) and leaves the transition: it serves what the map of
+    /// record gives it and nothing else.
+    pub async fn settle_transition(&self, t: Arc<ClusterMap>, withdraw: bool) -> KvResult<bool> {
+        if t.version > self.map().version {
+            use dinomo_proto::dpm as pb;
+            let unavailable = |what: &str, s: tonic::Status| {
+                KvError::Unavailable(format!("{what}: {}", s.message()))
+            };
+            let ep = tonic::transport::Endpoint::from_shared(self.config.dpm.clone())
+                .map_err(|e| KvError::Internal(format!("dpm address: {e}")))?
+                .connect_timeout(Duration::from_secs(1))
+                .timeout(Duration::from_secs(2));
+            let mut d = pb::dpm_service_client::DpmServiceClient::new(ep.connect_lazy());
+            let raw = d
+                .get_metadata(pb::GetMetadataRequest {
+                    name: RECONFIGURATION_KEY.into(),
+                })
+                .await
+                .map_err(|s| unavailable("reading the reconfiguration record", s))?
+                .into_inner()
+                .value;
+            if let Some(raw) = raw {
+                match recorded_change(&raw) {
+                    None => {
+                        tracing::warn!(
+                            "the reconfiguration record is unreadable; staying prepared"
+                        );
+                        return Ok(false);
+                    }
+                    Some((phase, next)) if next.encode() == t.encode() => {
+                        if phase != INTENT_PREPARE || !withdraw {
+                            return Ok(false);
+                        }
+                        d.compare_and_put_metadata(pb::CompareAndPutMetadataRequest {
+                            name: RECONFIGURATION_KEY.into(),
+                            value: None,
+                            expected: Some(raw),
+                        })
+                        .await
+                        .map_err(|s| unavailable("withdrawing the reconfiguration", s))?;
+                        tracing::warn!(
+                            to = t.version,
+                            "prepare bound passed: map change withdrawn at the DPM"
+                        );
+                    }
+                    Some(_) => {}
+                }
+            }
+            if let Some(b) = self.link.cluster_map().await? {
+                let m = ClusterMap::decode(&b)
+                    .map_err(|e| KvError::Internal(format!("cluster map in the DPM: {e}")))?;
+                self.install_map(m).await;
+            }
+        }
+        let mut cur = self.transition.write();
+        if cur.as_ref().is_some_and(|c| Arc::ptr_eq(c, &t)) {
+            *cur = None;
+            tracing::info!(
+                prepared_for = t.version,
+                map = self.map().version,
+                "left the map transition; serving under the published map"
+            );
+        }
+        Ok(true)
     }
 
     async fn control_all(&self, ctl: Control) {
@@ -272,6 +422,9 @@ impl KvNode {
         };
         self.validate_key(key)?;
         let _admitted = self.gate.read().await;
+        if self.stopping.load(Ordering::Acquire) {
+            return Err(KvError::Unavailable("the KN is stopping".into()));
+        }
         let map = self.map();
         let me = self.link.kn_id;
         if let Some(next) = self.transition.read().clone() {
@@ -366,9 +519,85 @@ impl KvNode {
         s
     }
 
-    /// Stops accepting requests; shards flush their open batches.
-    pub fn shutdown(&self) {
-        // Dropping the senders is done when the node is dropped; nothing else holds them.
+    /// A clean stop: refuses new requests, then has every shard finish the requests it was
+    /// given, write out its open batch and seal its log, and waits for that (at most
+    /// [`SHUTDOWN_WAIT`]). Returns false if some shard did not finish in time (its log is then
+    /// left for a MergeAll). Requests after this answer UNAVAILABLE.
+    pub async fn shutdown(&self) -> bool {
+        self.stopping.store(true, Ordering::Release);
+        let all = async {
+            // Wait out the admitted requests (a request holds the gate until it is answered).
+            drop(self.gate.write().await);
+            let mut acks = Vec::new();
+            for sh in &self.shards {
+                let (tx, rx) = oneshot::channel();
+                if sh.tx.send(ShardMsg::Stop(tx)).await.is_ok() {
+                    acks.push(rx);
+                }
+            }
+            for a in acks {
+                let _ = a.await;
+            }
+        };
+        let done = tokio::time::timeout(SHUTDOWN_WAIT, all).await.is_ok();
+        if !done {
+            tracing::warn!(
+                "the shards did not seal their logs within {SHUTDOWN_WAIT:?}; stopping anyway"
+            );
+        }
+        done
+    }
+}
+
+/// The reconfiguration record's name (client::admin::RECONFIGURATION_KEY).
+const RECONFIGURATION_KEY: &str = "cluster/reconfiguration";
+/// Its Prepare phase (client::admin::IntentPhase).
+const INTENT_PREPARE: u8 = 1;
+
+/// The phase and target map of a reconfiguration record (format 1, laid out in
+/// `client::admin::Intent`): None if it is of another format or unreadable.
+fn recorded_change(b: &[u8]) -> Option<(u8, ClusterMap)> {
+    let u32_at = |o: usize| -> Option<usize> {
+        Some(u32::from_le_bytes(b.get(o..o + 4)?.try_into().ok()?) as usize)
+    };
+    if *b.first()? != 1 {
+        return None;
+    }
+    let phase = *b.get(1)?;
+    let mut o = 18;
+    o += 4 + 4 * u32_at(o)?; // the dead KNs
+    o += 4 + u32_at(o)?; // the current map
+    let len = u32_at(o)?;
+    let next = ClusterMap::decode(b.get(o + 4..o + 4 + len)?).ok()?;
+    Some((phase, next))
+}
+
+/// Bounds a KN's prepared state: a transition older than `prepare_timeout` is settled with
+/// the DPM ([`KvNode::settle_transition`], withdrawing it if it is not past its point of no
+/// return); if it must still complete, it is checked again after as long.
+async fn expire_transitions(node: std::sync::Weak<KvNode>) {
+    loop {
+        let Some(n) = node.upgrade() else { return };
+        let bound = n.config.prepare_timeout;
+        let t = n.transition.read().clone();
+        if let Some(t) = t {
+            if n.transition_since.read().elapsed() >= bound {
+                match n.settle_transition(t.clone(), true).await {
+                    Ok(true) => {}
+                    Ok(false) => {
+                        tracing::info!(
+                            prepared_for = t.version,
+                            "map change past its point of no return: waiting for its map"
+                        );
+                        *n.transition_since.write() = Instant::now();
+                    }
+                    Err(e) => tracing::warn!(error = %e, "cannot settle the map transition yet"),
+                }
+            }
+        }
+        drop(n);
+        tokio::time::sleep((bound / 4).clamp(Duration::from_millis(5), Duration::from_millis(500)))
+            .await;
     }
 }
 
@@ -377,7 +606,8 @@ async fn watch_map(node: std::sync::Weak<KvNode>) {
         let Some(n) = node.upgrade() else { return };
         let every = n.config.map_poll;
         let started = Instant::now();
-        match n.link.cluster_map().await {
+        // Not a plain map read: the DPM confirms that this KN is not fenced (lease module).
+        match n.link.confirm_serving(n.link.generation()).await {
             Ok(Some(b)) => match ClusterMap::decode(&b) {
                 Ok(m) => {
                     n.install_map(m).await;

@@ -1,4 +1,5 @@
-//! Runs a kv-node: starts the node, serves KvService, stops on a shutdown signal.
+//! Runs a kv-node: starts the node, serves KvService, stops on a shutdown signal. A stop seals
+//! the node's logs ([`KvNode::shutdown`]) before [`run`] returns.
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -58,6 +59,8 @@ pub async fn run(
             tokio::time::sleep(Duration::from_secs(2)).await;
         } => Ok(()),
     };
+    // Seal the logs before returning: the runtime may be torn down right after.
+    node.shutdown().await;
     drop(node);
     served.map_err(|e| KvError::Internal(format!("gRPC server failed: {e}")))?;
     tracing::info!("kv-node stopped");

@@ -96,6 +96,58 @@ async fn run_one(node: &KvNode, req: pb::KvRequest) -> pb::KvResponse {
     response(id, r)
 }
 
+/// Most requests of one Pipeline stream that the KN works on at once (running, or answered and
+/// waiting for room in the response channel). Without a bound, a client that streams faster
+/// than the shards answer makes the KN accept and hold every request it sends. With it, a
+/// stream holds at most this many requests plus [`PIPELINE_RESPONSE_QUEUE`] answers, each at
+/// most `max_key_bytes + max_value_bytes`. 1024 keeps the concurrency the unbounded version
+/// had for any client with fewer than 1024 requests outstanding; no benchmark has tuned it.
+const PIPELINE_MAX_IN_FLIGHT: usize = 1024;
+
+/// Answers of one Pipeline stream queued for the client before the KN stops working for it.
+const PIPELINE_RESPONSE_QUEUE: usize = 1024;
+
+/// Runs the requests of one Pipeline stream concurrently, at most `max_in_flight` at a time,
+/// and sends their responses, in completion order, to the returned channel.
+///
+/// Backpressure, not buffering: a slot is taken before the next request is read, so at the
+/// bound the stream is left unread and HTTP/2 flow control stops the client. A request's slot
+/// is given back only once its response is in the channel, so a client that does not read its
+/// answers is stopped the same way.
+fn drive_pipeline<S, F, Fut>(
+    mut incoming: S,
+    max_in_flight: usize,
+    run: F,
+) -> tokio::sync::mpsc::Receiver<Result<pb::KvResponse, Status>>
+where
+    S: Stream<Item = Result<pb::KvRequest, Status>> + Send + Unpin + 'static,
+    F: Fn(pb::KvRequest) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = pb::KvResponse> + Send + 'static,
+{
+    let (tx, rx) = tokio::sync::mpsc::channel(PIPELINE_RESPONSE_QUEUE);
+    let slots = Arc::new(tokio::sync::Semaphore::new(max_in_flight));
+    tokio::spawn(async move {
+        loop {
+            let Ok(slot) = slots.clone().acquire_owned().await else {
+                break; // never closed
+            };
+            // The stream ends, fails, or nobody reads the answers any more: stop reading.
+            let Some(Ok(r)) = incoming.next().await else {
+                break;
+            };
+            if tx.is_closed() {
+                break;
+            }
+            let (fut, tx) = (run(r), tx.clone());
+            tokio::spawn(async move {
+                let _ = tx.send(Ok(fut.await)).await;
+                drop(slot);
+            });
+        }
+    });
+    rx
+}
+
 type ResponseStream = Pin<Box<dyn Stream<Item = Result<pb::KvResponse, Status>> + Send>>;
 
 #[tonic::async_trait]
@@ -158,18 +210,15 @@ impl KvService for KvGrpc {
         &self,
         req: Request<Streaming<pb::KvRequest>>,
     ) -> Result<Response<Self::PipelineStream>, Status> {
-        let mut incoming = req.into_inner();
         let node = self.node.clone();
-        let (tx, rx) = tokio::sync::mpsc::channel::<Result<pb::KvResponse, Status>>(1024);
-        tokio::spawn(async move {
-            while let Some(msg) = incoming.next().await {
-                let Ok(r) = msg else { break };
-                let (node, tx) = (node.clone(), tx.clone());
-                tokio::spawn(async move {
-                    let _ = tx.send(Ok(run_one(&node, r).await)).await;
-                });
-            }
-        });
+        let rx = drive_pipeline(
+            req.into_inner(),
+            PIPELINE_MAX_IN_FLIGHT,
+            move |r: pb::KvRequest| {
+                let node = node.clone();
+                async move { run_one(&node, r).await }
+            },
+        );
         Ok(Response::new(Box::pin(
             tokio_stream::wrappers::ReceiverStream::new(rx),
         )))
@@ -197,6 +246,15 @@ impl KvService for KvGrpc {
         &self,
         req: Request<pb::KnStatsRequest>,
     ) -> Result<Response<pb::KnStatsResponse>, Status> {
+        // The heartbeat the monitor relies on: a KN that cannot write (its DPM session has
+        // been broken for a while and registering again fails) must not look alive.
+        if !self.node.session_healthy() {
+            return Err(KvError::Unavailable(
+                "this KN's session with the DPM has been broken for seconds; it cannot write"
+                    .into(),
+            )
+            .into());
+        }
         let top = req.into_inner().top_keys.min(1000) as usize;
         let s = self.node.stats(top);
         Ok(Response::new(pb::KnStatsResponse {
@@ -228,5 +286,95 @@ impl KvService for KvGrpc {
             promotions: s.promotions,
             demotions: s.demotions,
         }))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::time::Duration;
+
+    fn get(id: u64) -> Result<pb::KvRequest, Status> {
+        Ok(pb::KvRequest {
+            id,
+            op: Some(pb::kv_request::Op::Get(pb::GetRequest {
+                key: id.to_be_bytes().to_vec(),
+            })),
+        })
+    }
+
+    /// A client streams far more requests than a stuck shard can answer: the KN must work on
+    /// at most `max_in_flight` of them and leave the rest unread in the stream (HTTP/2 flow
+    /// control then pushes back on the client), not accept and buffer them all.
+    #[tokio::test]
+    async fn pipeline_bounds_in_flight_requests_and_stops_reading() {
+        const SENT: u64 = 10_000;
+        const LIMIT: usize = 8;
+        let read = Arc::new(AtomicUsize::new(0));
+        let in_flight = Arc::new(AtomicUsize::new(0));
+        let max_seen = Arc::new(AtomicUsize::new(0));
+        // The shard: stuck until the test opens the gate.
+        let gate = Arc::new(tokio::sync::Semaphore::new(0));
+
+        let counted = read.clone();
+        let incoming = tokio_stream::iter((0..SENT).map(get)).map(move |r| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            r
+        });
+        let (inf, max, g) = (in_flight.clone(), max_seen.clone(), gate.clone());
+        let mut rx = drive_pipeline(Box::pin(incoming), LIMIT, move |r: pb::KvRequest| {
+            let (inf, max, g) = (inf.clone(), max.clone(), g.clone());
+            async move {
+                let now = inf.fetch_add(1, Ordering::SeqCst) + 1;
+                max.fetch_max(now, Ordering::SeqCst);
+                g.acquire().await.unwrap().forget();
+                inf.fetch_sub(1, Ordering::SeqCst);
+                response(r.id, Ok(None))
+            }
+        });
+
+        // Let the driver read as far as it will.
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let (r, m) = (read.load(Ordering::SeqCst), max_seen.load(Ordering::SeqCst));
+        assert!(
+            m <= LIMIT && r <= LIMIT + 1,
+            "with a stuck shard the KN read {r} of {SENT} requests and ran {m} at once; \
+             the bound is {LIMIT}"
+        );
+
+        // Unstick the shard: every request is still answered, once.
+        gate.add_permits(SENT as usize);
+        let mut ids = std::collections::HashSet::new();
+        while let Some(resp) = rx.recv().await {
+            assert!(ids.insert(resp.unwrap().id));
+        }
+        assert_eq!(ids.len(), SENT as usize);
+        assert!(max_seen.load(Ordering::SeqCst) <= LIMIT);
+    }
+
+    /// A client that streams requests but never reads the answers is stopped too: once the
+    /// response channel is full, the slots stay taken and the stream is left unread.
+    #[tokio::test]
+    async fn pipeline_stops_reading_when_answers_are_not_read() {
+        const SENT: u64 = 10_000;
+        const LIMIT: usize = 8;
+        let read = Arc::new(AtomicUsize::new(0));
+        let counted = read.clone();
+        let incoming = tokio_stream::iter((0..SENT).map(get)).map(move |r| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            r
+        });
+        let rx = drive_pipeline(Box::pin(incoming), LIMIT, |r: pb::KvRequest| async move {
+            response(r.id, Ok(None))
+        });
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let r = read.load(Ordering::SeqCst);
+        assert!(
+            r <= rx.max_capacity() + LIMIT + 1,
+            "the KN read {r} of {SENT} requests while its {} answers went unread",
+            rx.max_capacity()
+        );
+        drop(rx);
     }
 }

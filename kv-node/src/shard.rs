@@ -6,10 +6,26 @@
 //! is idle, otherwise when the batch is full or its oldest write has waited `batch_delay`), with
 //! at most one batch WRITE in flight per shard, so only the newest batch of a log can be torn.
 //! A write is acknowledged, and becomes visible to reads, only when its batch's WRITE has
-//! completed (durable at the DPM). Reads never see unacknowledged writes; conditional writes
-//! (insert/update/delete) do see earlier unacknowledged writes of the same shard, since those
-//! are ordered before them in the log. If a batch WRITE fails, every unacknowledged write fails
-//! and the segment is abandoned (sealed as it is; its log may end in a torn batch).
+//! completed (durable at the DPM). If a batch WRITE fails, every unacknowledged write fails and
+//! the segment is abandoned (sealed as it is; its log may end in a torn batch).
+//!
+//! Nothing is answered from unacknowledged state. Reads never see unacknowledged writes. A
+//! conditional write (insert/update/delete) whose key has an unacknowledged write (in flight or
+//! in the open batch) is decided on top of it only when that lets it be logged: it is then
+//! logged after the write it depends on, so it is acknowledged only after it, and if that write
+//! fails, so does it (a failed batch WRITE fails the open batch too). A refusal (ALREADY_EXISTS,
+//! NOT_FOUND) would be an answer without a write of its own, so it is never given on top of an
+//! unacknowledged write: such a request is deferred, in arrival order, and run again once the
+//! write is resolved, acknowledged or failed. Later writes of a key with a deferred request are
+//! deferred behind it, so each key's requests keep their order and a deferred request is not
+//! starved by upserts. At most [`MAX_DEFERRED`] requests wait; past that a request that would
+//! wait answers UNAVAILABLE. A SealLog or a stop first runs every deferred request, so each
+//! request queued before it is in the log it seals.
+//!
+//! The unmerged-log copy answers reads ahead of the index, so it must never hold a segment the
+//! DPM has merged while the key moved away: a Reset (ownership change) asks the DPM which
+//! segments are still pending, and if it cannot, the shard refuses requests (UNAVAILABLE)
+//! until a later ask succeeds.
 //!
 //! Replicated (hot) keys (DINOMO 3.4) are shared by several KNs through an indirect cell at the
 //! DPM, so this shard's caches and unmerged copies say nothing about them: a read READs the
@@ -21,6 +37,7 @@
 //! and if another KN wrote first it is not applied and answers UNAVAILABLE (retry). Its logged
 //! entry then is never pointed to and stays dead.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -80,6 +97,9 @@ pub struct ShardRequest {
 pub enum ShardMsg {
     Op(ShardRequest),
     Control(Control, oneshot::Sender<()>),
+    /// Finish every queued and deferred request, write out and seal the log, answer, and end
+    /// the task (a clean stop).
+    Stop(oneshot::Sender<()>),
 }
 
 /// How a write to a replicated key swings its cell.
@@ -94,6 +114,8 @@ struct CellWrite {
 const MAX_CELL_CAS: usize = 64;
 /// Cell reads that found a moved entry before a read gives up (retry).
 const MAX_CELL_READS: usize = 4;
+/// Requests waiting for an earlier write of their key to be resolved (module doc).
+pub const MAX_DEFERRED: usize = 1024;
 
 /// Control messages (reconfiguration).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -101,7 +123,8 @@ pub enum Control {
     /// Write out the open batch, wait for the WRITE in flight, seal the log's open segment.
     SealLog,
     /// Drop cached values and shortcuts and the copies of merged segments (the shard is about
-    /// to serve keys it may have cached under an older ownership).
+    /// to serve keys it may have cached under an older ownership). If the DPM cannot say which
+    /// segments are merged, the shard refuses requests until it can (module doc).
     Reset,
 }
 
@@ -163,12 +186,25 @@ struct Done {
     cell_errors: Vec<Option<KvError>>,
 }
 
+/// A fabric hook (a closure, so Debug by hand).
+struct Hook(crate::node::FabricHook);
+
+impl std::fmt::Debug for Hook {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("FabricHook")
+    }
+}
+
 #[derive(Debug)]
 struct Shard {
     id: u32,
     cfg: ShardConfig,
     link: Arc<DpmLink>,
     fabric: Arc<dyn Fabric>,
+    /// The DPM session `fabric` and the log state belong to (see `dpm_link`).
+    generation: u64,
+    /// Wraps every fabric handle (tests inject faults with it).
+    hook: Option<Hook>,
     cache: Cache,
     index: RemoteIndex,
     unmerged: Unmerged,
@@ -181,6 +217,15 @@ struct Shard {
     inflight: bool,
     /// Latest unacknowledged write per key (None = delete) and its write number.
     pending: HashMap<Bytes, (Option<Bytes>, u64)>,
+    /// Requests waiting for an earlier write of their key to be resolved, in arrival order.
+    deferred: VecDeque<ShardRequest>,
+    /// How many of `deferred` each key has.
+    deferred_keys: HashMap<Bytes, u32>,
+    /// A pending write was resolved since `deferred` was last run.
+    recheck: bool,
+    /// A Reset could not learn from the DPM which segments are merged: `unmerged` may hold
+    /// copies of merged segments, so requests are refused until a later ask succeeds.
+    unconfirmed: bool,
     next_write_no: u64,
     versions: Arc<AtomicU64>,
     stats: Arc<ShardStats>,
@@ -194,8 +239,12 @@ pub async fn spawn(
     cfg: ShardConfig,
     link: Arc<DpmLink>,
     versions: Arc<AtomicU64>,
+    hook: Option<&crate::node::FabricHook>,
 ) -> KvResult<ShardHandle> {
-    let fabric = link.connect_fabric().await?;
+    let (mut fabric, generation) = link.connect_fabric().await?;
+    if let Some(h) = hook {
+        fabric = h(id, fabric);
+    }
     let (tx, rx) = mpsc::channel(1024);
     let stats = Arc::new(ShardStats::default());
     let top = Arc::new(Mutex::new(TopK::new(128)));
@@ -207,6 +256,8 @@ pub async fn spawn(
         cfg,
         link,
         fabric: fabric.clone(),
+        generation,
+        hook: hook.cloned().map(Hook),
         unmerged: Unmerged::default(),
         segment: None,
         sealed: Vec::new(),
@@ -214,6 +265,10 @@ pub async fn spawn(
         batch: None,
         inflight: false,
         pending: HashMap::new(),
+        deferred: VecDeque::new(),
+        deferred_keys: HashMap::new(),
+        recheck: false,
+        unconfirmed: false,
         next_write_no: 0,
         versions,
         stats: stats.clone(),
@@ -244,6 +299,7 @@ impl Shard {
         let (done_tx, mut done_rx) = mpsc::unbounded_channel::<Done>();
         let mut tick = tokio::time::interval(Duration::from_millis(50));
         let mut ticks = 0u64;
+        let mut stopped = None;
         loop {
             let deadline = self
                 .batch
@@ -260,6 +316,10 @@ impl Shard {
                 msg = rx.recv(), if accept => {
                     match msg {
                         None => break,
+                        Some(ShardMsg::Stop(ack)) => {
+                            stopped = Some(ack);
+                            break;
+                        }
                         Some(ShardMsg::Control(ctl, ack)) => {
                             self.control(ctl, &done_tx, &mut done_rx).await;
                             let _ = ack.send(());
@@ -274,6 +334,11 @@ impl Shard {
                 _ = sleep_until(deadline), if deadline.is_some() && !self.inflight => {}
                 _ = tick.tick() => {
                     ticks += 1;
+                    if self.session_changed() && !self.inflight {
+                        if let Err(e) = self.adopt_session().await {
+                            tracing::debug!(shard = self.id, error = %e, "cannot start over on a new DPM session yet");
+                        }
+                    }
                     self.refresh_merged().await;
                     *self.cache_stats.lock() = self.cache.stats();
                     if ticks.is_multiple_of(20) {
@@ -281,6 +346,7 @@ impl Shard {
                     }
                 }
             }
+            self.run_deferred().await;
             if !self.inflight {
                 if let Some(b) = &self.batch {
                     let full = b.builder.encoded_len() >= self.cfg.batch_bytes;
@@ -291,24 +357,52 @@ impl Shard {
                 }
             }
         }
-        // Channel closed: the node is stopping. Write what is open and wait for it.
-        if self.batch.is_some() && !self.inflight {
-            self.flush(&done_tx).await;
+        // Stop, or channel closed: the node is stopping. Write what is open and wait for it;
+        // a clean stop seals the log, so the DPM merges all of it without a MergeAll.
+        self.drain(&done_tx, &mut done_rx).await;
+        self.seal_all().await;
+        tracing::debug!(
+            shard = self.id,
+            sealed = self.to_seal.is_empty(),
+            "shard stopped"
+        );
+        if let Some(ack) = stopped {
+            let _ = ack.send(());
         }
-        while self.inflight {
-            match done_rx.recv().await {
-                Some(done) => self.complete(done),
-                None => break,
+    }
+
+    /// Runs every deferred request and writes out every batch, until nothing is unresolved.
+    async fn drain(
+        &mut self,
+        done_tx: &mpsc::UnboundedSender<Done>,
+        done_rx: &mut mpsc::UnboundedReceiver<Done>,
+    ) {
+        loop {
+            if self.inflight {
+                match done_rx.recv().await {
+                    Some(done) => self.complete(done),
+                    None => break,
+                }
+            } else if self.batch.is_some() {
+                self.flush(done_tx).await;
+            } else if !self.deferred.is_empty() {
+                // Nothing in flight and no open batch: no key is pending, every one can run.
+                self.recheck = true;
+            } else {
+                break;
             }
+            self.run_deferred().await;
         }
-        // A clean stop seals the log, so the DPM merges all of it without a MergeAll.
+    }
+
+    /// Seals the abandoned segments and the open one.
+    async fn seal_all(&mut self) {
         for id in std::mem::take(&mut self.to_seal) {
             self.seal(id).await;
         }
         if let Some(s) = self.segment.take() {
             self.seal(s.seg.id).await;
         }
-        tracing::debug!(shard = self.id, "shard stopped");
     }
 
     async fn control(
@@ -319,35 +413,141 @@ impl Shard {
     ) {
         match ctl {
             Control::SealLog => {
-                loop {
-                    if self.inflight {
-                        match done_rx.recv().await {
-                            Some(done) => self.complete(done),
-                            None => break,
-                        }
-                    } else if self.batch.is_some() {
-                        self.flush(done_tx).await;
-                    } else {
-                        break;
-                    }
-                }
-                for id in std::mem::take(&mut self.to_seal) {
-                    self.seal(id).await;
-                }
-                if let Some(s) = self.segment.take() {
-                    self.seal(s.seg.id).await;
-                }
+                self.drain(done_tx, done_rx).await;
+                self.seal_all().await;
             }
             Control::Reset => {
-                if let Ok(pending) = self.link.pending().await {
-                    self.apply_pending(&pending);
-                }
                 self.cache = Cache::new(self.cfg.cache.clone());
+                // Copies of segments merged meanwhile may hold values another KN has since
+                // overwritten; without the DPM's word, none of the copies can be trusted.
+                self.unconfirmed = true;
+                if let Err(e) = self.confirm_merged().await {
+                    tracing::warn!(shard = self.id, error = %e, "cannot learn which log segments are merged; refusing requests until the DPM answers");
+                }
             }
         }
     }
 
+    /// Has the DPM session changed, or died, since this shard's state was built?
+    fn session_changed(&self) -> bool {
+        self.link.generation() != self.generation || self.link.is_lost()
+    }
+
+    /// Starts over on the current DPM session, registering again first if the session is
+    /// lost (module doc of `dpm_link`). Called only with no WRITE in flight. The new
+    /// registration merged this KN's whole log, so nothing of the old log state is needed:
+    /// the open batch (never sent) fails as not applied, the open and abandoned segments
+    /// are the DPM's now, the unmerged copies are in the index, and the caches are dropped
+    /// (if the KN had been fenced, other KNs may have written its keys meanwhile).
+    async fn adopt_session(&mut self) -> KvResult<()> {
+        debug_assert!(!self.inflight);
+        if self.link.is_lost() {
+            self.link.reregister(self.generation).await?;
+        }
+        if self.link.generation() == self.generation {
+            return Ok(());
+        }
+        let (mut fabric, generation) = self.link.connect_fabric().await?;
+        if let Some(Hook(h)) = &self.hook {
+            fabric = h(self.id, fabric);
+        }
+        if let Some(b) = self.batch.take() {
+            for w in b.waiters {
+                let _ = w.reply.send(Err(KvError::Unavailable(
+                    "this KN registered with the DPM again before the write was sent; retry"
+                        .into(),
+                )));
+            }
+        }
+        self.pending.clear();
+        self.recheck = true;
+        self.segment = None;
+        self.sealed.clear();
+        self.to_seal.clear();
+        self.unmerged = Unmerged::default();
+        self.unconfirmed = false;
+        self.cache = Cache::new(self.cfg.cache.clone());
+        self.fabric = fabric;
+        self.generation = generation;
+        // Versions stay unique and increasing across sessions, as across processes.
+        self.versions
+            .fetch_max(self.link.epoch() << 32, Ordering::Relaxed);
+        tracing::info!(shard = self.id, generation, "shard started over on a new DPM session");
+        Ok(())
+    }
+
+    /// Asks the DPM which of this KN's segments are unmerged and drops the copies of the others.
+    async fn confirm_merged(&mut self) -> KvResult<()> {
+        let pending = self.link.pending().await?;
+        self.apply_pending(&pending);
+        self.unconfirmed = false;
+        Ok(())
+    }
+
+    /// Should this (plain-key) request wait for an earlier write of its key (module doc)? Yes
+    /// if one of its key's requests already waits, or if its condition fails on top of the
+    /// key's unacknowledged write.
+    fn must_defer(&self, op: &ShardOp) -> bool {
+        let (key, must_exist) = match op {
+            ShardOp::Get { .. } => return false,
+            ShardOp::Put { key, mode, .. } => match mode {
+                PutMode::Upsert => return self.deferred_keys.contains_key(key),
+                PutMode::Insert => (key, false),
+                PutMode::Update => (key, true),
+            },
+            ShardOp::Delete { key } => (key, true),
+        };
+        self.deferred_keys.contains_key(key)
+            || self
+                .pending
+                .get(key)
+                .is_some_and(|(v, _)| v.is_some() != must_exist)
+    }
+
+    fn defer(&mut self, req: ShardRequest) {
+        if self.deferred.len() >= MAX_DEFERRED {
+            let _ = req.reply.send(Err(KvError::Unavailable(format!(
+                "{MAX_DEFERRED} requests already wait for earlier writes of their keys; retry"
+            ))));
+            return;
+        }
+        let key = match &req.op {
+            ShardOp::Get { key } | ShardOp::Delete { key } | ShardOp::Put { key, .. } => key,
+        };
+        *self.deferred_keys.entry(key.clone()).or_insert(0) += 1;
+        self.deferred.push_back(req);
+    }
+
+    /// Runs the deferred requests again, in order, if a pending write was resolved: those whose
+    /// key is still pending (or behind one still deferred) go back to waiting.
+    async fn run_deferred(&mut self) {
+        if !std::mem::take(&mut self.recheck) || self.deferred.is_empty() {
+            return;
+        }
+        let queue = std::mem::take(&mut self.deferred);
+        self.deferred_keys.clear();
+        for req in queue {
+            self.handle(req).await;
+        }
+    }
+
     async fn handle(&mut self, req: ShardRequest) {
+        if req.cell.is_none() && self.must_defer(&req.op) {
+            return self.defer(req);
+        }
+        if self.session_changed() {
+            let started_over = if self.inflight {
+                Err(KvError::Unavailable(
+                    "this KN is registering with the DPM again; retry".into(),
+                ))
+            } else {
+                self.adopt_session().await
+            };
+            if let Err(e) = started_over {
+                let _ = req.reply.send(Err(e));
+                return;
+            }
+        }
         let ShardRequest { op, reply, cell } = req;
         // Checked here, right before the caches are consulted: a request queued before a pause
         // must not be answered from them after it.
@@ -357,6 +557,13 @@ impl Shard {
                  DPM?); retry",
                 self.cfg.lease.age().as_millis()
             ))));
+            return;
+        }
+        if self.unconfirmed {
+            let _ = reply.send(Err(KvError::Unavailable(
+                "this KN cannot learn from the DPM which of its log segments are merged; retry"
+                    .into(),
+            )));
             return;
         }
         if let Some(cell) = cell {
@@ -495,6 +702,8 @@ impl Shard {
     }
 
     /// Does `key` exist once every earlier write of this shard (acknowledged or not) applies?
+    /// An answer from an unacknowledged write is only acted on when it lets the request be
+    /// logged after that write ([`Shard::must_defer`] defers the others).
     async fn exists(&mut self, key: &[u8]) -> KvResult<bool> {
         if let Some((v, _)) = self.pending.get(key) {
             return Ok(v.is_some());
@@ -650,9 +859,10 @@ impl Shard {
             self.seal(s.seg.id).await;
         }
         self.wait_for_merge().await?;
-        let (seg, from_reserve) = match self.link.allocate(self.id as u16, false).await {
+        let gen = self.generation;
+        let (seg, from_reserve) = match self.link.allocate(gen, self.id as u16, false).await {
             Err(KvError::ResourceExhausted(_)) if deletes_only => {
-                (self.link.allocate(self.id as u16, true).await?, true)
+                (self.link.allocate(gen, self.id as u16, true).await?, true)
             }
             other => (other?, false),
         };
@@ -672,7 +882,7 @@ impl Shard {
     }
 
     async fn seal(&mut self, id: u64) {
-        match self.link.seal(id).await {
+        match self.link.seal(self.generation, id).await {
             Ok(pending) => {
                 self.sealed.push(id);
                 self.apply_pending(&pending);
@@ -721,15 +931,16 @@ impl Shard {
         for id in std::mem::take(&mut self.to_seal) {
             self.seal(id).await;
         }
-        if !self.sealed.is_empty() {
-            if let Ok(pending) = self.link.pending().await {
-                self.apply_pending(&pending);
+        if !self.sealed.is_empty() || self.unconfirmed {
+            if let Err(e) = self.confirm_merged().await {
+                tracing::debug!(shard = self.id, error = %e, "cannot read merge progress");
             }
         }
     }
 
     fn complete(&mut self, done: Done) {
         self.inflight = false;
+        self.recheck = true;
         match done.result {
             Ok(()) => {
                 let mut cell_errors = done.cell_errors.into_iter();
@@ -779,6 +990,10 @@ impl Shard {
             Err(e) => {
                 // The WRITE may have reached the DPM before it failed: its writes' outcome is
                 // unknown. Writes of the open batch were never sent: they were not applied.
+                if e.is_revoked() {
+                    self.link
+                        .mark_lost(self.generation, "a log WRITE was denied access");
+                }
                 let err = KvError::OutcomeUnknown(format!("log write failed: {e}"));
                 let not_sent = KvError::Unavailable(format!("an earlier log write failed: {e}"));
                 tracing::warn!(shard = self.id, segment = done.segment, error = %e, "log WRITE failed; abandoning the segment");
@@ -804,13 +1019,14 @@ impl Shard {
         for w in waiters {
             let _ = w.reply.send(Err(e.clone()));
         }
-        // Whatever was pending was decided on top of writes that just failed.
+        // The open batch was to be written after these: it is not applied either.
         if let Some(b) = self.batch.take() {
             for w in b.waiters {
                 let _ = w.reply.send(Err(e.clone()));
             }
         }
         self.pending.clear();
+        self.recheck = true;
     }
 }
 

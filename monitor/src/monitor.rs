@@ -20,12 +20,20 @@
 //!   publish): a reconfiguration that lost it aborts there. The map is published by
 //!   compare-and-swap over the map the reconfiguration started from, so even two monitors
 //!   that both believe they lead cannot make two maps of one version the map of record.
+//! - A map change left unfinished by an earlier leader (recorded at the DPM before its first
+//!   step, see `dinomo_client::admin`) is settled by the next one before it changes the map:
+//!   [`Monitor::lead`] marks it pending when it takes a term, and the probe loop (so at start
+//!   too) or the next reconfiguration resolves it: rolled back if it had not reached its
+//!   point of no return (no fence, merge or cell change yet; undoing it is then exact and
+//!   frees its KNs at once), finished otherwise (its cell changes cannot be undone, and every
+//!   step is idempotent, so re-running them is safe).
 //! - A KN is stopped by the orchestrator only after a map without it was published and its
 //!   in-flight requests had `drain` to finish; a failed KN is fenced by the reconfiguration.
 //! - Every decision, including "none", is logged with its reason and counted in
 //!   `dinomo_monitor_decisions_total{action}`.
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
@@ -133,6 +141,9 @@ pub struct Monitor {
     /// The DPM monitor term this monitor holds while it leads (None: not leading). An async
     /// lock, held across the leadership check, so one term is started per leadership.
     term: tokio::sync::Mutex<Option<u64>>,
+    /// Set when a new term starts: an unfinished reconfiguration recorded at the DPM is to be
+    /// resolved before this monitor changes the map ([`Monitor::resolve_unfinished`]).
+    resolve_pending: AtomicBool,
 }
 
 /// A reconfiguration driven by this monitor under `term` (see [`Monitor::lead`]).
@@ -208,6 +219,7 @@ impl Monitor {
             recoveries: Mutex::new(Vec::new()),
             epoch: Mutex::new(0),
             term: tokio::sync::Mutex::new(None),
+            resolve_pending: AtomicBool::new(false),
         })
     }
 
@@ -226,6 +238,8 @@ impl Monitor {
                 metrics::gauge!("dinomo_monitor_term").set(t as f64);
                 tracing::info!(term = t, "leading: started a new monitor term at the DPM");
                 *term = Some(t);
+                // The previous leader may have crashed in the middle of a map change.
+                self.resolve_pending.store(true, Ordering::Release);
                 Ok(Some(t))
             }
             Ok(false) => {
@@ -344,6 +358,9 @@ impl Monitor {
         let Some(term) = self.lead().await? else {
             anyhow::bail!("this monitor does not lead; only the active monitor changes the map");
         };
+        // Caller holds the reconfiguration lock. If this settles an earlier change, `current`
+        // is stale and the reconfiguration below fails fast; the caller retries.
+        self.resolve_pending_locked(term).await?;
         let led = Led {
             monitor: self,
             term,
@@ -353,6 +370,70 @@ impl Monitor {
         metrics::gauge!("dinomo_monitor_kns").set(next.kns.len() as f64);
         metrics::gauge!("dinomo_monitor_replicated_keys").set(next.replicated.len() as f64);
         Ok(r)
+    }
+
+    /// Settles a reconfiguration that an earlier leader left unfinished, if this monitor
+    /// leads and has not checked since it took its term (`admin::resolve_unfinished`: finished
+    /// if it passed its point of no return, rolled back otherwise). Called by the probe loop,
+    /// so at start and after every change of leader, and before each map change.
+    pub async fn resolve_unfinished(&self) -> anyhow::Result<()> {
+        if !self.resolve_pending.load(Ordering::Acquire) {
+            return Ok(());
+        }
+        let Some(term) = self.lead().await? else {
+            return Ok(());
+        };
+        let _g = self.reconfig.lock().await;
+        self.resolve_pending_locked(term).await
+    }
+
+    /// [`Monitor::resolve_unfinished`] under the reconfiguration lock.
+    async fn resolve_pending_locked(&self, term: u64) -> anyhow::Result<()> {
+        if !self.resolve_pending.swap(false, Ordering::AcqRel) {
+            return Ok(());
+        }
+        let led = Led {
+            monitor: self,
+            term,
+        };
+        let resolution = match admin::resolve_unfinished(self.dpm(), &led).await {
+            Ok(r) => r,
+            Err(e) => {
+                self.resolve_pending.store(true, Ordering::Release);
+                return Err(anyhow::Error::new(e)
+                    .context("resolving a reconfiguration left unfinished by an earlier leader"));
+            }
+        };
+        let (reason, version) = match resolution {
+            None => return Ok(()),
+            Some(admin::Resolution::WasPublished { version }) => (
+                "an earlier leader's change was published; its record deleted".to_string(),
+                version,
+            ),
+            Some(admin::Resolution::Superseded { version }) => (
+                "an earlier leader's change was superseded; its record deleted".to_string(),
+                version,
+            ),
+            Some(admin::Resolution::RolledBack { version }) => (
+                "an earlier leader's change stopped before its point of no return: rolled back"
+                    .to_string(),
+                version,
+            ),
+            Some(admin::Resolution::Finished(r)) => {
+                self.policy.lock().note_membership_change(Instant::now());
+                (
+                    format!(
+                        "an earlier leader's change (map {} -> {}) was past its point of no \
+                         return: finished",
+                        r.from_version, r.to_version
+                    ),
+                    r.to_version,
+                )
+            }
+        };
+        tracing::warn!(%reason, map_version = version, "unfinished reconfiguration resolved");
+        self.record("resolve_reconfiguration", &reason, version);
+        Ok(())
     }
 
     // ---------------------------------------------------------------- actions
@@ -764,6 +845,9 @@ async fn probe_loop(m: std::sync::Weak<Monitor>) {
             drop(mon);
             tokio::time::sleep(every).await;
             continue;
+        }
+        if let Err(e) = mon.resolve_unfinished().await {
+            tracing::error!(error = %format!("{e:#}"), "will retry");
         }
         let failed = mon.probe_once().await;
         for (kn, how) in failed {

@@ -14,6 +14,8 @@ use crate::Monitor;
 
 /// Starts the KNs of a local cluster and makes sure the map of record names them.
 ///
+/// - A reconfiguration of an earlier run left unfinished: resolved first
+///   (`admin::resolve_unfinished`).
 /// - No map published yet: starts KNs 1..=`kns` and publishes the first map.
 /// - A map from an earlier run: restarts its KNs (same ids, so each one's previous incarnation
 ///   is merged and fenced at registration), republishes it if their endpoints changed, then adds
@@ -28,6 +30,12 @@ pub async fn bootstrap_local(
     vnodes: u32,
 ) -> anyhow::Result<ClusterMap> {
     use crate::orchestrator::Orchestrator;
+    // A change the previous run left unfinished is settled first (its KNs are not running:
+    // they are fenced and merged if it is finished); otherwise the reconfigurations below
+    // would be refused while it is recorded.
+    if let Some(r) = admin::resolve_unfinished(dpm, &admin::Unled).await? {
+        tracing::warn!(resolution = ?r, "a reconfiguration of an earlier run was resolved");
+    }
     let published = admin::published_map(dpm).await?;
     let mut map = match published {
         None => {

@@ -28,6 +28,8 @@ struct FakeState {
     term: u64,
     /// "fence 2 @1", "merge 2 @1", "publish v2 @1" ("@-": no term).
     calls: Vec<String>,
+    /// Other metadata (the reconfiguration record), compare-and-swapped but not recorded.
+    other: std::collections::HashMap<String, Vec<u8>>,
 }
 
 #[derive(Debug, Clone, Default)]
@@ -84,6 +86,12 @@ impl DpmService for FakeDpm {
     ) -> Result<Response<pb::PendingSegmentsResponse>, Status> {
         Err(unused())
     }
+    async fn confirm_serving(
+        &self,
+        _: Request<pb::ConfirmServingRequest>,
+    ) -> Result<Response<pb::GetMetadataResponse>, Status> {
+        Err(unused())
+    }
     async fn merge_all(
         &self,
         req: Request<pb::MergeAllRequest>,
@@ -128,8 +136,17 @@ impl DpmService for FakeDpm {
     ) -> Result<Response<pb::PutMetadataResponse>, Status> {
         let t = self.admit(&req)?;
         let r = req.into_inner();
-        assert_eq!(r.name, admin::CLUSTER_MAP_KEY);
         let mut st = self.0.lock();
+        if r.name != admin::CLUSTER_MAP_KEY {
+            if st.other.get(&r.name) != r.expected.as_ref() {
+                return Err(Status::failed_precondition("the entry changed; re-read it"));
+            }
+            match r.value {
+                Some(v) => st.other.insert(r.name, v),
+                None => st.other.remove(&r.name),
+            };
+            return Ok(Response::new(pb::PutMetadataResponse {}));
+        }
         if st.map != r.expected {
             return Err(Status::failed_precondition("the map changed; re-read it"));
         }
@@ -145,9 +162,12 @@ impl DpmService for FakeDpm {
         req: Request<pb::GetMetadataRequest>,
     ) -> Result<Response<pb::GetMetadataResponse>, Status> {
         let name = req.into_inner().name;
-        let value = (name == admin::CLUSTER_MAP_KEY)
-            .then(|| self.0.lock().map.clone())
-            .flatten();
+        let st = self.0.lock();
+        let value = if name == admin::CLUSTER_MAP_KEY {
+            st.map.clone()
+        } else {
+            st.other.get(&name).cloned()
+        };
         Ok(Response::new(pb::GetMetadataResponse { value }))
     }
     async fn new_monitor_term(

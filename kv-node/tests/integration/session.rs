@@ -1,0 +1,199 @@
+//! DPM sessions (issue 10, finding 5): a KN whose session dies while it runs (fenced by a
+//! monitor that gave up on it, or a dpm-node restart) registers again and carries on, instead
+//! of failing every write forever while its heartbeat looks healthy.
+
+use std::time::Duration;
+
+use dinomo_placement::{ClusterMap, KnInfo};
+use dinomo_proto::dpm::FenceKnRequest;
+use dinomo_proto::kv::{GetRequest, PutMode, PutRequest};
+
+use super::harness::{InProcDpm, KnProcess};
+
+const KEYS: u32 = 100;
+
+fn put(key: String, value: String) -> PutRequest {
+    PutRequest {
+        key: key.into_bytes(),
+        value: value.into_bytes(),
+        mode: PutMode::Upsert as i32,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_live_kn_registers_again_and_keeps_its_acknowledged_writes() {
+    let dir = tempfile::tempdir().unwrap();
+    let dpm = InProcDpm::start(dir.path(), "8MiB").await;
+    let log = dir.path().join("kn1.log");
+    let kn = KnProcess::start(&dpm, 1, &log, &[]);
+    let map = ClusterMap::new(
+        vec![KnInfo {
+            id: 1,
+            endpoint: kn.addr.to_string(),
+        }],
+        64,
+        1,
+    )
+    .unwrap();
+    dpm.publish_map(&map).await;
+    let mut c = kn.client().await;
+    for i in 0..KEYS {
+        c.put(put(format!("k{i}"), format!("v{i}"))).await.unwrap();
+    }
+    // Fenced while alive (as a monitor does when a PrepareMap times out), but still the owner.
+    dpm.client()
+        .await
+        .fence_kn(FenceKnRequest { kn_id: 1 })
+        .await
+        .unwrap();
+    let fenced = std::time::Instant::now();
+    // The reconfiguration that fenced it publishes a next map (here: the same membership).
+    // Until then the KN may not serve: it was fenced under the map of record (finding 4).
+    let mut next = map.clone();
+    next.version += 1;
+    dpm.publish_map(&next).await;
+    let mut last = String::new();
+    loop {
+        match c.put(put("after".into(), "fence".into())).await {
+            Ok(_) => break,
+            Err(s) => last = format!("{:?}: {}", s.code(), s.message()),
+        }
+        assert!(
+            fenced.elapsed() < Duration::from_secs(20),
+            "the fenced KN still fails writes 20 s later ({last}); log:\n{}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    println!(
+        "writes succeed again {:.2} s after the fence (last error before: {last})",
+        fenced.elapsed().as_secs_f64()
+    );
+    for i in 0..KEYS {
+        let v = c
+            .get(GetRequest {
+                key: format!("k{i}").into_bytes(),
+            })
+            .await
+            .unwrap_or_else(|s| panic!("k{i}: {s}"));
+        assert_eq!(v.into_inner().value, format!("v{i}").into_bytes());
+    }
+    let v = c
+        .get(GetRequest {
+            key: b"after".to_vec(),
+        })
+        .await
+        .unwrap();
+    assert_eq!(v.into_inner().value, b"fence".to_vec());
+}
+
+/// The heartbeat reflects whether the KN can write: with its DPM gone for good, its Stats
+/// call fails after a few seconds instead of reporting a healthy node forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_heartbeat_fails_once_the_dpm_session_stays_broken() {
+    let dir = tempfile::tempdir().unwrap();
+    let dpm = InProcDpm::start(dir.path(), "8MiB").await;
+    let log = dir.path().join("kn1.log");
+    let kn = KnProcess::start(&dpm, 1, &log, &[]);
+    let mut c = kn.client().await;
+    let stats = || dinomo_proto::kv::KnStatsRequest { top_keys: 0 };
+    c.stats(stats()).await.expect("a fresh KN is healthy");
+    dpm.stop().await;
+    let stopped = std::time::Instant::now();
+    loop {
+        match c.stats(stats()).await {
+            Ok(_) => {}
+            Err(s) => {
+                assert_eq!(s.code(), tonic::Code::Unavailable, "{s}");
+                break;
+            }
+        }
+        assert!(
+            stopped.elapsed() < Duration::from_secs(20),
+            "the KN still reports itself healthy 20 s after its DPM went away"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    println!(
+        "heartbeat failed {:.1} s after the DPM stopped",
+        stopped.elapsed().as_secs_f64()
+    );
+}
+
+/// Finding 4: a KN declared failed while alive (its heartbeat was slow, its map reads were
+/// not) is fenced, its keys go to another KN, and a client writes them there. The fenced KN
+/// must not answer a read with the value from before: its lease renewals fail from the fence
+/// on, and the reconfiguration waits out the longest lease before it publishes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_live_kn_fenced_as_failed_serves_no_stale_value_after_the_new_map() {
+    use dinomo_proto::dpm::MergeAllRequest;
+    use dinomo_proto::kv::MapRequest;
+    let dir = tempfile::tempdir().unwrap();
+    let dpm = InProcDpm::start(dir.path(), "8MiB").await;
+    // Polls the map every 200 ms: after a publish it keeps its old map for up to that long.
+    let cfg = dir.path().join("kn.toml");
+    std::fs::write(&cfg, "map_poll_ms = 200\nserve_lease_ms = 500\n").unwrap();
+    let cfg = cfg.to_str().unwrap();
+    let kn1 = KnProcess::start(&dpm, 1, &dir.path().join("kn1.log"), &["--config", cfg]);
+    let kn2 = KnProcess::start(&dpm, 2, &dir.path().join("kn2.log"), &["--config", cfg]);
+    let info = |id: u32, addr: std::net::SocketAddr| KnInfo {
+        id,
+        endpoint: addr.to_string(),
+    };
+    let v1 = ClusterMap::new(vec![info(1, kn1.addr), info(2, kn2.addr)], 64, 1).unwrap();
+    dpm.publish_map(&v1).await;
+    let keys: Vec<String> = (0..)
+        .map(|i| format!("key{i}"))
+        .filter(|k| v1.owner(k.as_bytes()) == Some(1))
+        .take(20)
+        .collect();
+    let (mut c1, mut c2) = (kn1.client().await, kn2.client().await);
+    tokio::time::sleep(Duration::from_millis(500)).await; // both KNs run under v1
+    for k in &keys {
+        c1.put(put(k.clone(), "old".into())).await.unwrap();
+        c1.get(GetRequest {
+            key: k.clone().into_bytes(),
+        })
+        .await
+        .unwrap();
+    }
+    // The monitor's failover of KN 1, step by step: fence, merge, wait out the lease, publish.
+    let mut d = dpm.client().await;
+    d.fence_kn(FenceKnRequest { kn_id: 1 }).await.unwrap();
+    let fenced = std::time::Instant::now();
+    d.merge_all(MergeAllRequest {
+        kn_id: 1,
+        seal_open: true,
+    })
+    .await
+    .unwrap();
+    tokio::time::sleep_until(
+        (fenced + Duration::from_millis(dinomo_proto::MAX_KN_SERVE_LEASE_MS)).into(),
+    )
+    .await;
+    let v2 = v1.with_kn_removed(1).unwrap();
+    dpm.publish_map(&v2).await;
+    c2.commit_map(MapRequest { map: v2.encode() }).await.unwrap();
+    let mut stale = Vec::new();
+    for k in &keys {
+        c2.put(put(k.clone(), "new".into())).await.unwrap();
+        if let Ok(v) = c1
+            .get(GetRequest {
+                key: k.clone().into_bytes(),
+            })
+            .await
+        {
+            if v.into_inner().value == b"old" {
+                stale.push(k.clone());
+            }
+        }
+    }
+    assert!(
+        stale.is_empty(),
+        "the fenced KN 1 answered {} of {} reads with the value from before KN 2's \
+         acknowledged write (first: {})",
+        stale.len(),
+        keys.len(),
+        stale[0]
+    );
+}
