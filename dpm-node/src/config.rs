@@ -44,7 +44,8 @@ pub struct DpmConfigFile {
     pub initial_index_buckets: u64,
     /// Milliseconds between garbage-collection passes.
     pub gc_interval_ms: u64,
-    /// Clean a merged segment when its live bytes fall below this share of its capacity
+    /// Clean a merged segment when its live bytes fall below this share of its written bytes
+    /// (or of half the segment, if less was written)
     /// (0 disables cleaning; dead segments are still freed).
     pub clean_threshold: f64,
     /// Address of the gRPC control service (DpmService).

@@ -1,9 +1,10 @@
 //! Garbage collection of log segments.
 //!
 //! - A merged segment with no live byte (no index slot points into it) is freed.
-//! - A merged segment whose live bytes are below `clean_threshold` of its capacity (below 90%
-//!   when the pool is nearly full) is cleaned, sparsest first: its live entries are copied, as
-//!   one checksummed batch, into a segment the cleaner
+//! - A merged segment whose live bytes are below `clean_threshold` of its written bytes, or of
+//!   half its capacity if less was written (below 90% when the pool is nearly full), is
+//!   cleaned, sparsest first: its live entries are copied, as one checksummed batch, into a
+//!   segment the cleaner
 //!   owns, and each index slot is moved from the old copy to the new one only if it still points
 //!   at the old copy (a merge may have replaced it meanwhile). The old segment then has no live
 //!   byte and is freed by a later pass.
@@ -54,7 +55,8 @@ pub struct Gc {
     index: Arc<Index>,
     segments: Arc<Segments>,
     cells: Arc<Cells>,
-    /// Clean merged segments whose live bytes are below this fraction of their capacity.
+    /// Clean merged segments whose live bytes are below this fraction of their written bytes
+    /// (or of half the segment, if less was written).
     clean_threshold: f64,
     target: Mutex<Option<Target>>,
     /// One pass at a time (the GC thread, or a full pool's allocation making room): two passes
@@ -124,15 +126,17 @@ impl Gc {
                 report.freed += 1;
                 continue;
             }
-            // Against the segment's capacity, not its written bytes: what cleaning gives back
-            // is the space the live bytes do not use. A nearly empty segment that is all live
-            // (abandoned after a crash or a failed WRITE, the cleaner's last target at a
-            // restart) is sparse; measured against what was written it would never be
-            // cleaned, and one per crash would leak until the pool is full.
+            // Against what was written, but at least half the segment: a nearly empty
+            // segment that is all live (abandoned after a crash or a failed WRITE, the
+            // cleaner's last target at a restart) is sparse too; measured only against what
+            // was written it would never be cleaned, and one per crash would leak until the
+            // pool is full. Not against the whole capacity: a full segment's unused tail
+            // (batches do not pack it exactly) would make the cleaner re-clean its own
+            // output under pressure, forever.
             let written = u64::from(Progress::from_word(e.merged_upto).offset)
                 .saturating_sub(HEADER_SIZE as u64);
             if written > 0 {
-                sparse.push((live as f64 / capacity as f64, id));
+                sparse.push((live as f64 / written.max(capacity / 2) as f64, id));
             }
         }
         let threshold = if self.under_pressure() {
