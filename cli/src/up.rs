@@ -76,7 +76,8 @@ impl Node {
     /// Starts this node again after it exited; false once its restart budget is spent.
     fn restart(&mut self) -> anyhow::Result<bool> {
         let now = Instant::now();
-        self.restarts.retain(|t| now.duration_since(*t) < RESTART_WINDOW);
+        self.restarts
+            .retain(|t| now.duration_since(*t) < RESTART_WINDOW);
         if self.restarts.len() >= MAX_RESTARTS {
             return Ok(false);
         }

@@ -35,7 +35,6 @@ use crate::metastore::MetaStore;
 use crate::pool::Pool;
 use crate::segments::{LogId, SegmentGrant, Segments, Tier, CLEANER_KN};
 
-
 /// The cluster map's name in the metadata (KNs, routing nodes and monitors read it there).
 pub const CLUSTER_MAP_KEY: &str = "cluster/map";
 

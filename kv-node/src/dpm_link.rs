@@ -161,7 +161,12 @@ impl DpmLink {
     /// Marks the session of `generation` dead (a later session is not affected).
     pub fn mark_lost(&self, generation: u64, why: &str) {
         if self.generation() == generation && !self.lost.swap(true, Ordering::AcqRel) {
-            tracing::warn!(kn = self.kn_id, generation, why, "DPM session lost; re-registering");
+            tracing::warn!(
+                kn = self.kn_id,
+                generation,
+                why,
+                "DPM session lost; re-registering"
+            );
             metrics::counter!("dinomo_kn_sessions_lost_total").increment(1);
         }
     }
@@ -191,7 +196,12 @@ impl DpmLink {
         };
         *self.session.write() = next.clone();
         self.lost.store(false, Ordering::Release);
-        tracing::info!(kn = self.kn_id, epoch = next.epoch, generation = next.generation, "re-registered with the DPM");
+        tracing::info!(
+            kn = self.kn_id,
+            epoch = next.epoch,
+            generation = next.generation,
+            "re-registered with the DPM"
+        );
         metrics::counter!("dinomo_kn_reregistrations_total").increment(1);
         Ok(next)
     }

@@ -21,8 +21,7 @@ use std::time::{Duration, Instant};
 
 /// The longest serving lease a KN accepts; a reconfiguration that fences a live KN waits
 /// this long before it publishes (dinomo_client::admin relies on it).
-pub const MAX_SERVE_LEASE: Duration =
-    Duration::from_millis(dinomo_proto::MAX_KN_SERVE_LEASE_MS);
+pub const MAX_SERVE_LEASE: Duration = Duration::from_millis(dinomo_proto::MAX_KN_SERVE_LEASE_MS);
 
 #[derive(Debug)]
 pub struct ServeLease {

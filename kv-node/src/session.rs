@@ -51,9 +51,9 @@ impl SessionHealth {
 
     fn broken(&self) {
         let now = self.now_ms();
-        let _ =
-            self.broken_since_ms
-                .compare_exchange(0, now, Ordering::AcqRel, Ordering::Acquire);
+        let _ = self
+            .broken_since_ms
+            .compare_exchange(0, now, Ordering::AcqRel, Ordering::Acquire);
     }
 
     fn working(&self) {
@@ -73,7 +73,6 @@ impl SessionHealth {
         self.broken_for().is_none_or(|d| d <= UNHEALTHY_AFTER)
     }
 }
-
 
 /// Runs until the link is dropped (the node stopped).
 pub async fn keep(link: Weak<DpmLink>, health: Arc<SessionHealth>, probe_offset: u64) {
@@ -124,7 +123,10 @@ pub async fn keep(link: Weak<DpmLink>, health: Arc<SessionHealth>, probe_offset:
             },
             Ok(Err(e)) if e.is_revoked() => {
                 health.broken();
-                link.mark_lost(g, "a fabric READ was denied (the DPM restarted or fenced us)");
+                link.mark_lost(
+                    g,
+                    "a fabric READ was denied (the DPM restarted or fenced us)",
+                );
             }
             Ok(Err(e)) => {
                 // The connection may be gone (tcp): connect again next time.

@@ -454,8 +454,7 @@ impl Shard {
         if let Some(b) = self.batch.take() {
             for w in b.waiters {
                 let _ = w.reply.send(Err(KvError::Unavailable(
-                    "this KN registered with the DPM again before the write was sent; retry"
-                        .into(),
+                    "this KN registered with the DPM again before the write was sent; retry".into(),
                 )));
             }
         }
@@ -472,7 +471,11 @@ impl Shard {
         // Versions stay unique and increasing across sessions, as across processes.
         self.versions
             .fetch_max(self.link.epoch() << 32, Ordering::Relaxed);
-        tracing::info!(shard = self.id, generation, "shard started over on a new DPM session");
+        tracing::info!(
+            shard = self.id,
+            generation,
+            "shard started over on a new DPM session"
+        );
         Ok(())
     }
 

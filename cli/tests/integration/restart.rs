@@ -37,7 +37,9 @@ fn spawn_kn_without_id(dpm: &str, listen: &str, log: &std::path::Path) -> Proc {
 }
 
 async fn kn_client(addr: &str) -> KvServiceClient<tonic::transport::Channel> {
-    KvServiceClient::connect(format!("http://{addr}")).await.unwrap()
+    KvServiceClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap()
 }
 
 /// Finding 6 of issue 10: a KV node started without `--kn-id` (no monitor, no published
@@ -239,7 +241,9 @@ async fn up_restarts_a_killed_dpm_node_and_the_cluster_carries_on() {
         }
         let attempt = async {
             if up.dpm_pid() != Some(new_pid) {
-                return Err(dinomo_client::ClientError::Other("dpm-node not up yet".into()));
+                return Err(dinomo_client::ClientError::Other(
+                    "dpm-node not up yet".into(),
+                ));
             }
             client.put(&b"after"[..], &b"restart"[..]).await?;
             for i in 0..KEYS {

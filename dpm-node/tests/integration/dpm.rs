@@ -180,12 +180,18 @@ async fn nearly_empty_segments_that_are_all_live_are_compacted() {
     wait_until("the abandoned segments are compacted", || {
         abandoned
             .iter()
-            .filter(|&&id| dpm.pool().read_table_entry(id).unwrap().state == dinomo_layout::segment::SegState::Free)
+            .filter(|&&id| {
+                dpm.pool().read_table_entry(id).unwrap().state
+                    == dinomo_layout::segment::SegState::Free
+            })
             .count()
             == abandoned.len()
     });
     for round in 0..4 {
-        assert_eq!(value(&dpm, &format!("k{round}")).as_deref(), Some("all live"));
+        assert_eq!(
+            value(&dpm, &format!("k{round}")).as_deref(),
+            Some("all live")
+        );
     }
 }
 

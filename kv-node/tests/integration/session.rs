@@ -173,7 +173,9 @@ async fn a_live_kn_fenced_as_failed_serves_no_stale_value_after_the_new_map() {
     .await;
     let v2 = v1.with_kn_removed(1).unwrap();
     dpm.publish_map(&v2).await;
-    c2.commit_map(MapRequest { map: v2.encode() }).await.unwrap();
+    c2.commit_map(MapRequest { map: v2.encode() })
+        .await
+        .unwrap();
     let mut stale = Vec::new();
     for k in &keys {
         c2.put(put(k.clone(), "new".into())).await.unwrap();
