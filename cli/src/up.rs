@@ -81,9 +81,11 @@ impl Node {
         if self.restarts.len() >= MAX_RESTARTS {
             return Ok(false);
         }
+        // An attempt counts even if it fails (the node died again before it was ready): the
+        // next supervision round tries again, until the budget is spent.
+        self.restarts.push(now);
         let (fresh, _) = spawn(&self.name, &self.args, &self.log)?;
         self.child = fresh.child;
-        self.restarts.push(now);
         Ok(true)
     }
 }
@@ -183,10 +185,7 @@ fn supervise(nodes: &mut [Node]) -> Option<String> {
                 );
                 return Some(n.name.clone());
             }
-            Err(e) => {
-                eprintln!("{} could not be restarted: {e:#}", n.name);
-                return Some(n.name.clone());
-            }
+            Err(e) => eprintln!("{} could not be restarted ({e:#}); trying again", n.name),
         }
     }
     None

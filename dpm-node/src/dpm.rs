@@ -397,15 +397,23 @@ impl Dpm {
     /// is moving, from caches that may be stale by then.
     pub fn confirm_serving(&self, kn: u32, epoch: u64) -> Result<Option<Vec<u8>>> {
         self.check_epoch(kn, epoch)?;
-        let map = self.meta.get(CLUSTER_MAP_KEY);
+        self.check_not_fenced_under_map(kn)?;
+        Ok(self.meta.get(CLUSTER_MAP_KEY))
+    }
+
+    /// Refuses a KN fenced under the map published now (FencedUnderMap), even under a newer
+    /// epoch: it registered again after the fence, but the reconfiguration that fenced it has
+    /// merged its log already, so what it wrote now would be lost to the keys' next owner.
+    fn check_not_fenced_under_map(&self, kn: u32) -> Result<()> {
         let key = fenced_under_key(kn);
         if let Some(under) = self.meta.get(&key) {
-            if map.as_deref().unwrap_or_default() == under.as_slice() {
+            let map = self.meta.get(CLUSTER_MAP_KEY).unwrap_or_default();
+            if map == under {
                 return Err(DpmError::FencedUnderMap { kn });
             }
             self.meta.update(&[(&key, None)])?;
         }
-        Ok(map)
+        Ok(())
     }
 
     /// Allocates the next segment of one of the KN's logs (`stream`: one per shard).
@@ -419,6 +427,7 @@ impl Dpm {
         deletes_only: bool,
     ) -> Result<SegmentGrant> {
         self.check_epoch(kn, epoch)?;
+        self.check_not_fenced_under_map(kn)?;
         if kn == CLEANER_KN {
             return Err(DpmError::KnOutOfRange {
                 kn,

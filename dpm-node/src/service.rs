@@ -46,7 +46,8 @@ pub fn to_status(e: DpmError) -> Status {
         }
         DpmError::StaleMonitorTerm { .. } => Status::permission_denied(msg),
         DpmError::MetadataChanged { .. } => Status::failed_precondition(msg),
-        DpmError::FencedUnderMap { .. } => Status::failed_precondition(msg),
+        // Not FAILED_PRECONDITION (a KN reads that as "register again"): it must wait.
+        DpmError::FencedUnderMap { .. } => Status::unavailable(msg),
         DpmError::UnknownKn { .. } => {
             Status::failed_precondition(format!("{msg}; call RegisterKn first"))
         }

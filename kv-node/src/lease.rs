@@ -28,6 +28,9 @@ pub struct ServeLease {
     base: Instant,
     /// Nanoseconds after `base` at which the last successful map read started.
     confirmed_ns: AtomicU64,
+    /// Nanoseconds after `base` of the last [`ServeLease::expire`]: only a renewal that started
+    /// later counts.
+    expired_ns: AtomicU64,
     duration: Duration,
 }
 
@@ -37,6 +40,7 @@ impl ServeLease {
         ServeLease {
             base: Instant::now(),
             confirmed_ns: AtomicU64::new(0),
+            expired_ns: AtomicU64::new(0),
             duration,
         }
     }
@@ -54,7 +58,19 @@ impl ServeLease {
     }
 
     pub fn valid(&self) -> bool {
-        self.age() < self.duration
+        self.confirmed_ns.load(Ordering::Acquire) >= self.expired_ns.load(Ordering::Acquire)
+            && self.age() < self.duration
+    }
+
+    /// Ends the lease now: the KN serves again only after a renewal that starts later. Called
+    /// when the KN registers with the DPM again: a KN fenced while alive must not serve (or
+    /// write, under its new session) until the DPM confirms it under the next map.
+    pub fn expire(&self) {
+        let now = Instant::now()
+            .saturating_duration_since(self.base)
+            .as_nanos() as u64
+            + 1;
+        self.expired_ns.fetch_max(now, Ordering::AcqRel);
     }
 }
 
@@ -74,5 +90,12 @@ mod tests {
         // An older confirmation never moves the lease back.
         l.confirm(started - Duration::from_millis(20));
         assert!(l.age() < Duration::from_millis(20));
+        // Expired: a renewal that started before does not count, one that starts after does.
+        l.expire();
+        assert!(!l.valid());
+        l.confirm(started);
+        assert!(!l.valid(), "a renewal from before the expiry");
+        l.confirm(Instant::now());
+        assert!(l.valid());
     }
 }

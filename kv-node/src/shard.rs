@@ -447,6 +447,8 @@ impl Shard {
         if self.link.generation() == self.generation {
             return Ok(());
         }
+        // A new session: serve (and write) only once the DPM confirms it (lease module).
+        self.cfg.lease.expire();
         let (mut fabric, generation) = self.link.connect_fabric().await?;
         if let Some(Hook(h)) = &self.hook {
             fabric = h(self.id, fabric);

@@ -133,6 +133,9 @@ pub struct Monitor {
     policy_cfg: Mutex<PolicyConfig>,
     reconfig: tokio::sync::Mutex<()>,
     probes: Mutex<HashMap<KnId, Probe>>,
+    /// When the last probe round ended: a long gap means this monitor itself was stalled
+    /// (SIGSTOP, a frozen VM), and silence it did not watch proves nothing about the KNs.
+    last_probe_round: Mutex<Option<Instant>>,
     channels: Mutex<HashMap<String, KvServiceClient<Channel>>>,
     snapshot: Mutex<Snapshot>,
     decisions: Mutex<VecDeque<DecisionRecord>>,
@@ -213,6 +216,7 @@ impl Monitor {
             policy_cfg,
             reconfig: tokio::sync::Mutex::new(()),
             probes: Mutex::new(HashMap::new()),
+            last_probe_round: Mutex::new(None),
             channels: Mutex::new(HashMap::new()),
             snapshot: Mutex::new(Snapshot::default()),
             decisions: Mutex::new(VecDeque::new()),
@@ -612,6 +616,7 @@ impl Monitor {
 
     /// One round of heartbeats; returns the KNs found failed (with how).
     async fn probe_once(&self) -> Vec<(KnId, String)> {
+        let round_started = Instant::now();
         let Ok(map) = self.current_map().await else {
             return Vec::new();
         };
@@ -645,6 +650,23 @@ impl Monitor {
         let now = Instant::now();
         let after = self.cfg.failure.failed_after();
         let mut probes = self.probes.lock();
+        // From the end of the last round to the start of this one: not the time this round
+        // waited for a hung KN, which is the silence being measured.
+        let previous = self.last_probe_round.lock().replace(now);
+        if let Some(gap) = previous.map(|t| round_started.saturating_duration_since(t)) {
+            if gap > after / 2 {
+                // This monitor did not probe for that long: it was stalled, not the KNs. Their
+                // heartbeat clocks start again now; a KN that is really gone misses the next
+                // `failed_after` of heartbeats too.
+                tracing::warn!(
+                    gap_ms = gap.as_millis() as u64,
+                    "the monitor itself was stalled; restarting the KNs' heartbeat clocks"
+                );
+                for p in probes.values_mut() {
+                    p.last_ok = now;
+                }
+            }
+        }
         for (kn, ok) in results {
             let p = probes.entry(kn).or_insert(Probe {
                 last_ok: now,

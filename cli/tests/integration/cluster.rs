@@ -343,3 +343,239 @@ impl MonitoredCluster {
         }
     }
 }
+
+/// A base port for `dinomo up --kns <= max_kns` such that every port it may use (see
+/// `up --help`; KN ids up to `max_kns`, for KNs added later) is free right now.
+pub(crate) fn up_port_base(max_kns: u16) -> u16 {
+    let mut offsets = vec![0u16, 1, 200, 300, 2000, 2200, 2300];
+    for i in 1..=max_kns {
+        offsets.extend([100 + i, 2100 + i]);
+    }
+    for _ in 0..200 {
+        let base = 20_000 + rand::random_range(0..40_000u16);
+        if offsets
+            .iter()
+            .all(|o| std::net::TcpListener::bind(("127.0.0.1", base + o)).is_ok())
+        {
+            return base;
+        }
+    }
+    panic!("no free port range for dinomo up");
+}
+
+/// Which node of an [`UpCluster`] a process is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Role {
+    Dpm,
+    Routing,
+    Monitor,
+    Kn(u32),
+}
+
+/// One process of an [`UpCluster`], as `/proc` shows it.
+#[derive(Debug, Clone)]
+pub(crate) struct UpProc {
+    pub pid: i32,
+    pub role: Role,
+    /// The `/proc/<pid>/stat` state: 'S'/'R' running, 'T' stopped, 'Z' dead, not yet reaped.
+    pub state: char,
+}
+
+impl UpProc {
+    /// Alive and not stopped.
+    pub fn serving(&self) -> bool {
+        !matches!(self.state, 'T' | 't' | 'Z' | 'X')
+    }
+}
+
+/// A whole cluster run by `dinomo up` (which restarts a dpm-node, routing node or monitor that
+/// dies; the monitor starts, recovers, adds and removes the KV nodes). `up` runs in a process
+/// group of its own, which all its descendants share: dropping the harness wakes every
+/// stopped process of the group, stops `up` with SIGTERM (it stops its children in order) and
+/// SIGKILLs whatever of the group is left, so nothing outlives a failed test. `up` also gets
+/// SIGTERM if the thread that started it dies (PR_SET_PDEATHSIG).
+pub(crate) struct UpCluster {
+    child: Child,
+    pub dir: tempfile::TempDir,
+    pub base: u16,
+}
+
+impl UpCluster {
+    /// `dinomo up` with `kns` KV nodes (1 shard, 1 MiB cache each), a 256 MiB pool and the
+    /// monitor config `monitor_toml`, on free ports leaving room for KNs up to `max_kns`.
+    /// Returns once `up` printed its endpoints (every node ready, the map published).
+    pub fn start(kns: u32, max_kns: u16, monitor_toml: &str) -> UpCluster {
+        use std::os::unix::process::CommandExt;
+        let dir = tempfile::tempdir().unwrap();
+        let cfg = dir.path().join("monitor.toml");
+        std::fs::write(&cfg, monitor_toml).unwrap();
+        let base = up_port_base(max_kns);
+        let data = dir.path().join("data");
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_dinomo"));
+        cmd.args(["up", "--data-dir", data.to_str().unwrap()])
+            .args(["--kns", &kns.to_string()])
+            .args(["--shards", "1", "--cache-size", "1MiB"])
+            .args(["--pool-size", "256MiB", "--port-base", &base.to_string()])
+            .args(["--vnodes", "64", "--monitor-config", cfg.to_str().unwrap()])
+            .env("DINOMO_LOG", "info")
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(dir.path().join("up.log")).unwrap())
+            .process_group(0);
+        // SAFETY: prctl is async-signal-safe and only touches the child being set up.
+        unsafe {
+            cmd.pre_exec(|| {
+                if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) != 0 {
+                    return Err(std::io::Error::last_os_error());
+                }
+                Ok(())
+            });
+        }
+        let mut child = cmd.spawn().unwrap();
+        let out = child.stdout.take().unwrap();
+        let (tx, rx) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            for line in BufReader::new(out).lines().map_while(Result::ok) {
+                let _ = tx.send(line);
+            }
+        });
+        let up = UpCluster { child, dir, base };
+        let deadline = std::time::Instant::now() + Duration::from_secs(90);
+        loop {
+            let left = deadline.saturating_duration_since(std::time::Instant::now());
+            match rx.recv_timeout(left) {
+                Ok(l) if l.starts_with("Press Ctrl-C") => return up,
+                Ok(_) => {}
+                Err(_) => {
+                    up.dump_logs(40);
+                    panic!("dinomo up did not come up within 90 s");
+                }
+            }
+        }
+    }
+
+    fn addr(&self, off: u16) -> String {
+        format!("127.0.0.1:{}", self.base + off)
+    }
+    pub fn dpm_addr(&self) -> String {
+        self.addr(0)
+    }
+    pub fn routing_addr(&self) -> String {
+        self.addr(200)
+    }
+    pub fn monitor_addr(&self) -> String {
+        self.addr(300)
+    }
+
+    /// Whether `up` itself still runs (it exits when a node keeps dying).
+    pub fn running(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    /// The nodes of this cluster (`up`'s process group), found in `/proc`.
+    pub fn procs(&self) -> Vec<UpProc> {
+        let pgid = self.child.id() as i32;
+        let mut out = Vec::new();
+        let Ok(dir) = std::fs::read_dir("/proc") else {
+            return out;
+        };
+        for e in dir.flatten() {
+            let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<i32>().ok()) else {
+                continue;
+            };
+            let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+                continue;
+            };
+            // pid (comm) state ppid pgrp ...: comm may hold spaces, so parse after the ')'.
+            let Some(rest) = stat.rfind(')').map(|i| &stat[i + 1..]) else {
+                continue;
+            };
+            let f: Vec<&str> = rest.split_whitespace().collect();
+            if f.len() < 3 || f[2].parse::<i32>().ok() != Some(pgid) || pid == pgid {
+                continue;
+            }
+            let state = f[0].chars().next().unwrap_or('?');
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            let args: Vec<String> = cmdline
+                .split(|&b| b == 0)
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect();
+            let role = match args.get(1).map(String::as_str) {
+                Some("dpm-node") => Role::Dpm,
+                Some("routing-node") => Role::Routing,
+                Some("monitor") => Role::Monitor,
+                Some("kv-node") => {
+                    let id = args
+                        .iter()
+                        .position(|a| a == "--kn-id")
+                        .and_then(|i| args.get(i + 1))
+                        .and_then(|s| s.parse().ok());
+                    match id {
+                        Some(id) => Role::Kn(id),
+                        None => continue,
+                    }
+                }
+                // A zombie has an empty cmdline; its role no longer matters.
+                _ => continue,
+            };
+            out.push(UpProc { pid, role, state });
+        }
+        out
+    }
+
+    /// The pid of the (serving or stopped, not dead) process in `role`.
+    pub fn pid(&self, role: Role) -> Option<i32> {
+        self.procs()
+            .into_iter()
+            .find(|p| p.role == role && !matches!(p.state, 'Z' | 'X'))
+            .map(|p| p.pid)
+    }
+
+    /// SIGCONT to every process of the cluster.
+    pub fn wake_all(&self) {
+        // SAFETY: signalling this cluster's own process group.
+        unsafe { libc::kill(-(self.child.id() as i32), libc::SIGCONT) };
+    }
+
+    /// The last `n` lines of `up`'s own log and of every node's log.
+    pub fn dump_logs(&self, n: usize) {
+        let mut logs = vec![self.dir.path().join("up.log")];
+        if let Ok(d) = std::fs::read_dir(self.dir.path().join("data").join("logs")) {
+            let mut v: Vec<PathBuf> = d.flatten().map(|e| e.path()).collect();
+            v.sort();
+            logs.extend(v);
+        }
+        for p in logs {
+            let name = p
+                .file_stem()
+                .unwrap_or_default()
+                .to_string_lossy()
+                .into_owned();
+            let log = std::fs::read_to_string(&p).unwrap_or_default();
+            let tail: Vec<&str> = log.lines().rev().take(n).collect();
+            for l in tail.into_iter().rev() {
+                eprintln!("{name}| {l}");
+            }
+        }
+    }
+}
+
+impl Drop for UpCluster {
+    fn drop(&mut self) {
+        let pgid = self.child.id() as i32;
+        // Stopped processes would not act on SIGTERM: wake them first.
+        self.wake_all();
+        // SAFETY: signalling our own child.
+        unsafe { libc::kill(pgid, libc::SIGTERM) };
+        let deadline = std::time::Instant::now() + Duration::from_secs(30);
+        while std::time::Instant::now() < deadline {
+            if !matches!(self.child.try_wait(), Ok(None)) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        // Whatever is left of the group (up itself if it hung, orphans of a node it lost).
+        // SAFETY: signalling this cluster's own process group.
+        unsafe { libc::kill(-pgid, libc::SIGKILL) };
+        let _ = self.child.wait();
+    }
+}

@@ -6,4 +6,6 @@
 mod cluster;
 mod e2e;
 mod monitor;
+mod nemesis;
 mod restart;
+mod resume;
