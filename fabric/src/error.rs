@@ -36,6 +36,10 @@ pub enum FabricError {
     /// The peer answered with bytes that do not parse.
     #[error("protocol error: {0}")]
     Protocol(String),
+    /// A post got no completion within its deadline. It may still be applied later: the
+    /// caller must treat its outcome as unknown and stop using this session.
+    #[error("no completion within {after_ms} ms")]
+    TimedOut { after_ms: u64 },
     /// Injected by a fault plan (tests only).
     #[error("injected fault: {0}")]
     Injected(&'static str),
@@ -51,7 +55,10 @@ impl FabricError {
     /// True when retrying on the same connection cannot help (the caller was fenced or made a
     /// programming error); false for transport trouble.
     pub fn is_permanent(&self) -> bool {
-        !matches!(self, FabricError::Transport(_) | FabricError::Injected(_))
+        !matches!(
+            self,
+            FabricError::Transport(_) | FabricError::Injected(_) | FabricError::TimedOut { .. }
+        )
     }
 
     /// True when the error proves the caller's key is no longer valid (it was fenced, or the

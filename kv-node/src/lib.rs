@@ -12,6 +12,7 @@
 pub mod cache;
 pub mod cli;
 pub mod config;
+pub mod deadline;
 pub mod dpm_link;
 pub mod error;
 pub mod lease;

@@ -245,6 +245,7 @@ pub async fn spawn(
     if let Some(h) = hook {
         fabric = h(id, fabric);
     }
+    let fabric = with_deadline(fabric);
     let (tx, rx) = mpsc::channel(1024);
     let stats = Arc::new(ShardStats::default());
     let top = Arc::new(Mutex::new(TopK::new(128)));
@@ -453,6 +454,7 @@ impl Shard {
         if let Some(Hook(h)) = &self.hook {
             fabric = h(self.id, fabric);
         }
+        let fabric = with_deadline(fabric);
         if let Some(b) = self.batch.take() {
             for w in b.waiters {
                 let _ = w.reply.send(Err(KvError::Unavailable(
@@ -998,6 +1000,11 @@ impl Shard {
                 if e.is_revoked() {
                     self.link
                         .mark_lost(self.generation, "a log WRITE was denied access");
+                } else if matches!(e, dinomo_fabric::FabricError::TimedOut { .. }) {
+                    // It may still land: only a new registration (which revokes the old grant
+                    // and merges the old log) orders it before this KN's next writes.
+                    self.link
+                        .mark_lost(self.generation, "a log WRITE got no completion in time");
                 }
                 let err = KvError::OutcomeUnknown(format!("log write failed: {e}"));
                 let not_sent = KvError::Unavailable(format!("an earlier log write failed: {e}"));
@@ -1070,6 +1077,11 @@ async fn swing_cell(f: &dyn Fabric, cw: CellWrite, new: u64) -> KvResult<()> {
     Err(KvError::Unavailable(
         "the replicated key is too contended; not applied, retry".into(),
     ))
+}
+
+/// Every post of a shard has a deadline (`deadline` module).
+fn with_deadline(fabric: Arc<dyn Fabric>) -> Arc<dyn Fabric> {
+    crate::deadline::Deadline::wrap(fabric, crate::deadline::POST_DEADLINE)
 }
 
 async fn sleep_until(deadline: Option<Instant>) {

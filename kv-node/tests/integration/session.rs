@@ -199,3 +199,65 @@ async fn a_live_kn_fenced_as_failed_serves_no_stale_value_after_the_new_map() {
         stale[0]
     );
 }
+
+/// Every fabric post has a deadline: a log WRITE that never completes fails as outcome-unknown
+/// after `POST_DEADLINE` (not never), the KN registers again, and later writes succeed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_that_never_completes_times_out_and_the_kn_carries_on() {
+    use bytes::Bytes;
+    use dinomo_fabric::fault::FaultPlan;
+    use dinomo_kv_node::shard::{PutMode, ShardOp};
+    use dinomo_kv_node::KvError;
+
+    let put = |v: &'static str| ShardOp::Put {
+        key: Bytes::from_static(b"k"),
+        value: Bytes::from_static(v.as_bytes()),
+        mode: PutMode::Upsert,
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let dpm = InProcDpm::start(dir.path(), "8MiB").await;
+    let (kn, fabrics) = super::harness::start_inproc_kn(&dpm.url(), 1).await;
+    kn.execute(put("v0")).await.unwrap();
+    fabrics.lock()[0].set_plan(FaultPlan {
+        delay: Some(Duration::from_secs(600)),
+        fail_next: 0,
+        tear_next_write_after: None,
+    });
+    let started = std::time::Instant::now();
+    let r = tokio::time::timeout(Duration::from_secs(30), kn.execute(put("v1")))
+        .await
+        .expect("a hung WRITE must not hang its caller for good");
+    let took = started.elapsed();
+    assert!(
+        matches!(r, Err(KvError::OutcomeUnknown(_))),
+        "a WRITE without completion is outcome-unknown: {r:?}"
+    );
+    assert!(
+        took <= dinomo_kv_node::deadline::POST_DEADLINE + Duration::from_secs(2),
+        "answered after {took:?}"
+    );
+    // The stalled handle belongs to the old session; the KN carries on with a new one.
+    let again = std::time::Instant::now();
+    loop {
+        match kn.execute(put("v2")).await {
+            Ok(_) => break,
+            Err(e) => assert!(
+                again.elapsed() < Duration::from_secs(20),
+                "writes still fail 20 s after the timeout: {e}"
+            ),
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let v = kn
+        .execute(ShardOp::Get {
+            key: Bytes::from_static(b"k"),
+        })
+        .await
+        .unwrap();
+    assert_eq!(v.as_deref(), Some(&b"v2"[..]));
+    println!(
+        "the hung WRITE failed after {:.1} s; writes succeeded again {:.2} s later",
+        took.as_secs_f64(),
+        again.elapsed().as_secs_f64()
+    );
+}
