@@ -1303,6 +1303,12 @@ mod tests {
         );
         assert_eq!(parsed.statefulset, "dinomo-kn");
         assert_eq!(parsed.lease_duration_secs, 15);
-        assert!(toml::from_str::<KubernetesConfig>("replicas = 3\n").is_err());
+        let e = toml::from_str::<KubernetesConfig>("replicas = 3\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("replicas"),
+            "an unknown field is refused by name: {e}"
+        );
     }
 }
