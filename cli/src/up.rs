@@ -6,9 +6,8 @@
 //! It supervises its children: one that exits unexpectedly is started again (at most
 //! `MAX_RESTARTS` times a minute), since everything it needs (pool, published map) persists.
 
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Command};
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
@@ -90,54 +89,24 @@ impl Node {
     }
 }
 
+/// How long a node may take to print its READY line.
+const READY_TIMEOUT: Duration = Duration::from_secs(60);
+
 pub(crate) fn spawn(name: &str, args: &[String], log: &Path) -> anyhow::Result<(Node, String)> {
     let exe = std::env::current_exe().context("locating the dinomo binary")?;
-    let stderr = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(log)
-        .with_context(|| format!("opening {}", log.display()))?;
-    let mut child = Command::new(exe)
-        .args(args)
-        .arg("--print-ready")
-        .stdout(Stdio::piped())
-        .stderr(stderr)
-        .spawn()
-        .with_context(|| format!("starting {name}"))?;
-    let stdout = child.stdout.take().expect("piped");
-    let (tx, rx) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-            if line.starts_with("READY") {
-                let _ = tx.send(line);
-            }
-        }
-    });
-    let start = Instant::now();
-    loop {
-        if let Ok(line) = rx.recv_timeout(Duration::from_millis(100)) {
-            return Ok((
-                Node {
-                    name: name.to_string(),
-                    child,
-                    args: args.to_vec(),
-                    log: log.to_path_buf(),
-                    restarts: Vec::new(),
-                },
-                line,
-            ));
-        }
-        if let Some(status) = child.try_wait()? {
-            bail!(
-                "{name} exited ({status}) before it was ready; see {}",
-                log.display()
-            );
-        }
-        if start.elapsed() > Duration::from_secs(60) {
-            let _ = child.kill();
-            bail!("{name} was not ready after 60 s; see {}", log.display());
-        }
-    }
+    let mut cmd = Command::new(exe);
+    cmd.args(args).arg("--print-ready");
+    let (child, line) = dinomo_node_common::spawn_until_ready(name, cmd, log, READY_TIMEOUT)?;
+    Ok((
+        Node {
+            name: name.to_string(),
+            child,
+            args: args.to_vec(),
+            log: log.to_path_buf(),
+            restarts: Vec::new(),
+        },
+        line,
+    ))
 }
 
 pub(crate) fn stop(nodes: &mut Vec<Node>) {

@@ -1,7 +1,8 @@
 //! A minimal KN-side log writer over any fabric, used by this crate's tests, the crash test and
 //! the merge benchmark to produce logs exactly as a KN does: one checksummed batch per WRITE,
 //! at most one WRITE in flight, a new segment (and a seal of the old one) when a batch does not
-//! fit. The kv-node has its own writer with group commit and caching.
+//! fit. The kv-node has its own writer with group commit and caching. Also a whole dpm-node in
+//! this process ([`InProcessDpm`]) for the kv-node tests and the benchmarks.
 
 use std::sync::Arc;
 
@@ -179,5 +180,85 @@ impl<F: Fabric, S: SegmentSource> LogWriter<F, S> {
 
     pub fn source(&self) -> &S {
         &self.source
+    }
+}
+
+/// A whole dpm-node ([`crate::server::run`]) in this process, for tests and benchmarks that
+/// want a DPM without a child process. It serves until [`InProcessDpm::stop`] or until dropped
+/// (dropping signals shutdown; the server then stops on its own).
+#[derive(Debug)]
+pub struct InProcessDpm {
+    running: crate::server::Running,
+    stop: Option<tokio::sync::oneshot::Sender<()>>,
+    task: Option<tokio::task::JoinHandle<Result<()>>>,
+}
+
+impl InProcessDpm {
+    /// Starts the node on the current tokio runtime and returns once its listeners are bound,
+    /// or with the error that stopped it before that (a bad pool, a port in use).
+    pub async fn start(config: crate::config::DpmConfig) -> Result<Self> {
+        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
+        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
+        let mut task = tokio::spawn(async move {
+            crate::server::run(
+                config,
+                async move {
+                    // Sent or dropped: either way, stop.
+                    let _ = stop_rx.await;
+                },
+                move |r| {
+                    let _ = ready_tx.send(r.clone());
+                },
+            )
+            .await
+        });
+        match ready_rx.await {
+            Ok(running) => Ok(InProcessDpm {
+                running,
+                stop: Some(stop_tx),
+                task: Some(task),
+            }),
+            // The server returned before it was ready: its result says why.
+            Err(_) => match (&mut task).await {
+                Ok(Err(e)) => Err(e),
+                Ok(Ok(())) => Err(DpmError::Io(std::io::Error::other(
+                    "the in-process dpm-node stopped before it was ready",
+                ))),
+                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+                Err(e) => Err(DpmError::Io(std::io::Error::other(format!(
+                    "the in-process dpm-node did not start: {e}"
+                )))),
+            },
+        }
+    }
+
+    /// The node's addresses.
+    pub fn running(&self) -> &crate::server::Running {
+        &self.running
+    }
+
+    /// The gRPC endpoint.
+    pub fn grpc(&self) -> std::net::SocketAddr {
+        self.running.grpc
+    }
+
+    /// `http://<grpc endpoint>`, as gRPC clients and KV nodes are given it.
+    pub fn url(&self) -> String {
+        format!("http://{}", self.running.grpc)
+    }
+
+    /// Signals shutdown and waits for the node to stop; returns what the server returned.
+    pub async fn stop(mut self) -> Result<()> {
+        if let Some(s) = self.stop.take() {
+            let _ = s.send(());
+        }
+        match self.task.take() {
+            Some(t) => match t.await {
+                Ok(r) => r,
+                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+                Err(_) => Ok(()),
+            },
+            None => Ok(()),
+        }
     }
 }

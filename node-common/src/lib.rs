@@ -1,9 +1,16 @@
 //! dinomo-node-common: the process plumbing every Dinomo node shares, so that the dpm-node, the
-//! KV nodes and the routing nodes log, expose metrics and stop in the same way.
+//! KV nodes and the routing nodes log, expose metrics and stop in the same way, and the one way
+//! to start a node process and wait for its READY line ([`spawn`]).
 
 use std::net::SocketAddr;
 
 use anyhow::Context;
+
+pub mod spawn;
+
+pub use spawn::{
+    ready_field, spawn_until_ready, spawn_until_ready_async, wait_for_line, SpawnError,
+};
 
 /// Logs to stderr, filtered by `DINOMO_LOG` (an EnvFilter string, default `info`). Calling it
 /// twice is harmless (the `dinomo` binary may run a node after initialising).

@@ -18,6 +18,7 @@ use bytes::Bytes;
 use clap::Parser;
 use dinomo_bench::{thousands, write_json, Align, Table};
 use dinomo_dpm_node::config::DpmConfigFile;
+use dinomo_dpm_node::testkit::InProcessDpm;
 use dinomo_kv_node::config::KnConfigFile;
 use dinomo_kv_node::shard::{PutMode, ShardOp};
 use dinomo_kv_node::KvNode;
@@ -165,25 +166,10 @@ async fn main() -> anyhow::Result<()> {
     }
     .validate()
     .map_err(|e| anyhow::anyhow!("{e}"))?;
-    let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-    let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
-    let server = tokio::spawn(async move {
-        let mut ready_tx = Some(ready_tx);
-        dinomo_dpm_node::server::run(
-            cfg,
-            async move {
-                let _ = stop_rx.await;
-            },
-            move |r| {
-                let _ = ready_tx.take().expect("once").send(r.grpc);
-            },
-        )
+    let server = InProcessDpm::start(cfg)
         .await
-    });
-    let dpm = format!(
-        "http://{}",
-        ready_rx.await.context("the dpm-node did not start")?
-    );
+        .context("the dpm-node did not start")?;
+    let dpm = server.url();
 
     // Load.
     let t = Instant::now();
@@ -348,7 +334,6 @@ async fn main() -> anyhow::Result<()> {
         write_json(p, &results)?;
         println!("wrote {}", p.display());
     }
-    let _ = stop_tx.send(());
-    server.await??;
+    server.stop().await?;
     Ok(())
 }

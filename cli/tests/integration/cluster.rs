@@ -2,7 +2,6 @@
 //! chosen by the OS, publishes maps, adds, removes and kills KV nodes.
 
 use std::collections::BTreeMap;
-use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -17,40 +16,23 @@ pub struct Proc {
 
 impl Proc {
     pub(crate) fn spawn(args: &[&str], log: &Path, field: &str) -> Proc {
-        let stderr = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(log)
-            .unwrap();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_dinomo"))
-            .args(args)
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_dinomo"));
+        cmd.args(args)
             .arg("--print-ready")
-            .env("DINOMO_LOG", "info")
-            .stdout(Stdio::piped())
-            .stderr(stderr)
-            .spawn()
-            .unwrap();
-        let out = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                if line.starts_with("READY") {
-                    let _ = tx.send(line);
-                }
-            }
+            .env("DINOMO_LOG", "info");
+        let (child, line) = dinomo_node_common::spawn_until_ready(
+            &format!("{args:?}"),
+            cmd,
+            log,
+            Duration::from_secs(30),
+        )
+        .unwrap_or_else(|e| {
+            panic!(
+                "{e}; log: {}",
+                std::fs::read_to_string(log).unwrap_or_default()
+            )
         });
-        let line = rx
-            .recv_timeout(Duration::from_secs(30))
-            .unwrap_or_else(|_| {
-                let _ = child.kill();
-                panic!(
-                    "{args:?} not ready: {}",
-                    std::fs::read_to_string(log).unwrap_or_default()
-                )
-            });
-        let addr = line
-            .split_whitespace()
-            .find_map(|w| w.strip_prefix(field))
+        let addr = dinomo_node_common::ready_field(&line, field)
             .unwrap_or_else(|| panic!("no {field} in {line:?}"))
             .to_string();
         Proc { child, addr }
@@ -411,6 +393,7 @@ impl UpCluster {
         std::fs::write(&cfg, monitor_toml).unwrap();
         let base = up_port_base(max_kns);
         let data = dir.path().join("data");
+        let log = dir.path().join("up.log");
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_dinomo"));
         cmd.args(["up", "--data-dir", data.to_str().unwrap()])
             .args(["--kns", &kns.to_string()])
@@ -419,7 +402,7 @@ impl UpCluster {
             .args(["--vnodes", "64", "--monitor-config", cfg.to_str().unwrap()])
             .env("DINOMO_LOG", "info")
             .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(dir.path().join("up.log")).unwrap())
+            .stderr(std::fs::File::create(&log).unwrap())
             .process_group(0);
         // SAFETY: prctl is async-signal-safe and only touches the child being set up.
         unsafe {
@@ -431,26 +414,21 @@ impl UpCluster {
             });
         }
         let mut child = cmd.spawn().unwrap();
-        let out = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(out).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
+        // `up` prints its endpoints, then this line, once every node is ready and the map is
+        // published. On failure the harness is dropped, which stops the whole process group.
+        let ready = dinomo_node_common::wait_for_line(
+            &mut child,
+            "dinomo up",
+            &log,
+            Duration::from_secs(90),
+            |l| l.starts_with("Press Ctrl-C"),
+        );
         let up = UpCluster { child, dir, base };
-        let deadline = std::time::Instant::now() + Duration::from_secs(90);
-        loop {
-            let left = deadline.saturating_duration_since(std::time::Instant::now());
-            match rx.recv_timeout(left) {
-                Ok(l) if l.starts_with("Press Ctrl-C") => return up,
-                Ok(_) => {}
-                Err(_) => {
-                    up.dump_logs(40);
-                    panic!("dinomo up did not come up within 90 s");
-                }
-            }
+        if let Err(e) = ready {
+            up.dump_logs(40);
+            panic!("dinomo up did not come up: {e}");
         }
+        up
     }
 
     fn addr(&self, off: u16) -> String {

@@ -1,10 +1,8 @@
 //! Spawns the real dpm-node binary on loopback ports chosen by the OS.
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::process::{Child, Command};
 use std::time::Duration;
 
 use dinomo_proto::dpm::dpm_service_client::DpmServiceClient;
@@ -32,42 +30,21 @@ pub fn write_config(dir: &Path, extra: &str) -> PathBuf {
 
 impl DpmProcess {
     pub fn start(config: &Path, log: &Path) -> Self {
-        let stderr = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(log)
-            .unwrap();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_dpm-node"))
-            .arg("--config")
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_dpm-node"));
+        cmd.arg("--config")
             .arg(config)
             .arg("--print-ready")
-            .env("DINOMO_LOG", "info")
-            .stdout(Stdio::piped())
-            .stderr(stderr)
-            .spawn()
-            .expect("spawning dpm-node");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if line.starts_with("READY") {
-                    let _ = tx.send(line);
-                }
-            }
-        });
-        let line = rx
-            .recv_timeout(Duration::from_secs(30))
-            .unwrap_or_else(|_| {
-                let _ = child.kill();
-                panic!(
-                    "dpm-node did not become ready; log: {}",
-                    std::fs::read_to_string(log).unwrap_or_default()
-                )
-            });
+            .env("DINOMO_LOG", "info");
+        let (child, line) =
+            dinomo_node_common::spawn_until_ready("dpm-node", cmd, log, Duration::from_secs(30))
+                .unwrap_or_else(|e| {
+                    panic!(
+                        "{e}; log: {}",
+                        std::fs::read_to_string(log).unwrap_or_default()
+                    )
+                });
         let field = |name: &str| -> Option<SocketAddr> {
-            line.split_whitespace()
-                .find_map(|w| w.strip_prefix(name))
-                .and_then(|v| v.parse().ok())
+            dinomo_node_common::ready_field(&line, name).and_then(|v| v.parse().ok())
         };
         DpmProcess {
             grpc: field("grpc=").unwrap_or_else(|| panic!("bad READY line {line:?}")),

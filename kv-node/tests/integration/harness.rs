@@ -3,11 +3,9 @@
 //! KN: in-process KNs (the library) over fault-injecting fabrics, and a proxy that can cut a
 //! KN's control link to the DPM while its fabric keeps working.
 
-use std::io::{BufRead, BufReader};
 use std::net::SocketAddr;
 use std::path::Path;
-use std::process::{Child, Command, Stdio};
-use std::sync::mpsc;
+use std::process::{Child, Command};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -17,17 +15,18 @@ use dinomo_kv_node::node::FabricHook;
 use dinomo_kv_node::KvNode;
 
 use dinomo_dpm_node::config::DpmConfigFile;
+use dinomo_dpm_node::testkit::InProcessDpm;
 use dinomo_placement::ClusterMap;
 use dinomo_proto::dpm::dpm_service_client::DpmServiceClient;
 use dinomo_proto::dpm::PutMetadataRequest;
 use dinomo_proto::kv::kv_service_client::KvServiceClient;
 use tonic::transport::Channel;
 
+/// The in-process dpm-node ([`InProcessDpm`]) with a small pool, and what these tests ask of it.
 #[derive(Debug)]
 pub struct InProcDpm {
     pub grpc: SocketAddr,
-    stop: Option<tokio::sync::oneshot::Sender<()>>,
-    task: Option<tokio::task::JoinHandle<()>>,
+    inner: InProcessDpm,
 }
 
 impl InProcDpm {
@@ -44,35 +43,18 @@ impl InProcDpm {
         }
         .validate()
         .unwrap();
-        let (stop_tx, stop_rx) = tokio::sync::oneshot::channel::<()>();
-        let (ready_tx, ready_rx) = tokio::sync::oneshot::channel();
-        let task = tokio::spawn(async move {
-            let mut ready_tx = Some(ready_tx);
-            dinomo_dpm_node::server::run(
-                cfg,
-                async move {
-                    let _ = stop_rx.await;
-                },
-                move |r| {
-                    let _ = ready_tx.take().expect("once").send(r.grpc);
-                },
-            )
+        let inner = tokio::time::timeout(Duration::from_secs(20), InProcessDpm::start(cfg))
             .await
-            .unwrap();
-        });
-        let grpc = tokio::time::timeout(Duration::from_secs(20), ready_rx)
-            .await
-            .unwrap()
+            .expect("the in-process dpm-node was not ready within 20 s")
             .unwrap();
         InProcDpm {
-            grpc,
-            stop: Some(stop_tx),
-            task: Some(task),
+            grpc: inner.grpc(),
+            inner,
         }
     }
 
     pub fn url(&self) -> String {
-        format!("http://{}", self.grpc)
+        self.inner.url()
     }
 
     pub async fn client(&self) -> DpmServiceClient<Channel> {
@@ -90,13 +72,8 @@ impl InProcDpm {
             .unwrap();
     }
 
-    pub async fn stop(mut self) {
-        if let Some(s) = self.stop.take() {
-            let _ = s.send(());
-        }
-        if let Some(t) = self.task.take() {
-            let _ = t.await;
-        }
+    pub async fn stop(self) {
+        let _ = self.inner.stop().await;
     }
 }
 
@@ -108,49 +85,28 @@ pub struct KnProcess {
 
 impl KnProcess {
     pub fn start(dpm: &InProcDpm, kn_id: u32, log: &Path, extra: &[&str]) -> Self {
-        let stderr = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(log)
-            .unwrap();
-        let mut child = Command::new(env!("CARGO_BIN_EXE_kv-node"))
-            .args([
-                "--kn-id",
-                &kn_id.to_string(),
-                "--listen",
-                "127.0.0.1:0",
-                "--metrics-listen",
-                "",
-                "--dpm",
-            ])
-            .arg(dpm.grpc.to_string())
-            .args(extra)
-            .arg("--print-ready")
-            .stdout(Stdio::piped())
-            .stderr(stderr)
-            .spawn()
-            .expect("spawning kv-node");
-        let stdout = child.stdout.take().unwrap();
-        let (tx, rx) = mpsc::channel();
-        std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines().map_while(Result::ok) {
-                if line.starts_with("READY") {
-                    let _ = tx.send(line);
-                }
-            }
-        });
-        let line = rx
-            .recv_timeout(Duration::from_secs(30))
-            .unwrap_or_else(|_| {
-                let _ = child.kill();
-                panic!(
-                    "kv-node did not become ready: {}",
-                    std::fs::read_to_string(log).unwrap_or_default()
-                )
-            });
-        let addr = line
-            .split_whitespace()
-            .find_map(|w| w.strip_prefix("addr="))
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_kv-node"));
+        cmd.args([
+            "--kn-id",
+            &kn_id.to_string(),
+            "--listen",
+            "127.0.0.1:0",
+            "--metrics-listen",
+            "",
+            "--dpm",
+        ])
+        .arg(dpm.grpc.to_string())
+        .args(extra)
+        .arg("--print-ready");
+        let (child, line) =
+            dinomo_node_common::spawn_until_ready("kv-node", cmd, log, Duration::from_secs(30))
+                .unwrap_or_else(|e| {
+                    panic!(
+                        "{e}; log: {}",
+                        std::fs::read_to_string(log).unwrap_or_default()
+                    )
+                });
+        let addr = dinomo_node_common::ready_field(&line, "addr=")
             .and_then(|a| a.parse().ok())
             .expect("READY line has addr=");
         KnProcess { child, addr }

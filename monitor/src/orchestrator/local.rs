@@ -13,8 +13,8 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use dinomo_node_common::SpawnError;
 use dinomo_placement::{KnId, KnInfo};
-use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::process::{Child, Command};
 
 use super::{Orchestrator, OrchestratorError, Result};
@@ -103,11 +103,6 @@ impl LocalOrchestrator {
     async fn spawn_kn(&self, kn: KnId) -> Result<(KnInfo, Child)> {
         let endpoint = format!("{}:{}", self.cfg.host, self.port(self.cfg.port_base, kn)?);
         let log_path = self.cfg.log_dir.join(format!("kn-{kn}.log"));
-        let log = std::fs::OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&log_path)
-            .map_err(|e| OrchestratorError::Platform(format!("{}: {e}", log_path.display())))?;
         let mut cmd = Command::new(&self.cfg.command[0]);
         cmd.args(&self.cfg.command[1..])
             .args(["--kn-id", &kn.to_string(), "--listen", &endpoint])
@@ -120,8 +115,6 @@ impl LocalOrchestrator {
         cmd.args(["--metrics-listen", &metrics]);
         cmd.args(&self.cfg.extra_args)
             .stdin(Stdio::null())
-            .stdout(Stdio::piped())
-            .stderr(log)
             .kill_on_drop(true);
         // If the monitor dies without stopping its KNs (SIGKILL, a crash), they get SIGTERM
         // (and seal their logs) instead of running on as orphans nobody manages.
@@ -134,35 +127,20 @@ impl LocalOrchestrator {
                 Ok(())
             });
         }
-        let mut child = cmd.spawn().map_err(|e| {
-            OrchestratorError::Platform(format!("starting {:?}: {e}", self.cfg.command))
-        })?;
-        let stdout = child.stdout.take().expect("piped");
-        let mut lines = BufReader::new(stdout).lines();
-        let ready = tokio::time::timeout(self.cfg.ready_timeout, async {
-            while let Ok(Some(line)) = lines.next_line().await {
-                if line.starts_with("READY") {
-                    return true;
-                }
+        // Stdout piped and drained, stderr to the log; killed and reaped if not ready in time.
+        let (child, _) = dinomo_node_common::spawn_until_ready_async(
+            &format!("KN {kn}"),
+            cmd,
+            &log_path,
+            self.cfg.ready_timeout,
+        )
+        .await
+        .map_err(|e| match e {
+            SpawnError::Start { source, .. } => {
+                OrchestratorError::Platform(format!("starting {:?}: {source}", self.cfg.command))
             }
-            false
-        })
-        .await;
-        if ready != Ok(true) {
-            let _ = child.start_kill();
-            let _ = child.wait().await;
-            return Err(OrchestratorError::Platform(format!(
-                "KN {kn} did not become ready ({}); see {}",
-                if ready.is_err() {
-                    "timed out"
-                } else {
-                    "it exited"
-                },
-                log_path.display()
-            )));
-        }
-        // Keep draining stdout so the child never blocks on a full pipe.
-        tokio::spawn(async move { while let Ok(Some(_)) = lines.next_line().await {} });
+            e => OrchestratorError::Platform(e.to_string()),
+        })?;
         tracing::info!(kn, %endpoint, "KV node started");
         Ok((KnInfo { id: kn, endpoint }, child))
     }
