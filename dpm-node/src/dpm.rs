@@ -367,7 +367,9 @@ impl Dpm {
             .fetch_add(1, Ordering::AcqRel)
             + 1;
         self.pool.persist_root(Roots::KN_EPOCH);
-        fence.store(next, Ordering::Release);
+        // Never backwards: a registration running at the same time may have stored a newer
+        // epoch already.
+        fence.fetch_max(next, Ordering::AcqRel);
         self.pool.persist_root(Roots::KN_FENCE + 8 * u64::from(kn));
         // Its serving lease is renewed again only under a later map (see confirm_serving).
         let under = self.meta.get(CLUSTER_MAP_KEY).unwrap_or_default();
@@ -404,14 +406,15 @@ impl Dpm {
     /// Refuses a KN fenced under the map published now (FencedUnderMap), even under a newer
     /// epoch: it registered again after the fence, but the reconfiguration that fenced it has
     /// merged its log already, so what it wrote now would be lost to the keys' next owner.
+    ///
+    /// The record is only compared, never deleted here: every publish changes the map's bytes
+    /// (its version rises), and a delete racing a newer fence's record could erase it.
     fn check_not_fenced_under_map(&self, kn: u32) -> Result<()> {
-        let key = fenced_under_key(kn);
-        if let Some(under) = self.meta.get(&key) {
+        if let Some(under) = self.meta.get(&fenced_under_key(kn)) {
             let map = self.meta.get(CLUSTER_MAP_KEY).unwrap_or_default();
             if map == under {
                 return Err(DpmError::FencedUnderMap { kn });
             }
-            self.meta.update(&[(&key, None)])?;
         }
         Ok(())
     }
@@ -420,6 +423,28 @@ impl Dpm {
     /// `deletes_only`: the KN will write only deletes into it, which may use the delete reserve
     /// of a full pool (deletes are how space comes back).
     pub fn allocate_segment(
+        &self,
+        kn: u32,
+        stream: u16,
+        epoch: u64,
+        deletes_only: bool,
+    ) -> Result<SegmentGrant> {
+        let grant = self.allocate_segment_checked(kn, stream, epoch, deletes_only)?;
+        // A fence or a new registration may have run while this allocation waited (it may
+        // wait seconds on a full pool): they sealed every segment of the KN they saw, but not
+        // this one. Left open, it would stop the merge of its log for good.
+        if let Err(e) = self
+            .check_epoch(kn, epoch)
+            .and_then(|()| self.check_not_fenced_under_map(kn))
+        {
+            self.segments.seal(kn, grant.segment_id)?;
+            self.merger.notify();
+            return Err(e);
+        }
+        Ok(grant)
+    }
+
+    fn allocate_segment_checked(
         &self,
         kn: u32,
         stream: u16,

@@ -160,7 +160,10 @@ impl DpmLink {
 
     /// Marks the session of `generation` dead (a later session is not affected).
     pub fn mark_lost(&self, generation: u64, why: &str) {
-        if self.generation() == generation && !self.lost.swap(true, Ordering::AcqRel) {
+        // Under the session's read lock: a re-registration (write lock) cannot slip between
+        // the generation check and the flag, and wipe a loss of the new session.
+        let session = self.session.read();
+        if session.generation == generation && !self.lost.swap(true, Ordering::AcqRel) {
             tracing::warn!(
                 kn = self.kn_id,
                 generation,
@@ -194,8 +197,11 @@ impl DpmLink {
             fabric,
             generation: current.generation + 1,
         };
-        *self.session.write() = next.clone();
-        self.lost.store(false, Ordering::Release);
+        {
+            let mut session = self.session.write();
+            *session = next.clone();
+            self.lost.store(false, Ordering::Release);
+        }
         tracing::info!(
             kn = self.kn_id,
             epoch = next.epoch,

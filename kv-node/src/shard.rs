@@ -997,15 +997,12 @@ impl Shard {
             Err(e) => {
                 // The WRITE may have reached the DPM before it failed: its writes' outcome is
                 // unknown. Writes of the open batch were never sent: they were not applied.
-                if e.is_revoked() {
-                    self.link
-                        .mark_lost(self.generation, "a log WRITE was denied access");
-                } else if matches!(e, dinomo_fabric::FabricError::TimedOut { .. }) {
-                    // It may still land: only a new registration (which revokes the old grant
-                    // and merges the old log) orders it before this KN's next writes.
-                    self.link
-                        .mark_lost(self.generation, "a log WRITE got no completion in time");
-                }
+                // Whatever the error, the WRITE may have been applied (or may still be): only
+                // a new registration, which revokes the old grant and merges the old log,
+                // settles it before this KN decides anything on top of it (a conditional op
+                // waiting behind it, for one).
+                self.link
+                    .mark_lost(self.generation, &format!("a log WRITE failed: {e}"));
                 let err = KvError::OutcomeUnknown(format!("log write failed: {e}"));
                 let not_sent = KvError::Unavailable(format!("an earlier log write failed: {e}"));
                 tracing::warn!(shard = self.id, segment = done.segment, error = %e, "log WRITE failed; abandoning the segment");

@@ -369,7 +369,16 @@ impl Monitor {
             monitor: self,
             term,
         };
-        let r = admin::reconfigure_led(self.dpm(), current, next, dead, &led).await?;
+        let r = match admin::reconfigure_led(self.dpm(), current, next, dead, &led).await {
+            Ok(r) => r,
+            Err(e) => {
+                // It may have stopped half-way (the DPM restarted, a KN hung) and left its
+                // record at the DPM: this leader settles it too, as it would an earlier
+                // leader's, before its next change (else every later change is refused).
+                self.resolve_pending.store(true, Ordering::Release);
+                return Err(e.into());
+            }
+        };
         metrics::gauge!("dinomo_monitor_map_version").set(next.version as f64);
         metrics::gauge!("dinomo_monitor_kns").set(next.kns.len() as f64);
         metrics::gauge!("dinomo_monitor_replicated_keys").set(next.replicated.len() as f64);
@@ -377,9 +386,10 @@ impl Monitor {
     }
 
     /// Settles a reconfiguration that an earlier leader left unfinished, if this monitor
-    /// leads and has not checked since it took its term (`admin::resolve_unfinished`: finished
-    /// if it passed its point of no return, rolled back otherwise). Called by the probe loop,
-    /// so at start and after every change of leader, and before each map change.
+    /// leads and has not checked since it took its term or since one of its own changes
+    /// failed (`admin::resolve_unfinished`: finished if it passed its point of no return,
+    /// rolled back otherwise). Called by the probe loop, so at start, after every change of
+    /// leader and after a failed change, and before each map change.
     pub async fn resolve_unfinished(&self) -> anyhow::Result<()> {
         if !self.resolve_pending.load(Ordering::Acquire) {
             return Ok(());

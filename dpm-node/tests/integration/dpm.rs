@@ -286,7 +286,20 @@ async fn fenced_kn_loses_fabric_access_and_control_calls() {
     ));
     dpm.merge_all(6, true).unwrap();
     assert_eq!(value(&dpm, "f").as_deref(), Some("1"));
-    // A new incarnation works again.
+    // A new incarnation may register, but gets no log space under the map it was fenced
+    // under: its writes would land after the MergeAll that handed its keys over.
+    let reg = dpm.register_kn(Some(6), "test").unwrap();
+    assert!(matches!(
+        dpm.allocate_segment(6, 0, reg.epoch, false),
+        Err(DpmError::FencedUnderMap { kn: 6 })
+    ));
+    assert!(matches!(
+        dpm.confirm_serving(6, reg.epoch),
+        Err(DpmError::FencedUnderMap { kn: 6 })
+    ));
+    // Once the next map is published, it works again.
+    dpm.put_metadata(dinomo_dpm_node::dpm::CLUSTER_MAP_KEY, Some(b"map v2"))
+        .unwrap();
     let mut w2 = writer(&dpm, 6);
     w2.append(&[put("f", "3", 3)]).await.unwrap();
     dpm.merge_all(6, true).unwrap();

@@ -87,11 +87,26 @@ async fn conditional_behind_a_failing_write(
         async || kn.stats(0).batches > batches,
     )
     .await;
-    let cond = kn.execute(cond).await;
+    let cond = as_a_client(&kn, cond).await;
     let first = first.await.unwrap();
     fabrics.lock()[0].set_plan(FaultPlan::default());
-    let read = kn.execute(get()).await;
+    let read = as_a_client(&kn, get()).await;
     (first, cond, read)
+}
+
+/// Runs `op` as a client does: UNAVAILABLE (not applied) is retried, for at most 10 s. A KN
+/// answers it while it registers with the DPM again after a failed WRITE, until the DPM
+/// confirms its serving lease under the new session.
+async fn as_a_client(kn: &KvNode, op: ShardOp) -> dinomo_kv_node::KvResult<Option<Bytes>> {
+    let started = std::time::Instant::now();
+    loop {
+        match kn.execute(op.clone()).await {
+            Err(KvError::Unavailable(_)) if started.elapsed() < Duration::from_secs(10) => {
+                tokio::time::sleep(Duration::from_millis(20)).await
+            }
+            other => return other,
+        }
+    }
 }
 
 /// Insert behind an upsert whose WRITE fails: ALREADY_EXISTS would have been decided on a write
@@ -155,7 +170,7 @@ async fn update_behind_a_failed_upsert_fails_with_it() {
     assert!(
         matches!(
             cond,
-            Err(KvError::Unavailable(_) | KvError::OutcomeUnknown(_))
+            Err(KvError::UpdateMissing | KvError::Unavailable(_) | KvError::OutcomeUnknown(_))
         ),
         "update answered {cond:?} on top of an upsert that failed"
     );
