@@ -46,6 +46,11 @@ pub struct UpArgs {
     /// dac | shortcut-only | value-only | static-N.
     #[arg(long, default_value = "dac")]
     pub cache_policy: String,
+    /// How KV nodes write their log segments into the pool: shm (mapped shared memory, the
+    /// fastest on one machine) or tcp (the dpm-node's software NIC on BASE+1, as KNs on other
+    /// hosts without RDMA would).
+    #[arg(long, default_value = "shm", value_parser = ["shm", "tcp"])]
+    pub fabric: String,
     /// Virtual nodes per KV node on the hash ring.
     #[arg(long, default_value_t = 128)]
     pub vnodes: u32,
@@ -188,6 +193,8 @@ pub async fn run(a: UpArgs) -> anyhow::Result<()> {
                 a.segment_size.clone(),
                 "--listen".into(),
                 dpm.clone(),
+                "--fabric".into(),
+                a.fabric.clone(),
                 "--fabric-listen".into(),
                 port(1)?,
                 "--metrics-listen".into(),

@@ -386,7 +386,8 @@ impl UpCluster {
     /// `dinomo up` with `kns` KV nodes (1 shard, 1 MiB cache each), a 256 MiB pool and the
     /// monitor config `monitor_toml`, on free ports leaving room for KNs up to `max_kns`.
     /// Returns once `up` printed its endpoints (every node ready, the map published).
-    pub fn start(kns: u32, max_kns: u16, monitor_toml: &str) -> UpCluster {
+    /// The KNs write through `fabric` (`shm` or `tcp`).
+    pub fn start_on(fabric: &str, kns: u32, max_kns: u16, monitor_toml: &str) -> UpCluster {
         use std::os::unix::process::CommandExt;
         let dir = tempfile::tempdir().unwrap();
         let cfg = dir.path().join("monitor.toml");
@@ -400,6 +401,7 @@ impl UpCluster {
             .args(["--shards", "1", "--cache-size", "1MiB"])
             .args(["--pool-size", "256MiB", "--port-base", &base.to_string()])
             .args(["--vnodes", "64", "--monitor-config", cfg.to_str().unwrap()])
+            .args(["--fabric", fabric])
             .env("DINOMO_LOG", "info")
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(&log).unwrap())
@@ -442,6 +444,14 @@ impl UpCluster {
     }
     pub fn monitor_addr(&self) -> String {
         self.addr(300)
+    }
+    /// The dpm-node's control and fabric ports.
+    pub fn dpm_ports(&self) -> [u16; 2] {
+        [self.base, self.base + 1]
+    }
+    /// KV node `id`'s gRPC port.
+    pub fn kn_port(&self, id: u32) -> u16 {
+        self.base + 100 + id as u16
     }
 
     /// Whether `up` itself still runs (it exits when a node keeps dying).

@@ -7,5 +7,6 @@ mod cluster;
 mod e2e;
 mod monitor;
 mod nemesis;
+mod netfault;
 mod restart;
 mod resume;

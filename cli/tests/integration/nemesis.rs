@@ -1,29 +1,37 @@
 //! The nemesis of issue 10: no stale read and no lost write under any fault schedule.
 //!
 //! Each schedule starts a fresh cluster with `dinomo up` (which restarts a dpm-node, routing
-//! node or monitor that dies; the monitor recovers, adds and removes the KV nodes), runs SDK
-//! clients on a Zipf workload for a few seconds while a seeded nemesis applies a bounded number
-//! of faults at random times, heals everything, waits (bounded) until the cluster serves again,
-//! reads every key back, and checks the whole history for linearizability (dinomo-checker).
+//! node or monitor that dies; the monitor recovers, adds and removes the KV nodes), on the shm
+//! fabric for even seeds and the tcp fabric for odd ones, runs SDK clients on a Zipf workload
+//! for a few seconds while a seeded nemesis applies a bounded number of faults at random
+//! times, heals everything, waits (bounded) until the cluster serves again, reads every key
+//! back, and checks the whole history for linearizability (dinomo-checker).
 //!
-//! Faults: SIGKILL of a KN (the monitor fails it over); SIGSTOP then SIGCONT (0.2-2 s later)
-//! of a KN (past 1 s the monitor fences it), of the monitor and of the routing node; SIGKILL of
-//! the dpm-node (`up` restarts it on the same ports); a KN added or removed through the
-//! monitor's admin API; hot keys replicated (SetPolicy with a violated SLO: the policy
-//! replicates the hot keys of the Zipf load) and, 1.5 s later, de-replicated (SetPolicy with a
-//! met SLO while the load moves to another hot set, so the replicated keys turn cold). Not
-//! covered: a KN cut off from the DPM but not from its clients (no fault proxy on the shm
-//! fabric), disk or PM faults, clock faults. docs/testing.md has the details.
+//! Faults: SIGKILL of a KN (the monitor fails it over), of the monitor (its KNs, its children,
+//! stop with it; `up` restarts it and it starts them again) and of the routing node (`up`
+//! restarts it); SIGSTOP then SIGCONT (0.2-2 s later) of a KN (past 1 s the monitor fences
+//! it), of the monitor and of the routing node; SIGKILL of the dpm-node (`up` restarts it on
+//! the same ports); one-way network cuts of 0.2-3 s (iptables on loopback, see netfault.rs): a
+//! KN cut off from the dpm-node (control RPCs, and the fabric on tcp) while its clients and the
+//! monitor still reach it, a KN nobody reaches while it still reaches the DPM, and a KN whose
+//! answers are lost; a KN added or removed through the monitor's admin API; hot keys
+//! replicated (SetPolicy with a violated SLO: the policy replicates the hot keys of the Zipf
+//! load) and, 1.5 s later, de-replicated (SetPolicy with a met SLO while the load moves to
+//! another hot set, so the replicated keys turn cold). Not covered: disk or PM faults, clock
+//! faults, the verbs fabric (it needs the VM). docs/testing.md has the details.
 //!
 //! Environment: `DINOMO_NEMESIS_SCHEDULES` (default 3; 1 when a seed is given),
 //! `DINOMO_NEMESIS_SEED` (the first schedule's seed; the others follow it), and for the shape
 //! of a schedule `DINOMO_NEMESIS_SECONDS` (load time, default 8), `DINOMO_NEMESIS_FAULTS`
-//! (most faults per schedule, default 8), `DINOMO_NEMESIS_CLIENTS` (default 4) and
-//! `DINOMO_NEMESIS_KINDS` (a comma-separated subset of the fault kinds, as the `applied=` list
-//! names them: kill-kn, stop-kn, stop-monitor, stop-routing, kill-dpm, add-kn, remove-kn,
-//! replicate (which brings its dereplicate); default all). Every schedule prints one
-//! `NEMESIS seed=...` line; `scripts/nemesis.sh` runs the long form and tabulates them. A
-//! failing schedule keeps its fault timeline, history and logs under
+//! (most faults per schedule, default 8), `DINOMO_NEMESIS_CLIENTS` (default 4),
+//! `DINOMO_NEMESIS_FABRIC` (shm, tcp or mixed, the default) and `DINOMO_NEMESIS_KINDS` (a
+//! comma-separated subset of the fault kinds, as [`Fault::name`] names them: kill-kn, stop-kn,
+//! stop-monitor, stop-routing, kill-monitor, kill-routing, kill-dpm, cut-kn-dpm,
+//! cut-kn-clients, drop-kn-answers, add-kn, remove-kn, replicate (which brings its
+//! dereplicate); default all). Network cuts need root, iptables and a cgroup2 mount; where
+//! they are missing they are listed as `<cut>:unavailable` in the schedule's `applied=` list.
+//! Every schedule prints one `NEMESIS seed=...` line; `scripts/nemesis.sh` runs the long form
+//! and tabulates them. A failing schedule keeps its fault timeline, history and logs under
 //! `target/tmp/nemesis-<seed>/` (every schedule does with `DINOMO_NEMESIS_KEEP=1`).
 
 use std::fmt::Write as _;
@@ -42,6 +50,7 @@ use tokio::task::JoinHandle;
 
 use super::cluster::{Role, UpCluster};
 use super::e2e::{start_load_with, Keys, Load, Seen};
+use super::netfault::{Cut, NetFaults};
 
 /// KNs at the start; the nemesis keeps at least two in the map before it takes one away and
 /// adds none beyond `MAX_KNS`.
@@ -98,7 +107,16 @@ enum Fault {
     PauseKn,
     PauseMonitor,
     PauseRouting,
+    KillMonitor,
+    KillRouting,
     KillDpm,
+    /// A KN cannot reach the dpm-node (control RPCs and, on tcp, the fabric), while clients
+    /// and the monitor still reach it.
+    CutKnFromDpm,
+    /// Nobody (clients, routing node, monitor) reaches a KN, which still reaches the DPM.
+    CutKnFromClients,
+    /// A KN's answers are lost: requests arrive and are served, nobody hears back.
+    DropKnAnswers,
     AddKn,
     RemoveKn,
     HotOn,
@@ -107,12 +125,17 @@ enum Fault {
 
 impl Fault {
     /// The mix; a [`Fault::HotOff`] follows each `HotOn` in the plan.
-    const WEIGHTED: [(Fault, u32); 8] = [
+    const WEIGHTED: [(Fault, u32); 13] = [
         (Fault::KillKn, 2),
         (Fault::PauseKn, 2),
         (Fault::PauseMonitor, 1),
         (Fault::PauseRouting, 1),
+        (Fault::KillMonitor, 1),
+        (Fault::KillRouting, 1),
         (Fault::KillDpm, 1),
+        (Fault::CutKnFromDpm, 2),
+        (Fault::CutKnFromClients, 2),
+        (Fault::DropKnAnswers, 1),
         (Fault::AddKn, 1),
         (Fault::RemoveKn, 1),
         (Fault::HotOn, 2),
@@ -124,7 +147,12 @@ impl Fault {
             Fault::PauseKn => "stop-kn",
             Fault::PauseMonitor => "stop-monitor",
             Fault::PauseRouting => "stop-routing",
+            Fault::KillMonitor => "kill-monitor",
+            Fault::KillRouting => "kill-routing",
             Fault::KillDpm => "kill-dpm",
+            Fault::CutKnFromDpm => "cut-kn-dpm",
+            Fault::CutKnFromClients => "cut-kn-clients",
+            Fault::DropKnAnswers => "drop-kn-answers",
             Fault::AddKn => "add-kn",
             Fault::RemoveKn => "remove-kn",
             Fault::HotOn => "replicate",
@@ -163,6 +191,18 @@ struct Settings {
     clients: usize,
     /// Fault kinds to draw from (`Fault::name`s); None: all.
     kinds: Option<Vec<String>>,
+    /// `shm`, `tcp`, or None: tcp for odd seeds, shm for even ones.
+    fabric: Option<String>,
+}
+
+impl Settings {
+    fn fabric(&self, seed: u64) -> &str {
+        match &self.fabric {
+            Some(f) => f,
+            None if seed % 2 == 1 => "tcp",
+            None => "shm",
+        }
+    }
 }
 
 fn env<T: std::str::FromStr>(name: &str) -> Option<T> {
@@ -186,6 +226,9 @@ impl Settings {
             seconds: env("DINOMO_NEMESIS_SECONDS").unwrap_or(8.0),
             max_faults: env("DINOMO_NEMESIS_FAULTS").unwrap_or(8),
             clients: env("DINOMO_NEMESIS_CLIENTS").unwrap_or(4),
+            fabric: std::env::var("DINOMO_NEMESIS_FABRIC")
+                .ok()
+                .filter(|f| f != "mixed"),
             kinds: std::env::var("DINOMO_NEMESIS_KINDS")
                 .ok()
                 .map(|v| v.split(',').map(|k| k.trim().to_string()).collect()),
@@ -197,6 +240,7 @@ impl Settings {
 #[derive(Debug, Default)]
 struct Outcome {
     seed: u64,
+    fabric: String,
     /// Operations the clients ran (the read-back not included).
     ops: u64,
     /// Errors that reached a client (each recorded as an unknown outcome, or as a failure for
@@ -218,9 +262,10 @@ struct Outcome {
 impl Outcome {
     fn line(&self) -> String {
         format!(
-            "NEMESIS seed={} ops={} unknown={} errors={} faults={} violations={} recovery_ms={} \
-             replicated={} dereplicated={} result={} applied=[{}]",
+            "NEMESIS seed={} fabric={} ops={} unknown={} errors={} faults={} violations={} \
+             recovery_ms={} replicated={} dereplicated={} result={} applied=[{}]",
             self.seed,
+            self.fabric,
             self.ops,
             self.unknown,
             self.errors,
@@ -260,17 +305,22 @@ fn signal(pid: i32, sig: i32) {
 /// that end them (SIGCONT) or wait for them (admin calls).
 struct Nemesis<'a> {
     up: &'a UpCluster,
+    /// None: this machine cannot cut connections (the reason is in `net_unavailable`).
+    net: Option<&'a NetFaults>,
     rng: StdRng,
     /// The published map as last read (the DPM may be down when a fault needs it).
     map: Option<ClusterMap>,
     applied: Vec<String>,
     /// SIGCONTs to come (a heal sends them at once).
     pauses: Vec<JoinHandle<String>>,
+    /// Network cuts to heal (each task owns its cut: aborting the task heals it too).
+    cuts: Vec<JoinHandle<String>>,
     /// Admin calls in flight; each returns what happened.
     tasks: Vec<JoinHandle<String>>,
     /// KNs being removed.
     removing: Vec<u32>,
     dpm_kills: u32,
+    monitor_kills: u32,
     /// Faults and map changes as they happened (the evidence of a failed schedule).
     timeline: String,
     start: Instant,
@@ -352,6 +402,26 @@ impl Nemesis<'_> {
         }));
     }
 
+    /// Applies a network cut for 200 ms to 3 s.
+    fn cut(&mut self, what: String, cut: impl FnOnce(&NetFaults) -> Result<Cut, String>) {
+        let Some(net) = self.net else {
+            self.note(format!("{what}:unavailable"));
+            return;
+        };
+        let ms = self.rng.random_range(200..=3000u64);
+        match cut(net) {
+            Ok(c) => {
+                self.note(format!("{what}:{ms}ms"));
+                self.cuts.push(tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_millis(ms)).await;
+                    drop(c);
+                    format!("{what} healed after {ms} ms")
+                }));
+            }
+            Err(e) => panic!("{what}: {e}"),
+        }
+    }
+
     fn admin_call<F, Fut>(&mut self, what: String, call: F)
     where
         F: FnOnce(MonitorServiceClient<tonic::transport::Channel>) -> Fut + Send + 'static,
@@ -399,6 +469,14 @@ impl Nemesis<'_> {
             }
             Fault::AddKn if in_map >= MAX_KNS => Fault::PauseMonitor,
             Fault::KillDpm if self.dpm_kills >= 2 => Fault::PauseMonitor,
+            // A monitor's KNs are its children: they stop with it, and its successor starts
+            // them again. Two such restarts per schedule are plenty.
+            Fault::KillMonitor if self.monitor_kills >= 2 => Fault::PauseMonitor,
+            Fault::CutKnFromDpm | Fault::CutKnFromClients | Fault::DropKnAnswers
+                if kns.is_empty() =>
+            {
+                Fault::PauseRouting
+            }
             f => f,
         };
         match f {
@@ -425,6 +503,35 @@ impl Nemesis<'_> {
                 {
                     Some(p) => self.pause(p.pid, name.to_string()),
                     None => self.note(format!("stop-{name}:skipped")),
+                }
+            }
+            Fault::KillMonitor | Fault::KillRouting => {
+                let role = if f == Fault::KillMonitor {
+                    self.monitor_kills += 1;
+                    Role::Monitor
+                } else {
+                    Role::Routing
+                };
+                match self.up.pid(role) {
+                    Some(pid) => {
+                        signal(pid, libc::SIGKILL);
+                        self.note(f.name().to_string());
+                    }
+                    None => self.note(format!("{}:skipped", f.name())),
+                }
+            }
+            Fault::CutKnFromDpm => {
+                let (id, pid) = kns[self.rng.random_range(0..kns.len())];
+                let ports = self.up.dpm_ports();
+                self.cut(format!("cut-kn{id}-dpm"), |n| n.cut_process_to(pid, &ports));
+            }
+            Fault::CutKnFromClients | Fault::DropKnAnswers => {
+                let (id, _) = kns[self.rng.random_range(0..kns.len())];
+                let port = self.up.kn_port(id);
+                if f == Fault::CutKnFromClients {
+                    self.cut(format!("cut-kn{id}-clients"), |n| n.cut_to_port(port));
+                } else {
+                    self.cut(format!("drop-kn{id}-answers"), |n| n.cut_from_port(port));
                 }
             }
             Fault::KillDpm => match self.up.pid(Role::Dpm) {
@@ -458,12 +565,18 @@ impl Nemesis<'_> {
         false
     }
 
-    /// Ends every fault now: the pending SIGCONTs are sent at once (to the whole cluster).
-    fn heal(&mut self) {
+    /// Ends every fault now: the pending SIGCONTs are sent at once (to the whole cluster) and
+    /// every network cut is lifted.
+    async fn heal(&mut self) {
         for t in self.pauses.drain(..) {
             t.abort();
         }
         self.up.wake_all();
+        for t in self.cuts.drain(..) {
+            t.abort();
+            // Cancelled (its cut dropped, so healed) or already done.
+            let _ = t.await;
+        }
     }
 
     /// Waits for the admin calls still in flight (bounded); what each did.
@@ -644,7 +757,15 @@ async fn run_schedule(seed: u64, s: Settings) -> Outcome {
     plan.extend(offs);
     plan.sort_by_key(|p| p.0);
 
-    let mut up = UpCluster::start(START_KNS, 24, &monitor_toml());
+    let fabric = s.fabric(seed).to_string();
+    let net = match NetFaults::new() {
+        Ok(n) => Some(n),
+        Err(e) => {
+            eprintln!("nemesis seed {seed}: no network faults on this machine: {e}");
+            None
+        }
+    };
+    let mut up = UpCluster::start_on(&fabric, START_KNS, 24, &monitor_toml());
     let mut clients = Vec::new();
     for _ in 0..s.clients {
         clients.push(client(&up, OP_DEADLINE, true).await);
@@ -665,13 +786,16 @@ async fn run_schedule(seed: u64, s: Settings) -> Outcome {
 
     let mut nemesis = Nemesis {
         up: &up,
+        net: net.as_ref(),
         rng: StdRng::seed_from_u64(seed ^ 0x9e37_79b9_7f4a_7c15),
         map: None,
         applied: Vec::new(),
         pauses: Vec::new(),
+        cuts: Vec::new(),
         tasks: Vec::new(),
         removing: Vec::new(),
         dpm_kills: 0,
+        monitor_kills: 0,
         timeline: String::new(),
         start: Instant::now(),
         history: history.clone(),
@@ -694,7 +818,7 @@ async fn run_schedule(seed: u64, s: Settings) -> Outcome {
         tokio::time::sleep(Duration::from_millis(200)).await;
         nemesis.refresh_map().await;
     }
-    nemesis.heal();
+    nemesis.heal().await;
     nemesis.note("heal".to_string());
     nemesis.applied.pop();
     let recovery = wait_serving(&probe).await;
@@ -704,6 +828,7 @@ async fn run_schedule(seed: u64, s: Settings) -> Outcome {
     let (ops, errors) = load.finish().await;
     let mut o = Outcome {
         seed,
+        fabric,
         ops,
         errors,
         faults: nemesis.applied.clone(),
@@ -783,6 +908,7 @@ async fn run_schedule(seed: u64, s: Settings) -> Outcome {
         keep_evidence(&up, seed, &history, &o, &detail);
     }
     drop(up);
+    drop(net);
     o
 }
 
