@@ -26,8 +26,9 @@ use dinomo_layout::segment::SegState;
 use parking_lot::Mutex;
 
 use crate::cells::Cells;
-use crate::config::DpmConfig;
+use crate::config::{DpmConfig, FabricKind};
 use crate::error::{DpmError, Result};
+use crate::fenced_procs::{FencedProcs, ProcessRef};
 use crate::gc::Gc;
 use crate::index::{Index, IndexSpace};
 use crate::merge::{MergeMode, MergeReport, Merger};
@@ -88,6 +89,8 @@ pub struct DpmStats {
 struct KnSession {
     epoch: u64,
     key: AccessKey,
+    /// The KN's process, watched once it is fenced (shm only, see [`FencedProcs`]).
+    process: Option<ProcessRef>,
 }
 
 #[derive(Debug)]
@@ -102,6 +105,8 @@ pub struct Dpm {
     meta: MetaStore,
     grants: Arc<GrantTable>,
     sessions: Mutex<HashMap<u32, KnSession>>,
+    /// Fenced shm KN processes that may still write (their segments are not reused).
+    fenced_procs: Arc<FencedProcs>,
     stop: Arc<AtomicBool>,
     threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
 }
@@ -160,11 +165,13 @@ impl Dpm {
                 _ => tracing::warn!(%name, "ignoring a corrupt indirect-cell record"),
             }
         }
+        let fenced_procs = Arc::new(FencedProcs::default());
         let gc = Arc::new(Gc::new(
             pool.clone(),
             index.clone(),
             segments.clone(),
             cells.clone(),
+            fenced_procs.clone(),
             config.clean_threshold,
         ));
         // Grants do not survive a restart: KNs re-register (and get new epochs).
@@ -216,6 +223,7 @@ impl Dpm {
             meta,
             grants,
             sessions: Mutex::new(HashMap::new()),
+            fenced_procs,
             stop,
             threads: Mutex::new(threads),
         }))
@@ -257,6 +265,32 @@ impl Dpm {
     /// one will append to them again), so the new incarnation finds every acknowledged write
     /// through the index.
     pub fn register_kn(&self, kn_id: Option<u32>, endpoint: &str) -> Result<Registration> {
+        self.register_kn_process(kn_id, endpoint, None)
+    }
+
+    /// [`Dpm::register_kn`] for the KN process `pid` (on this host): on the shm fabric, its
+    /// segments are not reused while it runs after being fenced (see [`FencedProcs`]).
+    pub fn register_kn_process(
+        &self,
+        kn_id: Option<u32>,
+        endpoint: &str,
+        pid: Option<u32>,
+    ) -> Result<Registration> {
+        let process = match pid {
+            Some(pid) if self.config.fabric == FabricKind::Shm => {
+                let p = ProcessRef::of(pid);
+                if p.is_none() {
+                    tracing::warn!(
+                        pid,
+                        endpoint,
+                        "cannot see the KN's process in /proc (another host or pid namespace?): \
+                         if it is fenced while still running, its segments may be reused under it"
+                    );
+                }
+                p
+            }
+            _ => None,
+        };
         let mut sessions = self.sessions.lock();
         let kn = match kn_id {
             Some(k) => k,
@@ -273,6 +307,12 @@ impl Dpm {
         self.pool.persist_root(Roots::KN_FENCE + 8 * u64::from(kn));
         if let Some(old) = sessions.remove(&kn) {
             self.grants.revoke(old.key)?;
+            if let Some(p) = old.process.filter(|p| Some(*p) != process) {
+                self.fenced_procs.watch(kn, p);
+            }
+        }
+        if let Some(p) = process {
+            self.fenced_procs.registered(kn, p);
         }
         if self.pending_segments(kn) > 0 {
             let r = self.merger.merge_all(kn, MergeMode::AllAndSeal)?;
@@ -286,7 +326,14 @@ impl Dpm {
         let key = self.grants.grant()?;
         self.meta
             .update(&[(&format!("dpm/kn/{kn}"), Some(endpoint.as_bytes()))])?;
-        sessions.insert(kn, KnSession { epoch, key });
+        sessions.insert(
+            kn,
+            KnSession {
+                epoch,
+                key,
+                process,
+            },
+        );
         metrics::counter!("dinomo_dpm_kn_registrations_total").increment(1);
         tracing::info!(kn, epoch, endpoint, "KN registered");
         let sb = self.pool.superblock();
@@ -377,6 +424,9 @@ impl Dpm {
             .update(&[(&fenced_under_key(kn), Some(under.as_slice()))])?;
         if let Some(s) = self.sessions.lock().remove(&kn) {
             self.grants.revoke(s.key)?;
+            if let Some(p) = s.process {
+                self.fenced_procs.watch(kn, p);
+            }
             tracing::info!(kn, epoch = s.epoch, "KN fenced");
         }
         // The KN can never append again (its epoch is refused, its key revoked), so its open

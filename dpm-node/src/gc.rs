@@ -9,7 +9,9 @@
 //!   at the old copy (a merge may have replaced it meanwhile). The old segment then has no live
 //!   byte and is freed by a later pass.
 //!
-//! - A segment holding the entry an indirect cell points to is skipped (see [`crate::cells`]).
+//! - A segment holding the entry an indirect cell points to is skipped (see [`crate::cells`]),
+//!   and so is a segment of a KN whose fenced process may still write into it (see
+//!   [`crate::fenced_procs`]).
 //!
 //! Crash safety: the copy is persisted before any slot points at it; a crash mid-clean leaves
 //! unreferenced copies (dead bytes in the cleaner's segment) and the old entries still indexed.
@@ -27,6 +29,7 @@ use parking_lot::Mutex;
 
 use crate::cells::Cells;
 use crate::error::Result;
+use crate::fenced_procs::FencedProcs;
 use crate::index::Index;
 use crate::pool::Pool;
 use crate::segments::{Progress, SegmentGrant, Segments, Tier, CLEANER_LOG};
@@ -55,6 +58,8 @@ pub struct Gc {
     index: Arc<Index>,
     segments: Arc<Segments>,
     cells: Arc<Cells>,
+    /// KNs with a fenced process that may still write: their segments are left alone.
+    fenced_procs: Arc<FencedProcs>,
     /// Clean merged segments whose live bytes are below this fraction of their written bytes
     /// (or of half the segment, if less was written).
     clean_threshold: f64,
@@ -72,6 +77,7 @@ impl Gc {
         index: Arc<Index>,
         segments: Arc<Segments>,
         cells: Arc<Cells>,
+        fenced_procs: Arc<FencedProcs>,
         clean_threshold: f64,
     ) -> Self {
         Gc {
@@ -79,6 +85,7 @@ impl Gc {
             index,
             segments,
             cells,
+            fenced_procs,
             clean_threshold,
             target: Mutex::new(None),
             pass: Mutex::new(()),
@@ -118,6 +125,11 @@ impl Gc {
                 continue;
             }
             if !self.cells.is_empty() && self.cells.pins(&self.pool, id) {
+                continue;
+            }
+            // Its KN's fenced process may still copy a batch in (shm): reused, the segment
+            // would take that copy over another KN's acknowledged data.
+            if self.fenced_procs.holds(e.kn_id) {
                 continue;
             }
             let live = self.segments.live_bytes(id);

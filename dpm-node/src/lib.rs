@@ -3,7 +3,8 @@
 //! collects garbage, and keeps cluster metadata. Its CPU stays off the request path.
 //!
 //! Modules: [`pool`] (the file and its areas), [`index`] (P-CLHT-like table), [`segments`]
-//! (allocator, log chains, live bytes), [`cells`] (indirect cells), [`merge`] (log -> index), [`gc`], [`metastore`],
+//! (allocator, log chains, live bytes), [`cells`] (indirect cells), [`merge`] (log -> index), [`gc`],
+//! [`fenced_procs`] (shm KNs fenced while still running), [`metastore`],
 //! [`dpm`] (the whole node as a library), [`service`] (gRPC), [`config`], [`server`] (runs it).
 
 pub mod cells;
@@ -11,6 +12,7 @@ pub mod cli;
 pub mod config;
 pub mod dpm;
 pub mod error;
+pub mod fenced_procs;
 pub mod gc;
 pub mod index;
 pub mod merge;

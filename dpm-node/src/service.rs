@@ -98,7 +98,9 @@ impl DpmService for DpmGrpc {
     ) -> Result<Response<pb::RegisterKnResponse>, Status> {
         let r = req.into_inner();
         let reg = self
-            .blocking(move |d| d.register_kn(r.kn_id, &r.endpoint))
+            .blocking(move |d| {
+                d.register_kn_process(r.kn_id, &r.endpoint, (r.pid != 0).then_some(r.pid))
+            })
             .await?;
         let kind = match self.fabric_kind {
             FabricKind::Shm => "shm",

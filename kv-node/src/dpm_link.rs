@@ -104,6 +104,7 @@ async fn register_once(
         client.register_kn(pb::RegisterKnRequest {
             kn_id,
             endpoint: endpoint.to_string(),
+            pid: std::process::id(),
         }),
     )
     .await

@@ -123,7 +123,9 @@ impl NetFaults {
             root,
         };
         iptables(&strings(&["-N", &nf.chain]))?;
-        iptables(&strings(&["-I", "OUTPUT", "1", "-o", "lo", "-j", &nf.chain]))?;
+        iptables(&strings(&[
+            "-I", "OUTPUT", "1", "-o", "lo", "-j", &nf.chain,
+        ]))?;
         Ok(nf)
     }
 
@@ -206,8 +208,8 @@ impl Drop for NetFaults {
         // Processes still in a group (a cluster outliving this harness) go back to the root.
         if let Ok(d) = std::fs::read_dir(&self.cgroup) {
             for g in d.flatten().filter(|e| e.path().is_dir()) {
-                let procs = std::fs::read_to_string(g.path().join("cgroup.procs"))
-                    .unwrap_or_default();
+                let procs =
+                    std::fs::read_to_string(g.path().join("cgroup.procs")).unwrap_or_default();
                 for pid in procs.lines() {
                     let _ = std::fs::write(self.root.join("cgroup.procs"), pid);
                 }

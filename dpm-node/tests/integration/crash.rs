@@ -76,6 +76,7 @@ async fn register(dpm: &DpmProcess, log: &std::path::Path) -> (GrpcSource, Acces
     let mut client = dpm.client().await;
     let r = match client
         .register_kn(RegisterKnRequest {
+            pid: 0,
             kn_id: Some(KN),
             endpoint: "crash-test".into(),
         })

@@ -223,3 +223,47 @@ async fn late_batch_of_a_fenced_kn_is_never_indexed_over_newer_data() {
         "a batch the KN was told had an unknown outcome was indexed over a newer value"
     );
 }
+
+/// On shm a fenced KN keeps the pool mapped: a copy it had in flight when it was stopped
+/// lands when it runs again, wherever its segment then is. So its segments are not freed for
+/// reuse while its process runs; once the process is gone they are.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_shm_kns_segments_are_not_reused_while_its_process_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    let dpm = open_dpm(dir.path());
+    // Stands for the KN's process (the test process itself must not be the fenced one).
+    let mut kn_process = std::process::Command::new("sleep")
+        .arg("60")
+        .spawn()
+        .unwrap();
+    let reg = dpm
+        .register_kn_process(Some(1), "fenced", Some(kn_process.id()))
+        .unwrap();
+    let fabric =
+        ShmFabric::connect(&dpm.config.pool_path, reg.key, DurabilityRequest::Auto).unwrap();
+    let mut w = writer(&dpm, 1, reg.epoch, fabric);
+    w.append(&[put("a", "1", 1)]).await.unwrap();
+    dpm.fence_kn(1).unwrap();
+    dpm.merge_all(1, true).unwrap();
+    // The key's next owner overwrites it: KN 1's segment has no live byte left.
+    let reg2 = dpm.register_kn(Some(2), "next owner").unwrap();
+    let fabric2 =
+        ShmFabric::connect(&dpm.config.pool_path, reg2.key, DurabilityRequest::Auto).unwrap();
+    let mut w2 = writer(&dpm, 2, reg2.epoch, fabric2);
+    w2.append(&[put("a", "2", 2)]).await.unwrap();
+    dpm.merge_all(2, false).unwrap();
+    assert_eq!(value(&dpm, "a").as_deref(), Some("2"));
+
+    let held = dpm.gc().run_once().unwrap();
+    assert_eq!(
+        held.freed, 0,
+        "a dead segment of a fenced KN whose process runs was freed for reuse"
+    );
+    kn_process.kill().unwrap();
+    kn_process.wait().unwrap();
+    let after = dpm.gc().run_once().unwrap();
+    assert_eq!(
+        after.freed, 1,
+        "the fenced KN's dead segment stays held after its process exited"
+    );
+}

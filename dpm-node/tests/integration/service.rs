@@ -18,6 +18,7 @@ async fn control_calls_and_their_errors() {
 
     let r = c
         .register_kn(RegisterKnRequest {
+            pid: 0,
             kn_id: None,
             endpoint: "127.0.0.1:1".into(),
         })
@@ -108,6 +109,7 @@ async fn control_calls_and_their_errors() {
     assert!(e.message().contains("re-register"), "{}", e.message());
     let r2 = c
         .register_kn(RegisterKnRequest {
+            pid: 0,
             kn_id: Some(r.kn_id),
             endpoint: "x".into(),
         })
