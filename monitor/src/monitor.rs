@@ -121,6 +121,10 @@ pub struct MonitorOptions {
     pub drain: Duration,
 }
 
+/// Least time between two attempts to start a replacement KN (see
+/// [`Monitor::replace_below_floor`]).
+const REPLACE_EVERY: Duration = Duration::from_secs(5);
+
 /// The monitor.
 #[derive(Debug)]
 pub struct Monitor {
@@ -136,6 +140,8 @@ pub struct Monitor {
     /// When the last probe round ended: a long gap means this monitor itself was stalled
     /// (SIGSTOP, a frozen VM), and silence it did not watch proves nothing about the KNs.
     last_probe_round: Mutex<Option<Instant>>,
+    /// When [`Monitor::replace_below_floor`] last tried to start a KN.
+    last_replacement: Mutex<Option<Instant>>,
     channels: Mutex<HashMap<String, KvServiceClient<Channel>>>,
     snapshot: Mutex<Snapshot>,
     decisions: Mutex<VecDeque<DecisionRecord>>,
@@ -217,6 +223,7 @@ impl Monitor {
             reconfig: tokio::sync::Mutex::new(()),
             probes: Mutex::new(HashMap::new()),
             last_probe_round: Mutex::new(None),
+            last_replacement: Mutex::new(None),
             channels: Mutex::new(HashMap::new()),
             snapshot: Mutex::new(Snapshot::default()),
             decisions: Mutex::new(VecDeque::new()),
@@ -561,6 +568,34 @@ impl Monitor {
         Ok(Some(rec))
     }
 
+    /// After failures, the map may hold fewer KNs than `policy.min_kns` (at least one): with
+    /// none, nobody serves any key. Starts replacements, one per call and at most one attempt
+    /// every [`REPLACE_EVERY`], so a platform that cannot start KNs is not hammered.
+    pub async fn replace_below_floor(&self) {
+        let floor = self.policy_config().min_kns.max(1) as usize;
+        let Ok(map) = self.current_map().await else {
+            return;
+        };
+        if map.kns.len() >= floor {
+            return;
+        }
+        {
+            let mut last = self.last_replacement.lock();
+            if last.is_some_and(|t| t.elapsed() < REPLACE_EVERY) {
+                return;
+            }
+            *last = Some(Instant::now());
+        }
+        let reason = format!(
+            "the map holds {} KN(s) after failures, below policy.min_kns = {floor}",
+            map.kns.len()
+        );
+        tracing::warn!(%reason, "starting a replacement KN");
+        if let Err(e) = self.add_kn(&reason).await {
+            tracing::error!(error = %format!("{e:#}"), "starting a replacement KN failed; will retry");
+        }
+    }
+
     /// Waits (up to 5 s) until a routing node serves map `version`.
     async fn wait_served(&self, version: u64, since: Instant) -> Option<Duration> {
         let r = self.opts.routing.first()?;
@@ -888,6 +923,7 @@ async fn probe_loop(m: std::sync::Weak<Monitor>) {
                 tracing::error!(kn, error = %e, "failure recovery failed; will retry");
             }
         }
+        mon.replace_below_floor().await;
         drop(mon);
         tokio::time::sleep(every).await;
     }

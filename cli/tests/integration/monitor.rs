@@ -290,3 +290,48 @@ async fn a_hung_kn_is_detected_by_missed_heartbeats_and_fenced() {
     );
     assert_linearizable(&history, "KN 2 hung, fenced, woken up");
 }
+
+/// The last KN of the map dies: failure recovery alone would leave a map with no KN, where no
+/// key is served until someone adds one (a nemesis schedule found this). The monitor starts a
+/// replacement (policy.min_kns, at least one), which serves every acknowledged write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_last_kn_killed_is_replaced_and_its_writes_are_served() {
+    let cluster = MonitoredCluster::start(1, PASSIVE).await;
+    let client = cluster.client().await;
+    for i in 0..50 {
+        client
+            .put(format!("k{i}").into_bytes(), format!("v{i}").into_bytes())
+            .await
+            .unwrap();
+    }
+    let first = cluster.map().await;
+    let only = first.kns[0].id;
+    // SAFETY: a KN process of this test's cluster.
+    unsafe { libc::kill(cluster.kn_pid(only), libc::SIGKILL) };
+    let start = Instant::now();
+    let replaced = loop {
+        let m = cluster.map().await;
+        if !m.contains(only) && !m.kns.is_empty() {
+            break m;
+        }
+        if start.elapsed() > Duration::from_secs(60) {
+            cluster.dump_monitor_log();
+            panic!("no replacement for the only KN within 60 s; map {m:?}");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    println!(
+        "KN {only} killed; map v{} with KN(s) {:?} after {:?}",
+        replaced.version,
+        replaced.kn_ids().collect::<Vec<_>>(),
+        start.elapsed()
+    );
+    for i in 0..50 {
+        let v = client.get(format!("k{i}").into_bytes()).await.unwrap();
+        assert_eq!(v.as_deref(), Some(format!("v{i}").as_bytes()), "k{i}");
+    }
+    client
+        .put(&b"after"[..], &b"replacement"[..])
+        .await
+        .unwrap();
+}
