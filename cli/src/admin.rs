@@ -8,7 +8,7 @@ use dinomo_proto::monitor::{AddKnRequest, KnRequest, PolicyRequest, StatusReques
 #[derive(Debug, Args)]
 pub struct AdminArgs {
     /// The monitor's address (`dinomo up` runs it at port-base + 300).
-    #[arg(long, env = "DINOMO_MONITOR", default_value = "127.0.0.1:8000")]
+    #[arg(long, env = "DINOMO_MONITOR", default_value = "127.0.0.1:7600")]
     pub monitor: String,
     #[command(subcommand)]
     pub action: Action,

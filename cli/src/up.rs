@@ -24,8 +24,9 @@ pub struct UpArgs {
     #[arg(long, default_value_t = 2)]
     pub kns: u32,
     /// Ports: dpm-node = BASE, its fabric = BASE+1, KV node i = BASE+100+i, routing = BASE+200,
-    /// monitor = BASE+300; metrics at BASE+2000 (dpm), BASE+2100+i (KNs), BASE+2200 (routing),
-    /// BASE+2300 (monitor).
+    /// monitor = BASE-100; metrics at BASE+2000 (dpm), BASE+2100+i (KNs), BASE+2200 (routing),
+    /// BASE+1900 (monitor). With the default base these are each node's own defaults (dpm-node
+    /// 7700, kv-node 7800, routing-node 7900, monitor 7600), which the CLI's commands dial.
     #[arg(long, default_value_t = 7700)]
     pub port_base: u16,
     /// Size of a new pool.
@@ -218,7 +219,10 @@ pub async fn run(a: UpArgs) -> anyhow::Result<()> {
             &logs.join("routing-node.log"),
         )?;
         nodes.push(n);
-        let monitor = port(300)?;
+        let monitor = format!(
+            "127.0.0.1:{}",
+            b.checked_sub(100).context("--port-base must be at least 100")?
+        );
         let kn_port_base = b.checked_add(100).context("--port-base too high")?;
         let kn_metrics_base = b.checked_add(2100).context("--port-base too high")?;
         let mut margs: Vec<String> = vec![
@@ -228,7 +232,7 @@ pub async fn run(a: UpArgs) -> anyhow::Result<()> {
             "--dpm".into(),
             dpm.clone(),
             "--metrics-listen".into(),
-            port(2300)?,
+            port(1900)?,
             "--routing".into(),
             routing.clone(),
             "--kns".into(),

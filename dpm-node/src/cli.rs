@@ -32,6 +32,11 @@ pub struct Args {
     /// Fabric NIC address (overrides fabric_listen).
     #[arg(long, env = "DINOMO_DPM_FABRIC_LISTEN")]
     pub fabric_listen: Option<String>,
+    /// Address KNs reach the tcp fabric NIC at, HOST:PORT or HOST (overrides
+    /// fabric_advertise). Default: the NIC's listen address, or this host's name when it
+    /// listens on a wildcard such as 0.0.0.0.
+    #[arg(long, env = "DINOMO_DPM_FABRIC_ADVERTISE")]
+    pub fabric_advertise: Option<String>,
     /// shm or tcp (overrides fabric).
     #[arg(long, env = "DINOMO_DPM_FABRIC")]
     pub fabric: Option<String>,
@@ -77,6 +82,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
     if let Some(v) = args.fabric {
         file.fabric = v;
+    }
+    if let Some(v) = args.fabric_advertise {
+        file.fabric_advertise = v;
     }
     if let Some(v) = args.metrics_listen {
         file.metrics_listen = v;

@@ -54,6 +54,10 @@ pub struct DpmConfigFile {
     pub fabric: String,
     /// Address of the tcp fabric NIC, started only when `fabric = "tcp"`.
     pub fabric_listen: String,
+    /// Address KNs are told to reach the tcp fabric NIC at, `HOST:PORT` or `HOST` (the NIC's
+    /// port). Empty: `fabric_listen`, or this host's name when that is a wildcard such as
+    /// 0.0.0.0 (a wildcard is never handed out).
+    pub fabric_advertise: String,
     /// Address of the Prometheus /metrics endpoint; empty to disable.
     pub metrics_listen: String,
     /// Grant slots in the fabric grant table (concurrent KN registrations).
@@ -82,6 +86,7 @@ impl Default for DpmConfigFile {
             listen: "127.0.0.1:7700".into(),
             fabric: "shm".into(),
             fabric_listen: "127.0.0.1:7701".into(),
+            fabric_advertise: String::new(),
             metrics_listen: "127.0.0.1:9700".into(),
             max_grants: 256,
             verify_accounting: false,
@@ -110,6 +115,8 @@ pub struct DpmConfig {
     pub listen: SocketAddr,
     pub fabric: FabricKind,
     pub fabric_listen: SocketAddr,
+    /// As configured; resolved once the NIC is bound (see [`DpmConfigFile::fabric_advertise`]).
+    pub fabric_advertise: String,
     pub metrics_listen: Option<SocketAddr>,
     pub max_grants: u32,
     pub verify_accounting: bool,
@@ -168,6 +175,15 @@ impl DpmConfigFile {
                 )))
             }
         };
+        let fabric_listen = addr("fabric_listen", &self.fabric_listen)?;
+        if fabric == FabricKind::Tcp {
+            dinomo_node_common::address::advertise_address(
+                "fabric_advertise",
+                fabric_listen,
+                &self.fabric_advertise,
+            )
+            .map_err(DpmError::Config)?;
+        }
         Ok(DpmConfig {
             pool_path: self.pool_path,
             format,
@@ -182,7 +198,8 @@ impl DpmConfigFile {
             clean_threshold: self.clean_threshold,
             listen: addr("listen", &self.listen)?,
             fabric,
-            fabric_listen: addr("fabric_listen", &self.fabric_listen)?,
+            fabric_listen,
+            fabric_advertise: self.fabric_advertise,
             metrics_listen: if self.metrics_listen.is_empty() {
                 None
             } else {

@@ -84,8 +84,14 @@ pub async fn run(
     };
     let fabric_address = match &fabric {
         FabricEndpoint::Shm(pool) => pool.display().to_string(),
-        FabricEndpoint::Tcp(addr) => addr.to_string(),
+        FabricEndpoint::Tcp(addr) => dinomo_node_common::address::advertise_address(
+            "fabric_advertise",
+            *addr,
+            &dpm.config.fabric_advertise,
+        )
+        .map_err(DpmError::Config)?,
     };
+    tracing::info!(fabric = %fabric_address, "KNs are told to reach the fabric here");
     let listener = tokio::net::TcpListener::bind(dpm.config.listen)
         .await
         .map_err(|e| DpmError::Config(format!("cannot listen on {}: {e}", dpm.config.listen)))?;
@@ -107,7 +113,11 @@ pub async fn run(
         shutdown.await;
         let _ = stopping_tx.send(());
     };
+    // The pool is open and every listener bound: the node can do its job from now on.
+    let (health, health_service) = dinomo_node_common::health::Health::new();
+    health.set(true).await;
     let serve = tonic::transport::Server::builder()
+        .add_service(health_service)
         .add_service(svc)
         .serve_with_incoming_shutdown(dinomo_proto::nodelay_incoming(listener), signal);
     let served = tokio::select! {

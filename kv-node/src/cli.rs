@@ -16,11 +16,21 @@ pub struct Args {
     #[arg(long, short, env = "DINOMO_KN_CONFIG")]
     pub config: Option<PathBuf>,
     /// KN id to register as (overrides kn_id).
-    #[arg(long, env = "DINOMO_KN_ID")]
+    #[arg(long, env = "DINOMO_KN_ID", conflicts_with = "id_from_ordinal")]
     pub kn_id: Option<u32>,
+    /// Take the KN id from this pod's StatefulSet ordinal: id = ordinal + 1, as the monitor's
+    /// kubernetes orchestrator numbers KNs. The ordinal is read from DINOMO_KN_POD_INDEX (set
+    /// it from the pod's apps.kubernetes.io/pod-index label with the downward API) or else
+    /// from the host name, which ends in -<ordinal> in a StatefulSet pod.
+    #[arg(long, env = "DINOMO_KN_ID_FROM_ORDINAL")]
+    pub id_from_ordinal: bool,
     /// KvService address (overrides listen).
     #[arg(long, env = "DINOMO_KN_LISTEN")]
     pub listen: Option<String>,
+    /// Address clients reach this KN at, HOST:PORT or HOST (overrides advertise). Default:
+    /// the listen address, or this host's name when listening on a wildcard such as 0.0.0.0.
+    #[arg(long, env = "DINOMO_KN_ADVERTISE")]
+    pub advertise: Option<String>,
     /// dpm-node gRPC address (overrides dpm).
     #[arg(long, env = "DINOMO_KN_DPM")]
     pub dpm: Option<String>,
@@ -41,6 +51,27 @@ pub struct Args {
     pub print_ready: bool,
 }
 
+/// The KN id of this StatefulSet pod: its ordinal + 1 (see `--id-from-ordinal`).
+fn id_from_ordinal() -> anyhow::Result<u32> {
+    let ordinal = match std::env::var("DINOMO_KN_POD_INDEX") {
+        Ok(v) if !v.trim().is_empty() => v.trim().parse::<u32>().map_err(|_| {
+            anyhow::anyhow!("DINOMO_KN_POD_INDEX = {v:?} is not a pod ordinal (0, 1, ...)")
+        })?,
+        _ => {
+            let host = dinomo_node_common::address::host_name().context(
+                "--id-from-ordinal: DINOMO_KN_POD_INDEX is not set and this host has no name",
+            )?;
+            dinomo_node_common::address::ordinal_from_name(&host)
+                .map_err(|e| anyhow::anyhow!("--id-from-ordinal: {e}; set DINOMO_KN_POD_INDEX"))?
+        }
+    };
+    let id = ordinal
+        .checked_add(1)
+        .context("--id-from-ordinal: ordinal too large")?;
+    tracing::info!(ordinal, kn_id = id, "KN id from the pod ordinal");
+    Ok(id)
+}
+
 /// Initialises logging to stderr (see [`dinomo_node_common::init_tracing`]).
 pub fn init_tracing() {
     dinomo_node_common::init_tracing();
@@ -59,8 +90,14 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     if args.kn_id.is_some() {
         file.kn_id = args.kn_id;
     }
+    if args.id_from_ordinal {
+        file.kn_id = Some(id_from_ordinal()?);
+    }
     if let Some(v) = args.listen {
         file.listen = v;
+    }
+    if let Some(v) = args.advertise {
+        file.advertise = v;
     }
     if let Some(v) = args.dpm {
         file.dpm = v;

@@ -16,7 +16,9 @@ pub struct KnConfigFile {
     pub kn_id: Option<u32>,
     /// Address of the KvService.
     pub listen: String,
-    /// Address clients should use to reach this KN (defaults to `listen`).
+    /// Address clients (and the DPM's records) use to reach this KN, `HOST:PORT` or `HOST`
+    /// (the listen port). Empty: `listen`, or this host's name when `listen` is a wildcard
+    /// such as 0.0.0.0 (a wildcard is never advertised).
     pub advertise: String,
     /// gRPC address of the dpm-node.
     pub dpm: String,
@@ -80,6 +82,8 @@ impl Default for KnConfigFile {
 pub struct KnConfig {
     pub kn_id: Option<u32>,
     pub listen: SocketAddr,
+    /// As configured (empty: derived from the listen address, see [`KnConfigFile::advertise`]);
+    /// the server resolves it once bound.
     pub advertise: String,
     pub dpm: String,
     pub shards: u32,
@@ -126,13 +130,11 @@ impl KnConfigFile {
             .cache_policy
             .parse()
             .map_err(|e| format!("cache_policy: {e}"))?;
+        // Checked now; resolved again once the listener is bound (port 0 picks a port).
+        dinomo_node_common::address::advertise_address("kv-node", listen, &self.advertise)?;
         Ok(KnConfig {
             kn_id: self.kn_id,
-            advertise: if self.advertise.is_empty() {
-                listen.to_string()
-            } else {
-                self.advertise
-            },
+            advertise: self.advertise,
             listen,
             dpm: if self.dpm.starts_with("http") {
                 self.dpm

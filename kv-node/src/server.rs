@@ -31,9 +31,10 @@ pub async fn run(
     let addr = listener
         .local_addr()
         .map_err(|e| KvError::Internal(e.to_string()))?;
-    if config.advertise == config.listen.to_string() {
-        config.advertise = addr.to_string();
-    }
+    config.advertise =
+        dinomo_node_common::address::advertise_address("kv-node", addr, &config.advertise)
+            .map_err(KvError::InvalidArgument)?;
+    tracing::info!(listen = %addr, advertise = %config.advertise, "kv-node address");
     let node = KvNode::start(config).await?;
     let running = Running {
         addr,
@@ -47,7 +48,15 @@ pub async fn run(
         shutdown.await;
         let _ = stopping_tx.send(());
     };
+    // Ready for a probe once registered (done: KvNode::start), with a healthy DPM session and
+    // a cluster map.
+    let (health, health_service) = dinomo_node_common::health::Health::new();
+    let probed = node.clone();
+    let health_task = health.follow("kv-node", move || {
+        probed.session_healthy() && probed.map().version > 0
+    });
     let serve = tonic::transport::Server::builder()
+        .add_service(health_service)
         .add_service(
             KvServiceServer::new(KvGrpc::new(node.clone())).max_decoding_message_size(64 << 20),
         )
@@ -59,6 +68,7 @@ pub async fn run(
             tokio::time::sleep(Duration::from_secs(2)).await;
         } => Ok(()),
     };
+    health_task.abort();
     // Seal the logs before returning: the runtime may be torn down right after.
     node.shutdown().await;
     drop(node);

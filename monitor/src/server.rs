@@ -92,7 +92,12 @@ pub async fn serve(
     let addr: SocketAddr = listener.local_addr()?;
     monitor.spawn_loops();
     tracing::info!(%addr, orchestrator = monitor.orchestrator().name(), "monitor serving");
+    // Healthy once serving, leader or standby (the cluster map was resumed or published
+    // before serve() is called).
+    let (health, health_service) = dinomo_node_common::health::Health::new();
+    health.set(true).await;
     tonic::transport::Server::builder()
+        .add_service(health_service)
         .add_service(MonitorServiceServer::new(Service::new(monitor)))
         .serve_with_incoming_shutdown(dinomo_proto::nodelay_incoming(listener), shutdown)
         .await

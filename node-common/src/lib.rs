@@ -6,6 +6,8 @@ use std::net::SocketAddr;
 
 use anyhow::Context;
 
+pub mod address;
+pub mod health;
 pub mod spawn;
 
 pub use spawn::{

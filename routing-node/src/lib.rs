@@ -160,11 +160,17 @@ pub async fn run(
     let poller = tokio::spawn(poll_dpm(dpm, poll, tx));
     let addr: SocketAddr = listener.local_addr()?;
     tracing::info!(%addr, "routing-node serving");
+    // Ready for a probe once it holds a cluster map to hand out.
+    let (health, health_service) = dinomo_node_common::health::Health::new();
+    let probed = rx.clone();
+    let health_task = health.follow("routing-node", move || probed.borrow().0 > 0);
     let r = tonic::transport::Server::builder()
+        .add_service(health_service)
         .add_service(RoutingServiceServer::new(Routing { current: rx }))
         .serve_with_incoming_shutdown(dinomo_proto::nodelay_incoming(listener), shutdown)
         .await;
     poller.abort();
+    health_task.abort();
     Ok(r?)
 }
 

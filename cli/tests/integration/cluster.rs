@@ -329,17 +329,18 @@ impl MonitoredCluster {
 /// A base port for `dinomo up --kns <= max_kns` such that every port it may use (see
 /// `up --help`; KN ids up to `max_kns`, for KNs added later) is free right now.
 pub(crate) fn up_port_base(max_kns: u16) -> u16 {
-    let mut offsets = vec![0u16, 1, 200, 300, 2000, 2200, 2300];
-    for i in 1..=max_kns {
+    // dpm, fabric, routing, monitor (BASE-100), and their metrics.
+    let mut offsets = vec![0i32, 1, 200, -100, 2000, 2200, 1900];
+    for i in 1..=i32::from(max_kns) {
         offsets.extend([100 + i, 2100 + i]);
     }
     for _ in 0..200 {
-        let base = 20_000 + rand::random_range(0..40_000u16);
+        let base = 20_000 + i32::from(rand::random_range(0..40_000u16));
         if offsets
             .iter()
-            .all(|o| std::net::TcpListener::bind(("127.0.0.1", base + o)).is_ok())
+            .all(|o| std::net::TcpListener::bind(("127.0.0.1", (base + o) as u16)).is_ok())
         {
-            return base;
+            return base as u16;
         }
     }
     panic!("no free port range for dinomo up");
@@ -380,31 +381,73 @@ pub(crate) struct UpCluster {
     child: Child,
     pub dir: tempfile::TempDir,
     pub base: u16,
+    /// `up`'s arguments but for the data directory and port base (for [`UpCluster::restart`]).
+    args: Vec<String>,
+    stopped: bool,
 }
 
 impl UpCluster {
     /// `dinomo up` with `kns` KV nodes (1 shard, 1 MiB cache each), a 256 MiB pool and the
     /// monitor config `monitor_toml`, on free ports leaving room for KNs up to `max_kns`.
     /// Returns once `up` printed its endpoints (every node ready, the map published).
-    /// The KNs write through `fabric` (`shm` or `tcp`).
-    pub fn start_on(fabric: &str, kns: u32, max_kns: u16, monitor_toml: &str) -> UpCluster {
-        use std::os::unix::process::CommandExt;
+    /// The KNs write through `fabric` (`shm` or `tcp`); `monitor_toml` None: the embedded
+    /// defaults.
+    pub fn start_on(fabric: &str, kns: u32, max_kns: u16, monitor_toml: Option<&str>) -> UpCluster {
         let dir = tempfile::tempdir().unwrap();
-        let cfg = dir.path().join("monitor.toml");
-        std::fs::write(&cfg, monitor_toml).unwrap();
+        let mut args: Vec<String> = [
+            "--kns",
+            &kns.to_string(),
+            "--shards",
+            "1",
+            "--cache-size",
+            "1MiB",
+            "--pool-size",
+            "256MiB",
+            "--vnodes",
+            "64",
+            "--fabric",
+            fabric,
+        ]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+        if let Some(toml) = monitor_toml {
+            let cfg = dir.path().join("monitor.toml");
+            std::fs::write(&cfg, toml).unwrap();
+            args.extend(["--monitor-config".to_string(), cfg.display().to_string()]);
+        }
         let base = up_port_base(max_kns);
+        Self::launch(dir, base, args)
+    }
+
+    /// Stops the whole cluster (as dropping it does) and runs `up` again on the same data
+    /// directory and ports.
+    pub fn restart(mut self) -> UpCluster {
+        self.stop();
+        let dir = std::mem::replace(&mut self.dir, tempfile::tempdir().unwrap());
+        let args = std::mem::take(&mut self.args);
+        let base = self.base;
+        drop(self);
+        Self::launch(dir, base, args)
+    }
+
+    fn launch(dir: tempfile::TempDir, base: u16, args: Vec<String>) -> UpCluster {
+        use std::os::unix::process::CommandExt;
         let data = dir.path().join("data");
         let log = dir.path().join("up.log");
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_dinomo"));
         cmd.args(["up", "--data-dir", data.to_str().unwrap()])
-            .args(["--kns", &kns.to_string()])
-            .args(["--shards", "1", "--cache-size", "1MiB"])
-            .args(["--pool-size", "256MiB", "--port-base", &base.to_string()])
-            .args(["--vnodes", "64", "--monitor-config", cfg.to_str().unwrap()])
-            .args(["--fabric", fabric])
+            .args(["--port-base", &base.to_string()])
+            .args(&args)
             .env("DINOMO_LOG", "info")
             .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(&log).unwrap())
+            .stderr(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(&log)
+                    .unwrap(),
+            )
             .process_group(0);
         // SAFETY: prctl is async-signal-safe and only touches the child being set up.
         unsafe {
@@ -425,7 +468,13 @@ impl UpCluster {
             Duration::from_secs(90),
             |l| l.starts_with("Press Ctrl-C"),
         );
-        let up = UpCluster { child, dir, base };
+        let up = UpCluster {
+            child,
+            dir,
+            base,
+            args,
+            stopped: false,
+        };
         if let Err(e) = ready {
             up.dump_logs(40);
             panic!("dinomo up did not come up: {e}");
@@ -443,7 +492,7 @@ impl UpCluster {
         self.addr(200)
     }
     pub fn monitor_addr(&self) -> String {
-        self.addr(300)
+        format!("127.0.0.1:{}", self.base - 100)
     }
     /// The dpm-node's control and fabric ports.
     pub fn dpm_ports(&self) -> [u16; 2] {
@@ -547,8 +596,13 @@ impl UpCluster {
     }
 }
 
-impl Drop for UpCluster {
-    fn drop(&mut self) {
+impl UpCluster {
+    /// Wakes every stopped process of the group, stops `up` with SIGTERM (it stops its
+    /// children in order) and SIGKILLs whatever of the group is left.
+    fn stop(&mut self) {
+        if std::mem::replace(&mut self.stopped, true) {
+            return;
+        }
         let pgid = self.child.id() as i32;
         // Stopped processes would not act on SIGTERM: wake them first.
         self.wake_all();
@@ -565,5 +619,11 @@ impl Drop for UpCluster {
         // SAFETY: signalling this cluster's own process group.
         unsafe { libc::kill(-pgid, libc::SIGKILL) };
         let _ = self.child.wait();
+    }
+}
+
+impl Drop for UpCluster {
+    fn drop(&mut self) {
+        self.stop();
     }
 }

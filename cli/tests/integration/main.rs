@@ -4,6 +4,7 @@
 //! its history checked for linearizability.
 
 mod cluster;
+mod deploy;
 mod e2e;
 mod monitor;
 mod nemesis;

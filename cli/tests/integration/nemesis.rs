@@ -651,24 +651,25 @@ async fn client(up: &UpCluster, deadline: Duration, report: bool) -> Client {
     Client::connect_with(cfg).await.expect("a client connects")
 }
 
-/// Heal -> a write and a read of a probe key both succeed (bounded).
-async fn wait_serving(probe: &Client) -> Option<Duration> {
+/// Heal -> a write and a read of a probe key both succeed (bounded); else the last error.
+async fn wait_serving(probe: &Client) -> Result<Duration, String> {
     let healed = Instant::now();
     let mut n = 0u64;
+    let mut last = String::from("no attempt");
     while healed.elapsed() < RECOVERY_BOUND {
         n += 1;
         let v = format!("p{n}");
-        if probe.put(&b"nemesis-probe"[..], v.clone()).await.is_ok()
-            && probe
-                .get(&b"nemesis-probe"[..])
-                .await
-                .is_ok_and(|g| g.as_deref() == Some(v.as_bytes()))
-        {
-            return Some(healed.elapsed());
+        match probe.put(&b"nemesis-probe"[..], v.clone()).await {
+            Err(e) => last = format!("probe put: {e}"),
+            Ok(()) => match probe.get(&b"nemesis-probe"[..]).await {
+                Ok(g) if g.as_deref() == Some(v.as_bytes()) => return Ok(healed.elapsed()),
+                Ok(g) => last = format!("probe get: {g:?}, not {v}"),
+                Err(e) => last = format!("probe get: {e}"),
+            },
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    None
+    Err(last)
 }
 
 /// The monitor's recent decisions (for the evidence of a schedule).
@@ -765,7 +766,7 @@ async fn run_schedule(seed: u64, s: Settings) -> Outcome {
             None
         }
     };
-    let mut up = UpCluster::start_on(&fabric, START_KNS, 24, &monitor_toml());
+    let mut up = UpCluster::start_on(&fabric, START_KNS, 24, Some(&monitor_toml()));
     let mut clients = Vec::new();
     for _ in 0..s.clients {
         clients.push(client(&up, OP_DEADLINE, true).await);
@@ -821,7 +822,8 @@ async fn run_schedule(seed: u64, s: Settings) -> Outcome {
     nemesis.heal().await;
     nemesis.note("heal".to_string());
     nemesis.applied.pop();
-    let recovery = wait_serving(&probe).await;
+    let served = wait_serving(&probe).await;
+    let recovery = served.as_ref().ok().copied();
     let notes = nemesis.settle().await;
     nemesis.refresh_map().await;
     let phases = load.phase + 1;
@@ -844,9 +846,9 @@ async fn run_schedule(seed: u64, s: Settings) -> Outcome {
     );
     if !up.running() {
         o.failure = Some("FAILED: dinomo up exited (a node kept dying)".to_string());
-    } else if recovery.is_none() {
+    } else if let Err(last) = &served {
         o.failure = Some(format!(
-            "STUCK: the healed cluster did not serve within {RECOVERY_BOUND:?}"
+            "STUCK: the healed cluster did not serve within {RECOVERY_BOUND:?} ({last})"
         ));
     }
     // Read every key back (recorded: the checker sees whether each read is the last write),

@@ -6,7 +6,7 @@ use std::time::Duration;
 use dinomo_proto::kv::kv_service_client::KvServiceClient;
 use dinomo_proto::kv::{GetRequest, PutMode, PutRequest};
 
-use super::cluster::{dpm_and_routing, Proc};
+use super::cluster::{dpm_and_routing, Proc, Role, UpCluster};
 
 const KEYS: u32 = 200;
 
@@ -90,120 +90,12 @@ async fn a_kn_restarted_without_an_id_serves_its_acknowledged_writes() {
     );
 }
 
-/// A base port for `dinomo up` such that every port it uses (see `up --help`) is free now.
-fn free_up_port_base(kns: u16) -> u16 {
-    let mut offsets = vec![0u16, 1, 200, 300, 2000, 2200, 2300];
-    for i in 1..=kns {
-        offsets.extend([100 + i, 2100 + i]);
-    }
-    for _ in 0..200 {
-        let base = 20_000 + rand::random_range(0..40_000u16);
-        if offsets
-            .iter()
-            .all(|o| std::net::TcpListener::bind(("127.0.0.1", base + o)).is_ok())
-        {
-            return base;
-        }
-    }
-    panic!("no free port range for dinomo up");
-}
-
-/// `dinomo up` as a child process, stopped (SIGTERM, then SIGKILL) when dropped.
-struct Up {
-    child: std::process::Child,
-    data: std::path::PathBuf,
-}
-
-impl Up {
-    fn start(data: &std::path::Path, base: u16) -> Up {
-        use std::io::BufRead;
-        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_dinomo"))
-            .args(["up", "--data-dir", data.to_str().unwrap()])
-            .args(["--kns", "1", "--shards", "1", "--cache-size", "1MiB"])
-            .args(["--pool-size", "256MiB", "--port-base", &base.to_string()])
-            .env("DINOMO_LOG", "info")
-            .stdout(std::process::Stdio::piped())
-            .stderr(std::process::Stdio::null())
-            .spawn()
-            .unwrap();
-        let out = child.stdout.take().unwrap();
-        let (tx, rx) = std::sync::mpsc::channel();
-        std::thread::spawn(move || {
-            for line in std::io::BufReader::new(out).lines().map_while(Result::ok) {
-                let _ = tx.send(line);
-            }
-        });
-        let up = Up {
-            child,
-            data: data.to_path_buf(),
-        };
-        let deadline = std::time::Instant::now() + Duration::from_secs(90);
-        loop {
-            let left = deadline.saturating_duration_since(std::time::Instant::now());
-            match rx.recv_timeout(left) {
-                Ok(l) if l.starts_with("Press Ctrl-C") => return up,
-                Ok(_) => {}
-                Err(_) => {
-                    up.dump_logs();
-                    panic!("dinomo up did not come up");
-                }
-            }
-        }
-    }
-
-    fn running(&mut self) -> bool {
-        matches!(self.child.try_wait(), Ok(None))
-    }
-
-    /// The pid of the dpm-node that `up` started (found by its pool path).
-    fn dpm_pid(&self) -> Option<i32> {
-        let pool = self.data.join("dinomo.pool");
-        let out = std::process::Command::new("pgrep")
-            .args(["-f", &format!("dpm-node --pool {}", pool.display())])
-            .output()
-            .expect("pgrep");
-        String::from_utf8_lossy(&out.stdout)
-            .split_whitespace()
-            .next()
-            .and_then(|p| p.parse().ok())
-    }
-
-    fn dump_logs(&self) {
-        for name in ["dpm-node", "monitor", "routing-node", "kn-1"] {
-            let p = self.data.join("logs").join(format!("{name}.log"));
-            let log = std::fs::read_to_string(&p).unwrap_or_default();
-            let tail: Vec<&str> = log.lines().rev().take(30).collect();
-            for l in tail.into_iter().rev() {
-                eprintln!("{name}| {l}");
-            }
-        }
-    }
-}
-
-impl Drop for Up {
-    fn drop(&mut self) {
-        // SAFETY: signalling our own child.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let deadline = std::time::Instant::now() + Duration::from_secs(30);
-        while std::time::Instant::now() < deadline {
-            if !matches!(self.child.try_wait(), Ok(None)) {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
 /// Finding 8 of issue 10: under `dinomo up`, a dpm-node killed with SIGKILL is restarted,
 /// and the cluster carries on: every acknowledged write is readable and new writes succeed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn up_restarts_a_killed_dpm_node_and_the_cluster_carries_on() {
-    let dir = tempfile::tempdir().unwrap();
-    let base = free_up_port_base(1);
-    let mut up = Up::start(dir.path(), base);
-    let mut cfg = dinomo_client::ClientConfig::new(&[&format!("127.0.0.1:{}", base + 200)]);
+    let mut up = UpCluster::start_on("shm", 1, 1, None);
+    let mut cfg = dinomo_client::ClientConfig::new(&[up.routing_addr()]);
     cfg.deadline = Duration::from_secs(5);
     let client = dinomo_client::Client::connect_with(cfg).await.unwrap();
     for i in 0..KEYS {
@@ -212,7 +104,7 @@ async fn up_restarts_a_killed_dpm_node_and_the_cluster_carries_on() {
             .await
             .unwrap_or_else(|e| panic!("put k{i}: {e}"));
     }
-    let pid = up.dpm_pid().expect("the dpm-node runs");
+    let pid = up.pid(Role::Dpm).expect("the dpm-node runs");
     // SAFETY: a process of this test's cluster.
     unsafe { libc::kill(pid, libc::SIGKILL) };
     let killed = std::time::Instant::now();
@@ -220,10 +112,10 @@ async fn up_restarts_a_killed_dpm_node_and_the_cluster_carries_on() {
     // runs. Recovery counts from the moment the new dpm-node runs, whose new grant table
     // refuses the KN's old session: a write then succeeds only once the KN registered again.
     let new_pid = loop {
-        match up.dpm_pid() {
+        match up.pid(Role::Dpm) {
             Some(p) if p != pid => break p,
             _ if killed.elapsed() > Duration::from_secs(60) => {
-                up.dump_logs();
+                up.dump_logs(30);
                 panic!("no new dpm-node within 60 s");
             }
             _ => tokio::time::sleep(Duration::from_millis(50)).await,
@@ -233,14 +125,14 @@ async fn up_restarts_a_killed_dpm_node_and_the_cluster_carries_on() {
     let mut last_err = String::new();
     let recovered = loop {
         if !up.running() {
-            up.dump_logs();
+            up.dump_logs(30);
             panic!("dinomo up exited after its dpm-node was killed");
         }
         if killed.elapsed() > Duration::from_secs(60) {
             break None;
         }
         let attempt = async {
-            if up.dpm_pid() != Some(new_pid) {
+            if up.pid(Role::Dpm) != Some(new_pid) {
                 return Err(dinomo_client::ClientError::Other(
                     "dpm-node not up yet".into(),
                 ));
@@ -263,7 +155,7 @@ async fn up_restarts_a_killed_dpm_node_and_the_cluster_carries_on() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     let Some(took) = recovered else {
-        up.dump_logs();
+        up.dump_logs(30);
         panic!("the cluster did not recover within 60 s of the dpm-node kill: {last_err}");
     };
     println!(
@@ -271,8 +163,7 @@ async fn up_restarts_a_killed_dpm_node_and_the_cluster_carries_on() {
         took.as_secs_f64()
     );
     // Everything acknowledged is in the pool: a whole new cluster on the same data reads it.
-    drop(up);
-    let up = Up::start(dir.path(), base);
+    let up = up.restart();
     for i in 0..KEYS {
         let v = client.get(format!("k{i}").into_bytes()).await;
         assert_eq!(

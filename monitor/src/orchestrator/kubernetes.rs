@@ -91,7 +91,7 @@ impl Default for KubernetesConfig {
             namespace: String::new(),
             statefulset: "dinomo-kn".into(),
             service: "dinomo-kn".into(),
-            kn_port: 7000,
+            kn_port: 7800,
             lease_name: "dinomo-monitor".into(),
             identity: String::new(),
             lease_duration_secs: 15,
@@ -833,7 +833,7 @@ mod tests {
         finish(orch, server).await;
         let added = added.expect("add_kn");
         assert_eq!(added.id, 4);
-        assert_eq!(added.endpoint, "dinomo-kn-3.dinomo-kn.dinomo.svc:7000");
+        assert_eq!(added.endpoint, "dinomo-kn-3.dinomo-kn.dinomo.svc:7800");
     }
 
     #[tokio::test]
@@ -1273,7 +1273,7 @@ mod tests {
         assert_eq!(orch.kn_of_pod("dinomo-knx-1"), None);
         assert_eq!(orch.kn_of_pod("other-0"), None);
         assert_eq!(orch.pod_name(1), "dinomo-kn-0");
-        assert_eq!(orch.endpoint(13), "dinomo-kn-12.dinomo-kn.dinomo.svc:7000");
+        assert_eq!(orch.endpoint(13), "dinomo-kn-12.dinomo-kn.dinomo.svc:7800");
         finish(orch, server).await;
     }
 

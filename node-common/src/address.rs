@@ -1,0 +1,194 @@
+//! The addresses a node hands to others, and the identity a pod's name gives it.
+//!
+//! A node listens on one address and is reached at another: `0.0.0.0:7800` is where a KV node
+//! in a container listens, `dinomo-kn-2.dinomo-kn.prod.svc:7800` or `10.0.3.7:7800` is what
+//! clients must dial. [`advertise_address`] picks the second: the operator's `--advertise`
+//! when given, the listen address when it is a real one, and the host's name when the node
+//! listens on a wildcard (a name that resolves to an address of another host than loopback,
+//! as a pod's or a container's does); never the wildcard itself, which other hosts would dial
+//! as their own loopback.
+
+use std::net::{SocketAddr, ToSocketAddrs};
+
+/// This host's name (the kernel's, as `hostname` prints it).
+pub fn host_name() -> Option<String> {
+    let h = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .ok()
+        .or_else(|| std::env::var("HOSTNAME").ok())?;
+    let h = h.trim();
+    (!h.is_empty()).then(|| h.to_string())
+}
+
+/// The address other hosts should dial to reach a server listening on `listen`.
+///
+/// `advertise` (a flag or config value; empty = none) wins: `HOST:PORT`, or `HOST` alone for
+/// the listen port. Otherwise the listen address, unless it is a wildcard (0.0.0.0 or ::):
+/// then this host's name with the listen port, if the name resolves to an address that is not
+/// loopback. The error says what to set.
+pub fn advertise_address(
+    what: &str,
+    listen: SocketAddr,
+    advertise: &str,
+) -> Result<String, String> {
+    let advertise = advertise.trim();
+    if !advertise.is_empty() {
+        return with_port(what, advertise, listen.port());
+    }
+    if !listen.ip().is_unspecified() {
+        return Ok(listen.to_string());
+    }
+    let Some(host) = host_name() else {
+        return Err(format!(
+            "{what}: listening on the wildcard {listen} and this host has no name to \
+             advertise instead; set the address other hosts reach it at (--advertise HOST:PORT)"
+        ));
+    };
+    let reachable = (host.as_str(), listen.port())
+        .to_socket_addrs()
+        .map(|mut a| a.any(|a| !a.ip().is_loopback()))
+        .unwrap_or(false);
+    if !reachable {
+        return Err(format!(
+            "{what}: listening on the wildcard {listen}, and this host's name {host:?} does not \
+             resolve to an address other hosts can reach; set the address to advertise \
+             (--advertise HOST:PORT)"
+        ));
+    }
+    Ok(format!("{host}:{}", listen.port()))
+}
+
+/// `s` as `HOST:PORT` (adding `port` to a bare host), or why it is not one.
+fn with_port(what: &str, s: &str, port: u16) -> Result<String, String> {
+    let bad = |why: &str| Err(format!("{what}: advertise address {s:?} {why}"));
+    if s.contains("://") || s.contains('/') {
+        return bad("must be HOST:PORT, without a scheme or path");
+    }
+    // A bracketed IPv6 address, with or without a port.
+    if let Some(rest) = s.strip_prefix('[') {
+        let Some((ip, after)) = rest.split_once(']') else {
+            return bad("has an unclosed '['");
+        };
+        if ip.parse::<std::net::Ipv6Addr>().is_err() {
+            return bad("has no valid IPv6 address inside [..]");
+        }
+        return match after {
+            "" => Ok(format!("[{ip}]:{port}")),
+            p => match p.strip_prefix(':').map(str::parse::<u16>) {
+                Some(Ok(p)) if p != 0 => Ok(s.to_string()),
+                _ => bad("has no valid port after ']:'"),
+            },
+        };
+    }
+    let (host, p) = match s.rsplit_once(':') {
+        Some((h, p)) if !h.contains(':') => (h, Some(p)),
+        Some(_) => return bad("looks like an IPv6 address: write it as [ADDR]:PORT"),
+        None => (s, None),
+    };
+    if host.is_empty() {
+        return bad("has no host");
+    }
+    if host == "0.0.0.0" {
+        return bad("is a wildcard, which other hosts cannot dial");
+    }
+    match p.map(str::parse::<u16>) {
+        None => Ok(format!("{host}:{port}")),
+        Some(Ok(p)) if p != 0 => Ok(s.to_string()),
+        Some(_) => bad("has no valid port (1-65535)"),
+    }
+}
+
+/// The ordinal of a StatefulSet pod, from its name `{statefulset}-{ordinal}` (the host name
+/// of the pod), or why there is none.
+pub fn ordinal_from_name(name: &str) -> Result<u32, String> {
+    let digits = name.rsplit_once('-').map(|(_, d)| d).unwrap_or("");
+    if digits.is_empty()
+        || !digits.bytes().all(|b| b.is_ascii_digit())
+        || (digits.len() > 1 && digits.starts_with('0'))
+    {
+        return Err(format!(
+            "{name:?} does not end in -<ordinal> as a StatefulSet pod's name does"
+        ));
+    }
+    digits
+        .parse()
+        .map_err(|_| format!("the ordinal of {name:?} is too large"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addr(s: &str) -> SocketAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn a_real_listen_address_is_advertised_as_is() {
+        assert_eq!(
+            advertise_address("kv-node", addr("10.1.2.3:7800"), "").unwrap(),
+            "10.1.2.3:7800"
+        );
+    }
+
+    #[test]
+    fn advertise_wins_and_takes_the_listen_port_when_it_has_none() {
+        let l = addr("0.0.0.0:7800");
+        assert_eq!(
+            advertise_address("kv-node", l, "kn-0.kn.svc:7900").unwrap(),
+            "kn-0.kn.svc:7900"
+        );
+        assert_eq!(
+            advertise_address("kv-node", l, "kn-0.kn.svc").unwrap(),
+            "kn-0.kn.svc:7800"
+        );
+        assert_eq!(
+            advertise_address("kv-node", l, "[fd00::7]").unwrap(),
+            "[fd00::7]:7800"
+        );
+        assert_eq!(
+            advertise_address("kv-node", l, "[fd00::7]:1").unwrap(),
+            "[fd00::7]:1"
+        );
+    }
+
+    #[test]
+    fn bad_advertise_addresses_are_refused_with_the_reason() {
+        let l = addr("0.0.0.0:7800");
+        for (bad, why) in [
+            ("http://x:1", "scheme"),
+            ("x:0", "valid port"),
+            ("x:http", "valid port"),
+            (":7800", "no host"),
+            ("0.0.0.0:7800", "wildcard"),
+            ("fd00::7", "IPv6"),
+            ("[fd00::7", "unclosed"),
+        ] {
+            let e = advertise_address("kv-node", l, bad).unwrap_err();
+            assert!(e.contains(why), "{bad}: {e}");
+            assert!(e.starts_with("kv-node: "), "{e}");
+        }
+    }
+
+    #[test]
+    fn a_wildcard_is_never_advertised() {
+        // This host's name may or may not resolve here; either way no wildcard comes out.
+        for l in ["0.0.0.0:7800", "[::]:7800"] {
+            match advertise_address("kv-node", addr(l), "") {
+                Ok(a) => {
+                    assert!(!a.starts_with("0.0.0.0") && !a.starts_with("[::]"), "{a}");
+                    assert!(a.ends_with(":7800"), "{a}");
+                }
+                Err(e) => assert!(e.contains("--advertise"), "{e}"),
+            }
+        }
+    }
+
+    #[test]
+    fn ordinals_come_from_statefulset_pod_names() {
+        assert_eq!(ordinal_from_name("dinomo-kn-0"), Ok(0));
+        assert_eq!(ordinal_from_name("dinomo-kn-12"), Ok(12));
+        for bad in ["dinomo-kn", "dinomo-kn-", "dinomo-kn-01", "kn-x1", "7"] {
+            assert!(ordinal_from_name(bad).is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,72 @@
+//! `grpc.health.v1` for every node, so Kubernetes gRPC probes (and load balancers) can ask a
+//! node whether it can do its job, not just whether its port is open.
+//!
+//! A node adds [`Health::service`] to its gRPC server and hands [`Health::follow`] a check
+//! that says whether it can serve now (a KV node: registered with a healthy DPM session and
+//! holding a map; a routing node: holding a map; ...). The overall status (service name "")
+//! follows that check, polled every [`POLL`]; it starts NOT_SERVING, so a probe never sees
+//! SERVING before the first check passed.
+
+use std::time::Duration;
+
+use tonic_health::pb::health_server::{Health as HealthApi, HealthServer};
+use tonic_health::server::HealthReporter;
+use tonic_health::ServingStatus;
+
+/// How often [`Health::follow`] re-evaluates its check.
+pub const POLL: Duration = Duration::from_millis(250);
+
+/// The node's health reporter.
+#[derive(Clone)]
+pub struct Health {
+    reporter: HealthReporter,
+}
+
+impl std::fmt::Debug for Health {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Health")
+    }
+}
+
+impl Health {
+    /// A reporter (overall status NOT_SERVING) and the gRPC service that serves it.
+    pub fn new() -> (Health, HealthServer<impl HealthApi>) {
+        let (reporter, service) = tonic_health::server::health_reporter();
+        (Health { reporter }, service)
+    }
+
+    /// Sets the overall status.
+    pub async fn set(&self, serving: bool) {
+        let status = if serving {
+            ServingStatus::Serving
+        } else {
+            ServingStatus::NotServing
+        };
+        self.reporter.set_service_status("", status).await;
+    }
+
+    /// Keeps the overall status equal to `can_serve()` (checked now, then every [`POLL`])
+    /// until the returned task is aborted or the runtime stops. Changes are logged.
+    pub fn follow(
+        self,
+        node: &'static str,
+        mut can_serve: impl FnMut() -> bool + Send + 'static,
+    ) -> tokio::task::JoinHandle<()> {
+        tokio::spawn(async move {
+            let mut last = None;
+            loop {
+                let now = can_serve();
+                if last != Some(now) {
+                    self.set(now).await;
+                    tracing::info!(
+                        node,
+                        status = if now { "SERVING" } else { "NOT_SERVING" },
+                        "grpc.health.v1 status"
+                    );
+                    last = Some(now);
+                }
+                tokio::time::sleep(POLL).await;
+            }
+        })
+    }
+}
