@@ -85,6 +85,13 @@ pub struct DpmStats {
     pub pending_segments: HashMap<u32, u64>,
 }
 
+/// Metadata records of fenced shm KN processes (see [`FencedProcs`]).
+const FENCED_PROC_PREFIX: &str = "dpm/fenced-proc/";
+
+fn fenced_proc_key(kn: u32, p: ProcessRef) -> String {
+    format!("{FENCED_PROC_PREFIX}{kn}/{}", p.encode())
+}
+
 #[derive(Debug)]
 struct KnSession {
     epoch: u64,
@@ -165,7 +172,17 @@ impl Dpm {
                 _ => tracing::warn!(%name, "ignoring a corrupt indirect-cell record"),
             }
         }
+        // Fenced shm KN processes recorded by an earlier run: still held while they run.
         let fenced_procs = Arc::new(FencedProcs::default());
+        for (name, _) in meta.scan(FENCED_PROC_PREFIX) {
+            let parsed = name[FENCED_PROC_PREFIX.len()..]
+                .split_once('/')
+                .and_then(|(kn, p)| Some((kn.parse::<u32>().ok()?, ProcessRef::decode(p)?)));
+            match parsed {
+                Some((kn, p)) if p.alive() => fenced_procs.watch(kn, p),
+                _ => meta.update(&[(&name, None)])?,
+            }
+        }
         let gc = Arc::new(Gc::new(
             pool.clone(),
             index.clone(),
@@ -308,11 +325,12 @@ impl Dpm {
         if let Some(old) = sessions.remove(&kn) {
             self.grants.revoke(old.key)?;
             if let Some(p) = old.process.filter(|p| Some(*p) != process) {
-                self.fenced_procs.watch(kn, p);
+                self.watch_fenced(kn, p)?;
             }
         }
         if let Some(p) = process {
             self.fenced_procs.registered(kn, p);
+            self.meta.update(&[(&fenced_proc_key(kn, p), None)])?;
         }
         if self.pending_segments(kn) > 0 {
             let r = self.merger.merge_all(kn, MergeMode::AllAndSeal)?;
@@ -396,6 +414,14 @@ impl Dpm {
         Ok(())
     }
 
+    /// Holds KN `kn`'s segments while its fenced process `p` runs, across restarts too.
+    fn watch_fenced(&self, kn: u32, p: ProcessRef) -> Result<()> {
+        self.meta
+            .update(&[(&fenced_proc_key(kn, p), Some(&b""[..]))])?;
+        self.fenced_procs.watch(kn, p);
+        Ok(())
+    }
+
     /// Fences a KN: its fabric access is revoked, its epoch refused and its open segments
     /// sealed. Its logs stay; call [`Dpm::merge_all`] to make them readable by others.
     ///
@@ -425,7 +451,7 @@ impl Dpm {
         if let Some(s) = self.sessions.lock().remove(&kn) {
             self.grants.revoke(s.key)?;
             if let Some(p) = s.process {
-                self.fenced_procs.watch(kn, p);
+                self.watch_fenced(kn, p)?;
             }
             tracing::info!(kn, epoch = s.epoch, "KN fenced");
         }

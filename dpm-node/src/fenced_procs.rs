@@ -16,6 +16,10 @@
 //! flight finishes within microseconds of the process running again, long before the
 //! registration round trip does.
 //!
+//! The holds outlive a dpm-node restart: the node records each watched process in its
+//! metadata (`dpm/fenced-proc/<kn>/<pid>.<start>`) and, at open, watches again those still
+//! running and forgets the others.
+//!
 //! Invariant: a process is watched only if the dpm-node could see it in its own `/proc` when
 //! the KN registered (same host and pid namespace, which shm needs anyway for one pool file;
 //! otherwise the registration logs that it cannot watch the KN).
@@ -49,6 +53,19 @@ impl ProcessRef {
             ('Z' | 'X', _) => None,
             (_, start) => Some(ProcessRef { pid, start }),
         }
+    }
+
+    /// `pid.start`, as [`ProcessRef::decode`] reads it (for the dpm-node's metadata).
+    pub fn encode(&self) -> String {
+        format!("{}.{}", self.pid, self.start)
+    }
+
+    pub fn decode(s: &str) -> Option<ProcessRef> {
+        let (pid, start) = s.split_once('.')?;
+        Some(ProcessRef {
+            pid: pid.parse().ok()?,
+            start: start.parse().ok()?,
+        })
     }
 
     /// Whether this very process (not a later one with its pid) may still run code.

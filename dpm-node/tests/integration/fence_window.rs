@@ -267,3 +267,45 @@ async fn a_fenced_shm_kns_segments_are_not_reused_while_its_process_runs() {
         "the fenced KN's dead segment stays held after its process exited"
     );
 }
+
+/// The hold above outlives a dpm-node restart (the fenced process may still be stopped, with
+/// its copy pending, when a new dpm-node opens the pool).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_fenced_shm_kns_hold_survives_a_dpm_node_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut kn_process = std::process::Command::new("sleep")
+        .arg("60")
+        .spawn()
+        .unwrap();
+    {
+        let dpm = open_dpm(dir.path());
+        let reg = dpm
+            .register_kn_process(Some(1), "fenced", Some(kn_process.id()))
+            .unwrap();
+        let fabric =
+            ShmFabric::connect(&dpm.config.pool_path, reg.key, DurabilityRequest::Auto).unwrap();
+        let mut w = writer(&dpm, 1, reg.epoch, fabric);
+        w.append(&[put("a", "1", 1)]).await.unwrap();
+        dpm.fence_kn(1).unwrap();
+        dpm.merge_all(1, true).unwrap();
+        let d = dpm.clone();
+        tokio::task::spawn_blocking(move || d.shutdown())
+            .await
+            .unwrap();
+    }
+    let dpm = open_dpm(dir.path());
+    let reg2 = dpm.register_kn(Some(2), "next owner").unwrap();
+    let fabric2 =
+        ShmFabric::connect(&dpm.config.pool_path, reg2.key, DurabilityRequest::Auto).unwrap();
+    let mut w2 = writer(&dpm, 2, reg2.epoch, fabric2);
+    w2.append(&[put("a", "2", 2)]).await.unwrap();
+    dpm.merge_all(2, false).unwrap();
+    assert_eq!(
+        dpm.gc().run_once().unwrap().freed,
+        0,
+        "after a restart, a dead segment of a fenced KN whose process runs was freed"
+    );
+    kn_process.kill().unwrap();
+    kn_process.wait().unwrap();
+    assert_eq!(dpm.gc().run_once().unwrap().freed, 1);
+}
