@@ -103,14 +103,14 @@ impl DpmService for DpmGrpc {
             })
             .await?;
         let kind = match self.fabric_kind {
-            FabricKind::Shm => "shm",
-            FabricKind::Tcp => "tcp",
+            FabricKind::Shm => pb::FabricKind::Shm,
+            FabricKind::Tcp => pb::FabricKind::Tcp,
         };
         Ok(Response::new(pb::RegisterKnResponse {
             kn_id: reg.kn_id,
             epoch: reg.epoch,
             fabric: Some(pb::FabricInfo {
-                kind: kind.into(),
+                kind: kind as i32,
                 address: self.fabric_address.clone(),
                 grant_slot: reg.key.slot,
                 grant_token: reg.key.token,

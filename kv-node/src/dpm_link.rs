@@ -238,14 +238,29 @@ impl DpmLink {
             }
             KvError::from(e)
         };
-        let handle: Arc<dyn Fabric> = match fabric.kind.as_str() {
-            "shm" => Arc::new(
+        let handle: Arc<dyn Fabric> = match fabric.kind() {
+            pb::FabricKind::Shm => Arc::new(
                 ShmFabric::connect(Path::new(&fabric.address), key, DurabilityRequest::Auto)
                     .map_err(refused)?,
             ),
-            "tcp" => {
-                let addr = fabric.address.parse().map_err(|e| {
-                    KvError::Internal(format!("bad fabric address {:?}: {e}", fabric.address))
+            pb::FabricKind::Tcp => {
+                // A name (the dpm-node's advertised address, e.g. a Kubernetes service) or an
+                // address; resolved at every connect, so a moved dpm-node is found again.
+                let addr = tokio::time::timeout(
+                    CALL_TIMEOUT,
+                    tokio::net::lookup_host(fabric.address.as_str()),
+                )
+                .await
+                .map_err(|_| {
+                    KvError::Unavailable(format!("resolving {:?} timed out", fabric.address))
+                })?
+                .ok()
+                .and_then(|mut a| a.next())
+                .ok_or_else(|| {
+                    KvError::Unavailable(format!(
+                        "the DPM's fabric address {:?} does not resolve",
+                        fabric.address
+                    ))
                 })?;
                 Arc::new(
                     tokio::time::timeout(CALL_TIMEOUT, TcpFabric::connect(addr, key))
@@ -261,7 +276,8 @@ impl DpmLink {
             }
             other => {
                 return Err(KvError::Internal(format!(
-                    "the DPM offers fabric {other:?}, which this KN does not speak"
+                    "the DPM offers fabric {}, which this KN does not speak",
+                    other.as_str_name()
                 )))
             }
         };

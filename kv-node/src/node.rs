@@ -123,7 +123,12 @@ impl KvNode {
                 link.segment_size
             )));
         }
-        tracing::info!(kn = link.kn_id, epoch = link.epoch(), fabric = %link.session().fabric.kind, "registered with the DPM");
+        tracing::info!(
+            kn = link.kn_id,
+            epoch = link.epoch(),
+            fabric = link.session().fabric.kind().as_str_name(),
+            "registered with the DPM"
+        );
         // Versions: unique per KN incarnation and increasing across incarnations.
         let versions = Arc::new(AtomicU64::new(link.epoch() << 32));
         let lease = Arc::new(crate::lease::ServeLease::new(config.serve_lease));

@@ -416,22 +416,59 @@ impl UpCluster {
             std::fs::write(&cfg, toml).unwrap();
             args.extend(["--monitor-config".to_string(), cfg.display().to_string()]);
         }
-        let base = up_port_base(max_kns);
-        Self::launch(dir, base, args)
+        // The ports were free when chosen, but another process may bind one before `up` does:
+        // `up` then exits at once. Try other ports twice before giving up.
+        let (mut dir, mut args) = (dir, args);
+        for attempt in 1..=3 {
+            let base = up_port_base(max_kns);
+            let (mut up, e) = match Self::try_launch(dir, base, args) {
+                Ok(up) => return up,
+                Err(failed) => failed,
+            };
+            if attempt == 3 || !up.exited() {
+                up.dump_logs(40);
+                panic!("dinomo up did not come up: {e}");
+            }
+            eprintln!("dinomo up on port base {base} exited before it was ready ({e}):");
+            up.dump_logs(10);
+            eprintln!("trying another port base");
+            (dir, args) = up.into_parts();
+        }
+        unreachable!()
+    }
+
+    /// Stops the cluster; its data directory and `up` arguments.
+    fn into_parts(mut self) -> (tempfile::TempDir, Vec<String>) {
+        self.stop();
+        let dir = std::mem::replace(&mut self.dir, tempfile::tempdir().unwrap());
+        (dir, std::mem::take(&mut self.args))
+    }
+
+    /// Whether `up` has exited.
+    fn exited(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(Some(_)))
     }
 
     /// Stops the whole cluster (as dropping it does) and runs `up` again on the same data
     /// directory and ports.
-    pub fn restart(mut self) -> UpCluster {
-        self.stop();
-        let dir = std::mem::replace(&mut self.dir, tempfile::tempdir().unwrap());
-        let args = std::mem::take(&mut self.args);
+    pub fn restart(self) -> UpCluster {
         let base = self.base;
-        drop(self);
-        Self::launch(dir, base, args)
+        let (dir, args) = self.into_parts();
+        match Self::try_launch(dir, base, args) {
+            Ok(up) => up,
+            Err((up, e)) => {
+                up.dump_logs(40);
+                panic!("dinomo up did not come up again: {e}");
+            }
+        }
     }
 
-    fn launch(dir: tempfile::TempDir, base: u16, args: Vec<String>) -> UpCluster {
+    /// Runs `up`; on failure, the cluster (for its logs; dropping it stops what runs) and why.
+    fn try_launch(
+        dir: tempfile::TempDir,
+        base: u16,
+        args: Vec<String>,
+    ) -> Result<UpCluster, (UpCluster, String)> {
         use std::os::unix::process::CommandExt;
         let data = dir.path().join("data");
         let log = dir.path().join("up.log");
@@ -440,6 +477,8 @@ impl UpCluster {
             .args(["--port-base", &base.to_string()])
             .args(&args)
             .env("DINOMO_LOG", "info")
+            // A node's error, not a backtrace, should be the last line of its log.
+            .env("RUST_BACKTRACE", "0")
             .stdout(Stdio::piped())
             .stderr(
                 std::fs::OpenOptions::new()
@@ -475,11 +514,10 @@ impl UpCluster {
             args,
             stopped: false,
         };
-        if let Err(e) = ready {
-            up.dump_logs(40);
-            panic!("dinomo up did not come up: {e}");
+        match ready {
+            Ok(_) => Ok(up),
+            Err(e) => Err((up, e.to_string())),
         }
-        up
     }
 
     fn addr(&self, off: u16) -> String {

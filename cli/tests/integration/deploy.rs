@@ -221,3 +221,71 @@ async fn a_kv_node_takes_its_id_from_the_pod_ordinal() {
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("DINOMO_KN_POD_INDEX"), "{err}");
 }
+
+/// A dpm-node on the tcp fabric that advertises its NIC by name: KNs resolve the name (as
+/// they would a Kubernetes service) and write through it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_nodes_reach_a_fabric_advertised_by_name() {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = dir.path().join("pool");
+    let dpm = Proc::spawn(
+        &[
+            "dpm-node",
+            "--pool",
+            pool.to_str().unwrap(),
+            "--pool-size",
+            "256MiB",
+            "--listen",
+            "127.0.0.1:0",
+            "--fabric",
+            "tcp",
+            "--fabric-listen",
+            "127.0.0.1:0",
+            "--fabric-advertise",
+            "localhost",
+            "--metrics-listen",
+            "",
+        ],
+        &dir.path().join("dpm.log"),
+        "grpc=",
+    );
+    let kn = spawn_kn(dir.path(), &dpm.addr, 1, &[]);
+    let map = ClusterMap::new(
+        vec![KnInfo {
+            id: 1,
+            endpoint: kn.addr.clone(),
+        }],
+        64,
+        1,
+    )
+    .unwrap();
+    admin::publish_map(&dpm.addr, &map).await.unwrap();
+    let mut c = dinomo_proto::kv::kv_service_client::KvServiceClient::connect(format!(
+        "http://{}",
+        kn.addr
+    ))
+    .await
+    .unwrap();
+    let start = Instant::now();
+    loop {
+        let r = c
+            .put(dinomo_proto::kv::PutRequest {
+                key: b"k".to_vec(),
+                value: b"v".to_vec(),
+                mode: dinomo_proto::kv::PutMode::Upsert as i32,
+            })
+            .await;
+        match r {
+            Ok(_) => break,
+            Err(e) if start.elapsed() > Duration::from_secs(10) => {
+                panic!(
+                    "no write through the fabric at localhost: {e}; KN log:\n{}",
+                    std::fs::read_to_string(dir.path().join("kn1.log")).unwrap_or_default()
+                )
+            }
+            Err(_) => tokio::time::sleep(Duration::from_millis(100)).await,
+        }
+    }
+    let log = std::fs::read_to_string(dir.path().join("kn1.log")).unwrap_or_default();
+    assert!(log.contains("FABRIC_KIND_TCP"), "{log}");
+}

@@ -94,7 +94,7 @@ async fn register(dpm: &DpmProcess, log: &std::path::Path) -> (GrpcSource, Acces
         }
     };
     let f = r.fabric.expect("fabric info");
-    assert_eq!(f.kind, "tcp");
+    assert_eq!(f.kind(), dinomo_proto::dpm::FabricKind::Tcp);
     (
         GrpcSource {
             client,

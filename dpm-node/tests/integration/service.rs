@@ -26,7 +26,7 @@ async fn control_calls_and_their_errors() {
         .unwrap()
         .into_inner();
     let f = r.fabric.clone().unwrap();
-    assert_eq!(f.kind, "shm");
+    assert_eq!(f.kind(), dinomo_proto::dpm::FabricKind::Shm);
     assert!(dpm.fabric.is_none(), "a shm dpm-node starts no tcp NIC");
     assert!(
         std::path::Path::new(&f.address).exists(),
