@@ -7,7 +7,7 @@ use dinomo_proto::monitor::{AddKnRequest, KnRequest, PolicyRequest, StatusReques
 
 #[derive(Debug, Args)]
 pub struct AdminArgs {
-    /// The monitor's address (`dinomo up` runs it at port-base + 300).
+    /// The monitor's address (`dinomo up` runs it at port-base - 100: 7600 by default).
     #[arg(long, env = "DINOMO_MONITOR", default_value = "127.0.0.1:7600")]
     pub monitor: String,
     #[command(subcommand)]

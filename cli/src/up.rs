@@ -170,6 +170,10 @@ pub async fn run(a: UpArgs) -> anyhow::Result<()> {
     if a.kns == 0 {
         bail!("--kns must be at least 1");
     }
+    // The monitor listens on BASE-100, and port 0 would mean "any port".
+    if a.port_base <= 100 {
+        bail!("--port-base must be above 100 (the monitor listens on port-base - 100)");
+    }
     let logs = a.data_dir.join("logs");
     std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
     let b = a.port_base;
@@ -219,10 +223,7 @@ pub async fn run(a: UpArgs) -> anyhow::Result<()> {
             &logs.join("routing-node.log"),
         )?;
         nodes.push(n);
-        let monitor = format!(
-            "127.0.0.1:{}",
-            b.checked_sub(100).context("--port-base must be at least 100")?
-        );
+        let monitor = format!("127.0.0.1:{}", b - 100);
         let kn_port_base = b.checked_add(100).context("--port-base too high")?;
         let kn_metrics_base = b.checked_add(2100).context("--port-base too high")?;
         let mut margs: Vec<String> = vec![

@@ -33,7 +33,7 @@ pub struct Args {
     #[arg(long, env = "DINOMO_DPM_FABRIC_LISTEN")]
     pub fabric_listen: Option<String>,
     /// Address KNs reach the tcp fabric NIC at, HOST:PORT or HOST (overrides
-    /// fabric_advertise). Default: the NIC's listen address, or this host's name when it
+    /// fabric_advertise). Default: the NIC's listen address, or the address this host's name resolves to when it
     /// listens on a wildcard such as 0.0.0.0.
     #[arg(long, env = "DINOMO_DPM_FABRIC_ADVERTISE")]
     pub fabric_advertise: Option<String>,

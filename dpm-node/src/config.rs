@@ -55,7 +55,7 @@ pub struct DpmConfigFile {
     /// Address of the tcp fabric NIC, started only when `fabric = "tcp"`.
     pub fabric_listen: String,
     /// Address KNs are told to reach the tcp fabric NIC at, `HOST:PORT` or `HOST` (the NIC's
-    /// port). Empty: `fabric_listen`, or this host's name when that is a wildcard such as
+    /// port). Empty: `fabric_listen`, or the address this host's name resolves to when that is a wildcard such as
     /// 0.0.0.0 (a wildcard is never handed out).
     pub fabric_advertise: String,
     /// Address of the Prometheus /metrics endpoint; empty to disable.

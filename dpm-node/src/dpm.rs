@@ -85,11 +85,16 @@ pub struct DpmStats {
     pub pending_segments: HashMap<u32, u64>,
 }
 
-/// Metadata records of fenced shm KN processes (see [`FencedProcs`]).
-const FENCED_PROC_PREFIX: &str = "dpm/fenced-proc/";
+/// Metadata records of the shm KN processes that registered (see [`FencedProcs`]).
+const KN_PROC_PREFIX: &str = "dpm/kn-proc/";
 
-fn fenced_proc_key(kn: u32, p: ProcessRef) -> String {
-    format!("{FENCED_PROC_PREFIX}{kn}/{}", p.encode())
+fn kn_proc_key(kn: u32, p: ProcessRef) -> String {
+    format!("{KN_PROC_PREFIX}{kn}/{}", p.encode())
+}
+
+fn parse_kn_proc_key(name: &str) -> Option<(u32, ProcessRef)> {
+    let (kn, p) = name.strip_prefix(KN_PROC_PREFIX)?.split_once('/')?;
+    Some((kn.parse().ok()?, ProcessRef::decode(p)?))
 }
 
 #[derive(Debug)]
@@ -172,13 +177,11 @@ impl Dpm {
                 _ => tracing::warn!(%name, "ignoring a corrupt indirect-cell record"),
             }
         }
-        // Fenced shm KN processes recorded by an earlier run: still held while they run.
+        // KN processes that registered with an earlier run: their grants died with it, so
+        // each one still running is a fenced process (held until it exits or registers).
         let fenced_procs = Arc::new(FencedProcs::default());
-        for (name, _) in meta.scan(FENCED_PROC_PREFIX) {
-            let parsed = name[FENCED_PROC_PREFIX.len()..]
-                .split_once('/')
-                .and_then(|(kn, p)| Some((kn.parse::<u32>().ok()?, ProcessRef::decode(p)?)));
-            match parsed {
+        for (name, _) in meta.scan(KN_PROC_PREFIX) {
+            match parse_kn_proc_key(&name) {
                 Some((kn, p)) if p.alive() => fenced_procs.watch(kn, p),
                 _ => meta.update(&[(&name, None)])?,
             }
@@ -325,12 +328,24 @@ impl Dpm {
         if let Some(old) = sessions.remove(&kn) {
             self.grants.revoke(old.key)?;
             if let Some(p) = old.process.filter(|p| Some(*p) != process) {
-                self.watch_fenced(kn, p)?;
+                self.fenced_procs.watch(kn, p);
             }
         }
         if let Some(p) = process {
             self.fenced_procs.registered(kn, p);
-            self.meta.update(&[(&fenced_proc_key(kn, p), None)])?;
+            // Recorded so that a restarted dpm-node holds it too (see `open`); records of
+            // this KN's processes that have exited go.
+            let mut changes: Vec<(String, bool)> = vec![(kn_proc_key(kn, p), true)];
+            for (name, _) in self.meta.scan(&format!("{KN_PROC_PREFIX}{kn}/")) {
+                if parse_kn_proc_key(&name).is_none_or(|(_, q)| q != p && !q.alive()) {
+                    changes.push((name, false));
+                }
+            }
+            let changes: Vec<(&str, Option<&[u8]>)> = changes
+                .iter()
+                .map(|(n, keep)| (n.as_str(), keep.then_some(&b""[..])))
+                .collect();
+            self.meta.update(&changes)?;
         }
         if self.pending_segments(kn) > 0 {
             let r = self.merger.merge_all(kn, MergeMode::AllAndSeal)?;
@@ -414,14 +429,6 @@ impl Dpm {
         Ok(())
     }
 
-    /// Holds KN `kn`'s segments while its fenced process `p` runs, across restarts too.
-    fn watch_fenced(&self, kn: u32, p: ProcessRef) -> Result<()> {
-        self.meta
-            .update(&[(&fenced_proc_key(kn, p), Some(&b""[..]))])?;
-        self.fenced_procs.watch(kn, p);
-        Ok(())
-    }
-
     /// Fences a KN: its fabric access is revoked, its epoch refused and its open segments
     /// sealed. Its logs stay; call [`Dpm::merge_all`] to make them readable by others.
     ///
@@ -451,7 +458,7 @@ impl Dpm {
         if let Some(s) = self.sessions.lock().remove(&kn) {
             self.grants.revoke(s.key)?;
             if let Some(p) = s.process {
-                self.watch_fenced(kn, p)?;
+                self.fenced_procs.watch(kn, p);
             }
             tracing::info!(kn, epoch = s.epoch, "KN fenced");
         }

@@ -16,9 +16,9 @@
 //! flight finishes within microseconds of the process running again, long before the
 //! registration round trip does.
 //!
-//! The holds outlive a dpm-node restart: the node records each watched process in its
-//! metadata (`dpm/fenced-proc/<kn>/<pid>.<start>`) and, at open, watches again those still
-//! running and forgets the others.
+//! The holds outlive a dpm-node restart: the node records each shm KN process that registers
+//! in its metadata (`dpm/kn-proc/<kn>/<pid>.<start>`). A restart revokes every grant, so at
+//! open each recorded process still running is watched as fenced, and the others forgotten.
 //!
 //! Invariant: a process is watched only if the dpm-node could see it in its own `/proc` when
 //! the KN registered (same host and pid namespace, which shm needs anyway for one pool file;

@@ -108,14 +108,15 @@ pub async fn run(
         .max_decoding_message_size(16 << 20);
     // Graceful shutdown waits for open connections; clients that keep theirs open get a short
     // grace period, then the server stops anyway.
+    // The pool is open and every listener bound: the node can do its job from now on.
+    let (health, health_service) = dinomo_node_common::health::Health::new().await;
+    health.set(true).await;
+    let shutdown = health.on_shutdown(shutdown);
     let (stopping_tx, stopping_rx) = tokio::sync::oneshot::channel::<()>();
     let signal = async move {
         shutdown.await;
         let _ = stopping_tx.send(());
     };
-    // The pool is open and every listener bound: the node can do its job from now on.
-    let (health, health_service) = dinomo_node_common::health::Health::new();
-    health.set(true).await;
     let serve = tonic::transport::Server::builder()
         .add_service(health_service)
         .add_service(svc)

@@ -99,7 +99,19 @@ impl DpmService for DpmGrpc {
         let r = req.into_inner();
         let reg = self
             .blocking(move |d| {
-                d.register_kn_process(r.kn_id, &r.endpoint, (r.pid != 0).then_some(r.pid))
+                // A pid means something here only within the dpm-node's own pid namespace.
+                let same_ns = r.pid_namespace != 0
+                    && Some(r.pid_namespace) == dinomo_node_common::process::pid_namespace();
+                if r.pid != 0 && !same_ns {
+                    tracing::warn!(
+                        pid = r.pid,
+                        endpoint = %r.endpoint,
+                        "the KN's process is in another pid namespace: it cannot be watched, so \
+                         if it is fenced while still running (shm), its segments may be reused"
+                    );
+                }
+                let pid = (r.pid != 0 && same_ns).then_some(r.pid);
+                d.register_kn_process(r.kn_id, &r.endpoint, pid)
             })
             .await?;
         let kind = match self.fabric_kind {

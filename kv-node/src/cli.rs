@@ -28,7 +28,7 @@ pub struct Args {
     #[arg(long, env = "DINOMO_KN_LISTEN")]
     pub listen: Option<String>,
     /// Address clients reach this KN at, HOST:PORT or HOST (overrides advertise). Default:
-    /// the listen address, or this host's name when listening on a wildcard such as 0.0.0.0.
+    /// the listen address, or the address this host's name resolves to when listening on a wildcard such as 0.0.0.0.
     #[arg(long, env = "DINOMO_KN_ADVERTISE")]
     pub advertise: Option<String>,
     /// dpm-node gRPC address (overrides dpm).

@@ -17,7 +17,7 @@ pub struct KnConfigFile {
     /// Address of the KvService.
     pub listen: String,
     /// Address clients (and the DPM's records) use to reach this KN, `HOST:PORT` or `HOST`
-    /// (the listen port). Empty: `listen`, or this host's name when `listen` is a wildcard
+    /// (the listen port). Empty: `listen`, or the address this host's name resolves to when `listen` is a wildcard
     /// such as 0.0.0.0 (a wildcard is never advertised).
     pub advertise: String,
     /// gRPC address of the dpm-node.

@@ -105,6 +105,7 @@ async fn register_once(
             kn_id,
             endpoint: endpoint.to_string(),
             pid: std::process::id(),
+            pid_namespace: dinomo_node_common::process::pid_namespace().unwrap_or(0),
         }),
     )
     .await

@@ -43,14 +43,15 @@ pub async fn run(
     };
     tracing::info!(%addr, kn = running.kn_id, epoch = running.epoch, "kv-node serving");
     ready(&running);
+    // Ready for a probe once registered (done: KvNode::start), with a healthy DPM session and
+    // a cluster map.
+    let (health, health_service) = dinomo_node_common::health::Health::new().await;
+    let shutdown = health.on_shutdown(shutdown);
     let (stopping_tx, stopping_rx) = tokio::sync::oneshot::channel::<()>();
     let signal = async move {
         shutdown.await;
         let _ = stopping_tx.send(());
     };
-    // Ready for a probe once registered (done: KvNode::start), with a healthy DPM session and
-    // a cluster map.
-    let (health, health_service) = dinomo_node_common::health::Health::new();
     let probed = node.clone();
     let health_task = health.follow("kv-node", move || {
         probed.session_healthy() && probed.map().version > 0

@@ -121,9 +121,18 @@ pub struct MonitorOptions {
     pub drain: Duration,
 }
 
-/// Least time between two attempts to start a replacement KN (see
-/// [`Monitor::replace_below_floor`]).
+/// Least time between two attempts to start a replacement KN after a failed one, and the most
+/// it grows to (see [`Monitor::replace_below_floor`]).
 const REPLACE_EVERY: Duration = Duration::from_secs(5);
+const REPLACE_EVERY_MAX: Duration = Duration::from_secs(120);
+
+/// A replacement KN being started, or when the next may be.
+#[derive(Debug, Default)]
+struct Replacement {
+    running: bool,
+    not_before: Option<Instant>,
+    backoff: Duration,
+}
 
 /// The monitor.
 #[derive(Debug)]
@@ -140,8 +149,8 @@ pub struct Monitor {
     /// When the last probe round ended: a long gap means this monitor itself was stalled
     /// (SIGSTOP, a frozen VM), and silence it did not watch proves nothing about the KNs.
     last_probe_round: Mutex<Option<Instant>>,
-    /// When [`Monitor::replace_below_floor`] last tried to start a KN.
-    last_replacement: Mutex<Option<Instant>>,
+    /// [`Monitor::replace_below_floor`]'s state.
+    replacement: Mutex<Replacement>,
     channels: Mutex<HashMap<String, KvServiceClient<Channel>>>,
     snapshot: Mutex<Snapshot>,
     decisions: Mutex<VecDeque<DecisionRecord>>,
@@ -223,7 +232,7 @@ impl Monitor {
             reconfig: tokio::sync::Mutex::new(()),
             probes: Mutex::new(HashMap::new()),
             last_probe_round: Mutex::new(None),
-            last_replacement: Mutex::new(None),
+            replacement: Mutex::new(Replacement::default()),
             channels: Mutex::new(HashMap::new()),
             snapshot: Mutex::new(Snapshot::default()),
             decisions: Mutex::new(VecDeque::new()),
@@ -464,11 +473,28 @@ impl Monitor {
         // Starting a KN takes seconds: not under the reconfiguration lock, so a failure is
         // recovered meanwhile. It owns nothing until the map below names it.
         let info = self.orchestrator.add_kn().await?;
-        let _g = self.reconfig.lock().await;
-        let current = self.current_map().await?;
         let kn = info.id;
-        let next = current.with_kn_added(info)?;
-        let r = self.reconfigure(&current, &next).await?;
+        let r = async {
+            let _g = self.reconfig.lock().await;
+            let current = self.current_map().await?;
+            let next = current.with_kn_added(info)?;
+            self.reconfigure(&current, &next).await
+        }
+        .await;
+        let r = match r {
+            Ok(r) => r,
+            Err(e) => {
+                // Not in the map: stop it rather than leave it running, owning nothing. (If
+                // the change failed after publishing, the KN is a member: keep it.)
+                let member = self.current_map().await.map(|m| m.contains(kn));
+                if matches!(member, Ok(false)) {
+                    if let Err(stop) = self.orchestrator.remove_kn(kn).await {
+                        tracing::warn!(kn, error = %stop, "could not stop a KN the map did not take");
+                    }
+                }
+                return Err(e);
+            }
+        };
         self.probes.lock().insert(
             kn,
             Probe {
@@ -569,9 +595,11 @@ impl Monitor {
     }
 
     /// After failures, the map may hold fewer KNs than `policy.min_kns` (at least one): with
-    /// none, nobody serves any key. Starts replacements, one per call and at most one attempt
-    /// every [`REPLACE_EVERY`], so a platform that cannot start KNs is not hammered.
-    pub async fn replace_below_floor(&self) {
+    /// none, nobody serves any key. Starts a replacement in the background (starting a KN
+    /// takes seconds, which failure detection must not wait for): one at a time, and after a
+    /// failed attempt not again for [`REPLACE_EVERY`], doubling up to [`REPLACE_EVERY_MAX`],
+    /// so a platform that cannot start KNs is not hammered.
+    pub async fn replace_below_floor(self: &Arc<Self>) {
         let floor = self.policy_config().min_kns.max(1) as usize;
         let Ok(map) = self.current_map().await else {
             return;
@@ -580,20 +608,35 @@ impl Monitor {
             return;
         }
         {
-            let mut last = self.last_replacement.lock();
-            if last.is_some_and(|t| t.elapsed() < REPLACE_EVERY) {
+            let mut r = self.replacement.lock();
+            if r.running || r.not_before.is_some_and(|t| Instant::now() < t) {
                 return;
             }
-            *last = Some(Instant::now());
+            r.running = true;
         }
         let reason = format!(
             "the map holds {} KN(s) after failures, below policy.min_kns = {floor}",
             map.kns.len()
         );
         tracing::warn!(%reason, "starting a replacement KN");
-        if let Err(e) = self.add_kn(&reason).await {
-            tracing::error!(error = %format!("{e:#}"), "starting a replacement KN failed; will retry");
-        }
+        let mon = self.clone();
+        tokio::spawn(async move {
+            let ok = match mon.add_kn(&reason).await {
+                Ok(_) => true,
+                Err(e) => {
+                    tracing::error!(error = %format!("{e:#}"), "starting a replacement KN failed; will retry");
+                    false
+                }
+            };
+            let mut r = mon.replacement.lock();
+            r.running = false;
+            r.backoff = if ok {
+                REPLACE_EVERY
+            } else {
+                (r.backoff * 2).clamp(REPLACE_EVERY, REPLACE_EVERY_MAX)
+            };
+            r.not_before = (!ok).then(|| Instant::now() + r.backoff);
+        });
     }
 
     /// Waits (up to 5 s) until a routing node serves map `version`.

@@ -94,8 +94,9 @@ pub async fn serve(
     tracing::info!(%addr, orchestrator = monitor.orchestrator().name(), "monitor serving");
     // Healthy once serving, leader or standby (the cluster map was resumed or published
     // before serve() is called).
-    let (health, health_service) = dinomo_node_common::health::Health::new();
+    let (health, health_service) = dinomo_node_common::health::Health::new().await;
     health.set(true).await;
+    let shutdown = health.on_shutdown(shutdown);
     tonic::transport::Server::builder()
         .add_service(health_service)
         .add_service(MonitorServiceServer::new(Service::new(monitor)))

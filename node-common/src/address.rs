@@ -3,10 +3,11 @@
 //! A node listens on one address and is reached at another: `0.0.0.0:7800` is where a KV node
 //! in a container listens, `dinomo-kn-2.dinomo-kn.prod.svc:7800` or `10.0.3.7:7800` is what
 //! clients must dial. [`advertise_address`] picks the second: the operator's `--advertise`
-//! when given, the listen address when it is a real one, and the host's name when the node
-//! listens on a wildcard (a name that resolves to an address of another host than loopback,
-//! as a pod's or a container's does); never the wildcard itself, which other hosts would dial
-//! as their own loopback.
+//! when given, the listen address when it is a real one, and the address the host's name
+//! resolves to when the node listens on a wildcard (a pod's or a container's name resolves to
+//! its own IP through /etc/hosts; the bare name does not resolve from other hosts, so the IP
+//! is what is handed out); never the wildcard itself, which other hosts would dial as their
+//! own loopback.
 
 use std::net::{SocketAddr, ToSocketAddrs};
 
@@ -23,8 +24,8 @@ pub fn host_name() -> Option<String> {
 ///
 /// `advertise` (a flag or config value; empty = none) wins: `HOST:PORT`, or `HOST` alone for
 /// the listen port. Otherwise the listen address, unless it is a wildcard (0.0.0.0 or ::):
-/// then this host's name with the listen port, if the name resolves to an address that is not
-/// loopback. The error says what to set.
+/// then the first address this host's name resolves to that is not loopback (nor a wildcard),
+/// with the listen port. The error says what to set.
 pub fn advertise_address(
     what: &str,
     listen: SocketAddr,
@@ -45,16 +46,16 @@ pub fn advertise_address(
     };
     let reachable = (host.as_str(), listen.port())
         .to_socket_addrs()
-        .map(|mut a| a.any(|a| !a.ip().is_loopback()))
-        .unwrap_or(false);
-    if !reachable {
-        return Err(format!(
+        .ok()
+        .and_then(|mut a| a.find(|a| !a.ip().is_loopback() && !a.ip().is_unspecified()));
+    match reachable {
+        Some(a) => Ok(a.to_string()),
+        None => Err(format!(
             "{what}: listening on the wildcard {listen}, and this host's name {host:?} does not \
              resolve to an address other hosts can reach; set the address to advertise \
              (--advertise HOST:PORT)"
-        ));
+        )),
     }
-    Ok(format!("{host}:{}", listen.port()))
 }
 
 /// `s` as `HOST:PORT` (adding `port` to a bare host), or why it is not one.
@@ -68,8 +69,12 @@ fn with_port(what: &str, s: &str, port: u16) -> Result<String, String> {
         let Some((ip, after)) = rest.split_once(']') else {
             return bad("has an unclosed '['");
         };
-        if ip.parse::<std::net::Ipv6Addr>().is_err() {
-            return bad("has no valid IPv6 address inside [..]");
+        match ip.parse::<std::net::Ipv6Addr>() {
+            Err(_) => return bad("has no valid IPv6 address inside [..]"),
+            Ok(a) if a.is_unspecified() => {
+                return bad("is a wildcard, which other hosts cannot dial")
+            }
+            Ok(_) => {}
         }
         return match after {
             "" => Ok(format!("[{ip}]:{port}")),
@@ -87,7 +92,10 @@ fn with_port(what: &str, s: &str, port: u16) -> Result<String, String> {
     if host.is_empty() {
         return bad("has no host");
     }
-    if host == "0.0.0.0" {
+    if host
+        .parse::<std::net::Ipv4Addr>()
+        .is_ok_and(|a| a.is_unspecified())
+    {
         return bad("is a wildcard, which other hosts cannot dial");
     }
     match p.map(str::parse::<u16>) {
@@ -160,6 +168,8 @@ mod tests {
             ("x:http", "valid port"),
             (":7800", "no host"),
             ("0.0.0.0:7800", "wildcard"),
+            ("[::]:7800", "wildcard"),
+            ("[::]", "wildcard"),
             ("fd00::7", "IPv6"),
             ("[fd00::7", "unclosed"),
         ] {

@@ -4,9 +4,14 @@
 //! A node adds [`Health::service`] to its gRPC server and hands [`Health::follow`] a check
 //! that says whether it can serve now (a KV node: registered with a healthy DPM session and
 //! holding a map; a routing node: holding a map; ...). The overall status (service name "")
-//! follows that check, polled every [`POLL`]; it starts NOT_SERVING, so a probe never sees
-//! SERVING before the first check passed.
+//! follows that check, polled every [`POLL`]; it starts NOT_SERVING (tonic-health's own
+//! default is SERVING), so a probe never sees SERVING before the first check passed. Once the
+//! node's shutdown signal fires ([`Health::on_shutdown`]) it is NOT_SERVING for good, so load
+//! balancers stop sending while the node drains its connections.
 
+use std::future::Future;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use tonic_health::pb::health_server::{Health as HealthApi, HealthServer};
@@ -20,6 +25,8 @@ pub const POLL: Duration = Duration::from_millis(250);
 #[derive(Clone)]
 pub struct Health {
     reporter: HealthReporter,
+    /// Set once the node is stopping: nothing sets SERVING again.
+    stopping: Arc<AtomicBool>,
 }
 
 impl std::fmt::Debug for Health {
@@ -30,13 +37,33 @@ impl std::fmt::Debug for Health {
 
 impl Health {
     /// A reporter (overall status NOT_SERVING) and the gRPC service that serves it.
-    pub fn new() -> (Health, HealthServer<impl HealthApi>) {
+    pub async fn new() -> (Health, HealthServer<impl HealthApi>) {
         let (reporter, service) = tonic_health::server::health_reporter();
-        (Health { reporter }, service)
+        let h = Health {
+            reporter,
+            stopping: Arc::new(AtomicBool::new(false)),
+        };
+        h.set(false).await;
+        (h, service)
     }
 
-    /// Sets the overall status.
+    /// `shutdown`, after which the status is NOT_SERVING for good: pass the result to the
+    /// server as its shutdown signal.
+    pub fn on_shutdown(
+        &self,
+        shutdown: impl Future<Output = ()> + Send + 'static,
+    ) -> impl Future<Output = ()> + Send + 'static {
+        let h = self.clone();
+        async move {
+            shutdown.await;
+            h.stopping.store(true, Ordering::Release);
+            h.set(false).await;
+        }
+    }
+
+    /// Sets the overall status (never SERVING once stopping).
     pub async fn set(&self, serving: bool) {
+        let serving = serving && !self.stopping.load(Ordering::Acquire);
         let status = if serving {
             ServingStatus::Serving
         } else {

@@ -8,6 +8,7 @@ use anyhow::Context;
 
 pub mod address;
 pub mod health;
+pub mod process;
 pub mod spawn;
 
 pub use spawn::{

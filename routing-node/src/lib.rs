@@ -161,7 +161,8 @@ pub async fn run(
     let addr: SocketAddr = listener.local_addr()?;
     tracing::info!(%addr, "routing-node serving");
     // Ready for a probe once it holds a cluster map to hand out.
-    let (health, health_service) = dinomo_node_common::health::Health::new();
+    let (health, health_service) = dinomo_node_common::health::Health::new().await;
+    let shutdown = health.on_shutdown(shutdown);
     let probed = rx.clone();
     let health_task = health.follow("routing-node", move || probed.borrow().0 > 0);
     let r = tonic::transport::Server::builder()

@@ -77,6 +77,7 @@ async fn register(dpm: &DpmProcess, log: &std::path::Path) -> (GrpcSource, Acces
     let r = match client
         .register_kn(RegisterKnRequest {
             pid: 0,
+            pid_namespace: 0,
             kn_id: Some(KN),
             endpoint: "crash-test".into(),
         })

@@ -19,6 +19,7 @@ async fn control_calls_and_their_errors() {
     let r = c
         .register_kn(RegisterKnRequest {
             pid: 0,
+            pid_namespace: 0,
             kn_id: None,
             endpoint: "127.0.0.1:1".into(),
         })
@@ -110,6 +111,7 @@ async fn control_calls_and_their_errors() {
     let r2 = c
         .register_kn(RegisterKnRequest {
             pid: 0,
+            pid_namespace: 0,
             kn_id: Some(r.kn_id),
             endpoint: "x".into(),
         })
