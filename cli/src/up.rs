@@ -70,14 +70,33 @@ pub(crate) struct Node {
     log: PathBuf,
     /// When `up` restarted it lately (for the restart budget).
     restarts: Vec<Instant>,
+    /// When the next restart attempt is due (set once the node is seen dead).
+    due: Option<Instant>,
 }
 
 /// A node that exits unexpectedly is restarted, at most this many times in [`RESTART_WINDOW`];
-/// one that keeps dying (a bad config, a corrupt pool) stops the cluster instead.
-const MAX_RESTARTS: usize = 5;
+/// one that keeps dying (a bad config, a corrupt pool) stops the cluster instead. The first
+/// restart in a window is immediate; each further one waits twice as long as the one before
+/// (from 500 ms, at most [`MAX_RESTART_DELAY`]), so a cause that clears in seconds (a port
+/// still held by a node that is stopping) does not spend the budget in one second.
+const MAX_RESTARTS: usize = 8;
 const RESTART_WINDOW: Duration = Duration::from_secs(60);
+const MAX_RESTART_DELAY: Duration = Duration::from_secs(8);
+
+/// The wait before a restart attempt, after `recent` attempts within the window.
+fn restart_delay(recent: usize) -> Duration {
+    match recent {
+        0 => Duration::ZERO,
+        n => (Duration::from_millis(500) * 2u32.pow((n as u32 - 1).min(8))).min(MAX_RESTART_DELAY),
+    }
+}
 
 impl Node {
+    /// How long to wait before the next restart attempt.
+    fn restart_delay(&self) -> Duration {
+        restart_delay(self.restarts.len())
+    }
+
     /// Starts this node again after it exited; false once its restart budget is spent.
     fn restart(&mut self) -> anyhow::Result<bool> {
         let now = Instant::now();
@@ -110,6 +129,7 @@ pub(crate) fn spawn(name: &str, args: &[String], log: &Path) -> anyhow::Result<(
             args: args.to_vec(),
             log: log.to_path_buf(),
             restarts: Vec::new(),
+            due: None,
         },
         line,
     ))
@@ -145,11 +165,25 @@ fn supervise(nodes: &mut [Node]) -> Option<String> {
         let Ok(Some(status)) = n.child.try_wait() else {
             continue;
         };
-        eprintln!(
-            "{} exited unexpectedly ({status}); restarting it (see {})",
-            n.name,
-            n.log.display()
-        );
+        let now = Instant::now();
+        match n.due {
+            None => {
+                let delay = n.restart_delay();
+                n.due = Some(now + delay);
+                eprintln!(
+                    "{} exited unexpectedly ({status}); restarting it in {} ms (see {})",
+                    n.name,
+                    delay.as_millis(),
+                    n.log.display()
+                );
+                if !delay.is_zero() {
+                    continue;
+                }
+            }
+            Some(t) if now < t => continue,
+            Some(_) => {}
+        }
+        n.due = None;
         match n.restart() {
             Ok(true) => eprintln!("{} is back", n.name),
             Ok(false) => {
@@ -306,5 +340,20 @@ pub async fn run(a: UpArgs) -> anyhow::Result<()> {
             println!("stopped.");
             Ok(())
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn restarts_back_off_and_the_budget_spans_half_a_minute() {
+        let delays: Vec<u64> = (0..MAX_RESTARTS)
+            .map(|n| restart_delay(n).as_millis() as u64)
+            .collect();
+        assert_eq!(delays, [0, 500, 1000, 2000, 4000, 8000, 8000, 8000]);
+        let total: u64 = delays.iter().sum();
+        assert!(total < RESTART_WINDOW.as_millis() as u64, "{total}");
     }
 }
