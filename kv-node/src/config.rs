@@ -82,9 +82,11 @@ impl Default for KnConfigFile {
 pub struct KnConfig {
     pub kn_id: Option<u32>,
     pub listen: SocketAddr,
-    /// As configured (empty: derived from the listen address, see [`KnConfigFile::advertise`]);
-    /// the server resolves it once bound.
+    /// Where clients reach this KN (never empty; see [`KnConfigFile::advertise`]). With
+    /// `listen` on port 0, the server resolves it again once bound.
     pub advertise: String,
+    /// `advertise` as configured (empty: derived from the listen address).
+    pub advertise_setting: String,
     pub dpm: String,
     pub shards: u32,
     pub cache_bytes: usize,
@@ -130,11 +132,13 @@ impl KnConfigFile {
             .cache_policy
             .parse()
             .map_err(|e| format!("cache_policy: {e}"))?;
-        // Checked now; resolved again once the listener is bound (port 0 picks a port).
-        dinomo_node_common::address::advertise_address("kv-node", listen, &self.advertise)?;
+        // Resolved again once the listener is bound (port 0 picks a port).
+        let advertise =
+            dinomo_node_common::address::advertise_address("kv-node", listen, &self.advertise)?;
         Ok(KnConfig {
             kn_id: self.kn_id,
-            advertise: self.advertise,
+            advertise,
+            advertise_setting: self.advertise,
             listen,
             dpm: if self.dpm.starts_with("http") {
                 self.dpm

@@ -32,7 +32,7 @@ pub async fn run(
         .local_addr()
         .map_err(|e| KvError::Internal(e.to_string()))?;
     config.advertise =
-        dinomo_node_common::address::advertise_address("kv-node", addr, &config.advertise)
+        dinomo_node_common::address::advertise_address("kv-node", addr, &config.advertise_setting)
             .map_err(KvError::InvalidArgument)?;
     tracing::info!(listen = %addr, advertise = %config.advertise, "kv-node address");
     let node = KvNode::start(config).await?;
