@@ -57,26 +57,29 @@ impl Drop for Proc {
     }
 }
 
+/// A dpm-node with a 256 MiB pool in `dir`, on OS-chosen ports, with `extra` flags.
+pub(crate) fn spawn_dpm(dir: &Path, extra: &[&str]) -> Proc {
+    let pool = dir.join("pool");
+    let mut args = vec![
+        "dpm-node",
+        "--pool",
+        pool.to_str().unwrap(),
+        "--pool-size",
+        "256MiB",
+        "--listen",
+        "127.0.0.1:0",
+        "--fabric-listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "",
+    ];
+    args.extend_from_slice(extra);
+    Proc::spawn(&args, &dir.join("dpm.log"), "grpc=")
+}
+
 /// A dpm-node (pool in `dir`) and a routing node polling it every 20 ms, on OS-chosen ports.
 pub(crate) fn dpm_and_routing(dir: &Path) -> (Proc, Proc) {
-    let pool = dir.join("pool");
-    let dpm = Proc::spawn(
-        &[
-            "dpm-node",
-            "--pool",
-            pool.to_str().unwrap(),
-            "--pool-size",
-            "256MiB",
-            "--listen",
-            "127.0.0.1:0",
-            "--fabric-listen",
-            "127.0.0.1:0",
-            "--metrics-listen",
-            "",
-        ],
-        &dir.join("dpm.log"),
-        "grpc=",
-    );
+    let dpm = spawn_dpm(dir, &[]);
     let routing = Proc::spawn(
         &[
             "routing-node",

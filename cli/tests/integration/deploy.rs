@@ -12,7 +12,7 @@ use tonic_health::pb::health_check_response::ServingStatus;
 use tonic_health::pb::health_client::HealthClient;
 use tonic_health::pb::HealthCheckRequest;
 
-use super::cluster::{dpm_and_routing, Proc};
+use super::cluster::{dpm_and_routing, spawn_dpm, Proc};
 
 /// The overall status a node reports, or the error that kept it from answering.
 async fn health(addr: &str) -> Result<ServingStatus, String> {
@@ -65,6 +65,19 @@ fn spawn_kn(dir: &std::path::Path, dpm: &str, id: u32, extra: &[&str]) -> Proc {
     Proc::spawn(&args, &dir.join(format!("kn{id}.log")), "addr=")
 }
 
+/// A map with KN 1 (`kn`) as its only member.
+fn one_kn_map(kn: &Proc) -> ClusterMap {
+    ClusterMap::new(
+        vec![KnInfo {
+            id: 1,
+            endpoint: kn.addr.clone(),
+        }],
+        64,
+        1,
+    )
+    .unwrap()
+}
+
 async fn kn_record(dpm: &str, kn: u32) -> Option<String> {
     let mut c = DpmServiceClient::connect(format!("http://{dpm}"))
         .await
@@ -92,16 +105,9 @@ async fn every_node_reports_health_by_whether_it_can_do_its_job() {
     assert_eq!(health(&routing.addr).await, Ok(ServingStatus::NotServing));
     assert_eq!(health(&kn.addr).await, Ok(ServingStatus::NotServing));
 
-    let map = ClusterMap::new(
-        vec![KnInfo {
-            id: 1,
-            endpoint: kn.addr.clone(),
-        }],
-        64,
-        1,
-    )
-    .unwrap();
-    admin::publish_map(&dpm.addr, &map).await.unwrap();
+    admin::publish_map(&dpm.addr, &one_kn_map(&kn))
+        .await
+        .unwrap();
     wait_health(
         &routing.addr,
         ServingStatus::Serving,
@@ -227,39 +233,14 @@ async fn a_kv_node_takes_its_id_from_the_pod_ordinal() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kv_nodes_reach_a_fabric_advertised_by_name() {
     let dir = tempfile::tempdir().unwrap();
-    let pool = dir.path().join("pool");
-    let dpm = Proc::spawn(
-        &[
-            "dpm-node",
-            "--pool",
-            pool.to_str().unwrap(),
-            "--pool-size",
-            "256MiB",
-            "--listen",
-            "127.0.0.1:0",
-            "--fabric",
-            "tcp",
-            "--fabric-listen",
-            "127.0.0.1:0",
-            "--fabric-advertise",
-            "localhost",
-            "--metrics-listen",
-            "",
-        ],
-        &dir.path().join("dpm.log"),
-        "grpc=",
+    let dpm = spawn_dpm(
+        dir.path(),
+        &["--fabric", "tcp", "--fabric-advertise", "localhost"],
     );
     let kn = spawn_kn(dir.path(), &dpm.addr, 1, &[]);
-    let map = ClusterMap::new(
-        vec![KnInfo {
-            id: 1,
-            endpoint: kn.addr.clone(),
-        }],
-        64,
-        1,
-    )
-    .unwrap();
-    admin::publish_map(&dpm.addr, &map).await.unwrap();
+    admin::publish_map(&dpm.addr, &one_kn_map(&kn))
+        .await
+        .unwrap();
     let mut c = dinomo_proto::kv::kv_service_client::KvServiceClient::connect(format!(
         "http://{}",
         kn.addr
