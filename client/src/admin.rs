@@ -59,11 +59,11 @@
 use std::future::Future;
 use std::time::{Duration, Instant};
 
-use dinomo_placement::{ClusterMap, KnId};
+use dinomo_placement::{ClusterMap, KnId, KnInfo};
 use dinomo_proto::dpm::dpm_service_client::DpmServiceClient;
 use dinomo_proto::dpm::{
     CompareAndPutMetadataRequest, FenceKnRequest, GetMetadataRequest, IndirectCellRequest,
-    MergeAllRequest, NewMonitorTermRequest,
+    ListMetadataRequest, MergeAllRequest, NewMonitorTermRequest,
 };
 use dinomo_proto::kv::kv_service_client::KvServiceClient;
 use dinomo_proto::kv::MapRequest;
@@ -166,6 +166,33 @@ pub async fn published_map(dpm: &str) -> Result<Option<ClusterMap>> {
         .value;
     v.map(|b| ClusterMap::decode(&b).map_err(|e| ClientError::Other(format!("published map: {e}"))))
         .transpose()
+}
+
+/// The metadata prefix under which the DPM records each registered KN's endpoint.
+pub const REGISTERED_KN_PREFIX: &str = "dpm/kn/";
+
+/// Every KN that ever registered with the DPM, by id, with the KvService endpoint it last
+/// registered from. A record outlives its KN: whoever uses one probes the KN first.
+pub async fn registered_kns(dpm: &str) -> Result<Vec<KnInfo>> {
+    let entries = dpm_client(dpm)
+        .await?
+        .list_metadata(ListMetadataRequest {
+            prefix: REGISTERED_KN_PREFIX.into(),
+        })
+        .await
+        .map_err(|s| ClientError::Other(format!("listing registered KNs: {}", s.message())))?
+        .into_inner()
+        .entries;
+    let mut kns: Vec<KnInfo> = entries
+        .into_iter()
+        .filter_map(|e| {
+            let id = e.name.strip_prefix(REGISTERED_KN_PREFIX)?.parse().ok()?;
+            let endpoint = String::from_utf8(e.value).ok()?;
+            Some(KnInfo { id, endpoint })
+        })
+        .collect();
+    kns.sort_by_key(|k| k.id);
+    Ok(kns)
 }
 
 /// Starts a new monitor term at the DPM (the caller just became leader): from now on the DPM

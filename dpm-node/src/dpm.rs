@@ -872,6 +872,11 @@ impl Dpm {
         self.meta.get(name)
     }
 
+    /// The metadata entries whose names start with `prefix`, in name order.
+    pub fn list_metadata(&self, prefix: &str) -> Vec<(String, Vec<u8>)> {
+        self.meta.scan(prefix)
+    }
+
     /// Metadata names callers may write: "dpm/" and "cell/" belong to the DPM itself.
     fn check_metadata_name(name: &str) -> Result<()> {
         if name.is_empty() || name.starts_with("dpm/") || name.starts_with("cell/") {

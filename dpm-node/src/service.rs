@@ -117,6 +117,7 @@ impl DpmService for DpmGrpc {
         let kind = match self.fabric_kind {
             FabricKind::Shm => pb::FabricKind::Shm,
             FabricKind::Tcp => pb::FabricKind::Tcp,
+            FabricKind::Verbs => pb::FabricKind::Verbs,
         };
         Ok(Response::new(pb::RegisterKnResponse {
             kn_id: reg.kn_id,
@@ -302,6 +303,20 @@ impl DpmService for DpmGrpc {
         Ok(Response::new(pb::GetMetadataResponse {
             value: self.dpm.get_metadata(&name),
         }))
+    }
+
+    async fn list_metadata(
+        &self,
+        req: Request<pb::ListMetadataRequest>,
+    ) -> Result<Response<pb::ListMetadataResponse>, Status> {
+        let prefix = req.into_inner().prefix;
+        let entries = self
+            .dpm
+            .list_metadata(&prefix)
+            .into_iter()
+            .map(|(name, value)| pb::MetadataEntry { name, value })
+            .collect();
+        Ok(Response::new(pb::ListMetadataResponse { entries }))
     }
 
     async fn stats(

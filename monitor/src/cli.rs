@@ -2,7 +2,8 @@
 //!
 //! Settings come from the config file (`--config`, documented in config/monitor.toml); the
 //! flags below override the file. With the local orchestrator the monitor starts `--kns` KV
-//! nodes itself (see [`crate::server::bootstrap_local`]).
+//! nodes itself (see [`crate::server::bootstrap_local`]); with kubernetes and external it
+//! waits for the KNs of the first map to register ([`crate::server::bootstrap_registered`]).
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -12,8 +13,10 @@ use anyhow::Context;
 use clap::Parser;
 
 use crate::config::{MonitorConfig, OrchestratorKind};
+use crate::orchestrator::external::ExternalOrchestrator;
 use crate::orchestrator::local::{LocalConfig, LocalOrchestrator};
 use crate::orchestrator::Orchestrator;
+use crate::server::FirstMap;
 use crate::{Monitor, MonitorOptions};
 
 /// The Dinomo monitor (M-node): SLO policy engine, reconfiguration, failover, selective
@@ -27,6 +30,11 @@ pub struct Args {
     /// MonitorService address (overrides server.listen).
     #[arg(long, env = "DINOMO_MONITOR_LISTEN")]
     pub listen: Option<String>,
+    /// Who runs the KV nodes: local (child processes), kubernetes (a StatefulSet's pods) or
+    /// external (started by someone else; adopted once they register with the dpm-node).
+    /// Overrides orchestrator.kind.
+    #[arg(long, value_enum, env = "DINOMO_MONITOR_ORCHESTRATOR")]
+    pub orchestrator: Option<OrchestratorKind>,
     /// dpm-node gRPC address (overrides server.dpm).
     #[arg(long, env = "DINOMO_MONITOR_DPM")]
     pub dpm: Option<String>,
@@ -46,8 +54,12 @@ pub struct Args {
     #[arg(long, default_value_t = 500)]
     pub drain_ms: u64,
     /// local: KV nodes to run (started at boot; the policy may add or remove some later).
+    /// external: how many registered KNs the first cluster map waits for.
     #[arg(long, default_value_t = 2)]
     pub kns: u32,
+    /// external: how long adding a KN waits for a registered KN outside the map to adopt.
+    #[arg(long, default_value_t = 30_000)]
+    pub adopt_timeout_ms: u64,
     /// local: the program and arguments that run a KV node, space-separated. Default: the
     /// `kv-node` subcommand of this executable when it is `dinomo`, else a `kv-node` binary
     /// beside it.
@@ -96,6 +108,9 @@ pub fn load_config(args: &Args) -> anyhow::Result<MonitorConfig> {
     };
     if let Some(v) = &args.listen {
         cfg.server.listen = v.parse().context("--listen: not a socket address")?;
+    }
+    if let Some(v) = args.orchestrator {
+        cfg.orchestrator.kind = v;
     }
     if let Some(v) = &args.dpm {
         cfg.server.dpm = v.clone();
@@ -157,6 +172,30 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         OrchestratorKind::Kubernetes => {
             let orch = crate::orchestrator::kubernetes::KubernetesOrchestrator::from_env(
                 cfg.orchestrator.kubernetes.clone(),
+            )
+            .await?;
+            let replicas = orch.replicas().await?;
+            crate::server::bootstrap_registered(
+                &cfg.server.dpm,
+                FirstMap::Ids((1..=replicas).collect()),
+                args.vnodes,
+            )
+            .await?;
+            let monitor = Monitor::new(cfg, opts, Arc::new(orch));
+            if args.print_ready {
+                println!("READY addr={}", listener.local_addr()?);
+            }
+            crate::server::serve(monitor, listener, shutdown).await
+        }
+        OrchestratorKind::External => {
+            let orch = ExternalOrchestrator::new(
+                cfg.server.dpm.clone(),
+                Duration::from_millis(args.adopt_timeout_ms),
+            );
+            crate::server::bootstrap_registered(
+                &cfg.server.dpm,
+                FirstMap::Count(args.kns.max(1) as usize),
+                args.vnodes,
             )
             .await?;
             let monitor = Monitor::new(cfg, opts, Arc::new(orch));

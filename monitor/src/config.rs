@@ -152,7 +152,7 @@ impl FailureConfig {
 }
 
 /// Which platform runs the KV nodes (see [`crate::orchestrator`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
 pub enum OrchestratorKind {
     /// KNs are child processes of the monitor.
@@ -160,6 +160,9 @@ pub enum OrchestratorKind {
     Local,
     /// KNs are the pods of a StatefulSet.
     Kubernetes,
+    /// KNs are started by someone else (containers, systemd); the monitor adopts those that
+    /// register with the DPM.
+    External,
 }
 
 /// `[orchestrator]`.

@@ -170,6 +170,12 @@ impl DpmService for FakeDpm {
         };
         Ok(Response::new(pb::GetMetadataResponse { value }))
     }
+    async fn list_metadata(
+        &self,
+        _: Request<pb::ListMetadataRequest>,
+    ) -> Result<Response<pb::ListMetadataResponse>, Status> {
+        Err(unused())
+    }
     async fn new_monitor_term(
         &self,
         _: Request<pb::NewMonitorTermRequest>,

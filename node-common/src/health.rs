@@ -97,3 +97,38 @@ impl Health {
         })
     }
 }
+
+/// What a node's `grpc.health.v1` answered for its overall status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Probed {
+    Serving,
+    /// It answers, so it runs, but cannot do its job yet (or any more).
+    NotServing,
+}
+
+/// Asks the node at `endpoint` (`host:port`) for its overall status. `Err` says why it could
+/// not be asked: unreachable, no answer within `timeout`, or no health service.
+pub async fn check(endpoint: &str, timeout: Duration) -> Result<Probed, String> {
+    use tonic_health::pb::health_check_response::ServingStatus as Answer;
+    use tonic_health::pb::health_client::HealthClient;
+    use tonic_health::pb::HealthCheckRequest;
+    let channel = tonic::transport::Endpoint::from_shared(format!("http://{endpoint}"))
+        .map_err(|e| format!("{endpoint:?} is not an address: {e}"))?
+        .connect_timeout(timeout)
+        .timeout(timeout)
+        .connect()
+        .await
+        .map_err(|e| format!("cannot reach {endpoint}: {e}"))?;
+    let answer = HealthClient::new(channel)
+        .check(HealthCheckRequest {
+            service: String::new(),
+        })
+        .await
+        .map_err(|s| format!("{endpoint} answered the health check with {s}"))?
+        .into_inner();
+    Ok(if answer.status == Answer::Serving as i32 {
+        Probed::Serving
+    } else {
+        Probed::NotServing
+    })
+}

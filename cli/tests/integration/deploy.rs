@@ -45,7 +45,7 @@ async fn wait_health(addr: &str, want: ServingStatus, within: Duration) -> Resul
     }
 }
 
-fn spawn_kn(dir: &std::path::Path, dpm: &str, id: u32, extra: &[&str]) -> Proc {
+pub(crate) fn spawn_kn(dir: &std::path::Path, dpm: &str, id: u32, extra: &[&str]) -> Proc {
     let id_s = id.to_string();
     let mut args = vec![
         "kv-node",

@@ -6,6 +6,7 @@
 mod cluster;
 mod deploy;
 mod e2e;
+mod external;
 mod monitor;
 mod nemesis;
 mod netfault;

@@ -191,6 +191,11 @@ impl KubernetesOrchestrator {
         )
     }
 
+    /// The StatefulSet's replica count now: KNs 1..=replicas are its pods.
+    pub async fn replicas(&self) -> Result<KnId> {
+        Ok(self.read_statefulset("reading the KV StatefulSet").await?.0)
+    }
+
     /// The KN id of a pod of our StatefulSet, from its name; `None` for any other pod.
     fn kn_of_pod(&self, pod_name: &str) -> Option<KnId> {
         let ordinal = pod_name

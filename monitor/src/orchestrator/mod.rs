@@ -3,7 +3,9 @@
 //!
 //! - [`local`]: KNs are child processes of the monitor (the embedded default, `dinomo up`);
 //! - [`kubernetes`]: KNs are the pods of a StatefulSet; scaling patches its replicas, failures
-//!   are read from pod status, and a Lease makes sure that one monitor acts at a time.
+//!   are read from pod status, and a Lease makes sure that one monitor acts at a time;
+//! - [`external`]: KNs are started by someone else (containers, systemd); the monitor adopts
+//!   the ones that register with the DPM.
 //!
 //! Invariants every backend keeps:
 //! - `add_kn` returns only once the new KN is registered with the DPM and serving its
@@ -14,6 +16,7 @@
 //! - KN ids are never reused for a different KN while the old one may still write (the DPM
 //!   fences by KN id and epoch, so a restarted KN with the same id is a new incarnation).
 
+pub mod external;
 pub mod kubernetes;
 pub mod local;
 
@@ -41,7 +44,7 @@ pub type Result<T> = std::result::Result<T, OrchestratorError>;
 /// A platform that runs KV nodes.
 #[async_trait]
 pub trait Orchestrator: Send + Sync + Debug {
-    /// "local" or "kubernetes", for logs and the Status RPC.
+    /// "local", "kubernetes" or "external", for logs and the Status RPC.
     fn name(&self) -> &'static str;
 
     /// Starts one more KN and returns its id and KvService endpoint once it serves.
