@@ -17,30 +17,17 @@
 //!   passed [`MonitorConfig::validate`].
 
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Duration;
 
+use dinomo_node_common::config::invalid;
 use serde::{Deserialize, Serialize};
 
 use crate::orchestrator::kubernetes::KubernetesConfig;
 
-/// Why a monitor config was refused.
-#[derive(Debug, thiserror::Error)]
-pub enum ConfigError {
-    /// The file could not be read.
-    #[error("reading {}: {source}", path.display())]
-    Io {
-        path: PathBuf,
-        source: std::io::Error,
-    },
-    /// The text is not valid TOML for [`MonitorConfig`] (syntax, wrong type, unknown field).
-    #[error("{origin}: {message}")]
-    Parse { origin: String, message: String },
-    /// A field has a value outside its allowed range. `field` is its dotted name
-    /// (`policy.under_utilized`); `message` states the bad value and the rule.
-    #[error("{field}: {message}")]
-    Invalid { field: String, message: String },
-}
+/// Why a monitor config was refused (the convention every node shares:
+/// [`dinomo_node_common::config`]).
+pub use dinomo_node_common::config::ConfigError;
 
 /// The whole monitor configuration.
 #[derive(Debug, Clone, PartialEq, Default, Deserialize)]
@@ -335,10 +322,7 @@ impl MonitorConfig {
     }
 
     fn parse(text: &str, origin: &str) -> Result<Self, ConfigError> {
-        let cfg: MonitorConfig = toml::from_str(text).map_err(|e| ConfigError::Parse {
-            origin: origin.to_string(),
-            message: e.to_string(),
-        })?;
+        let cfg: MonitorConfig = dinomo_node_common::config::parse_toml(text, origin)?;
         cfg.validate()?;
         Ok(cfg)
     }
@@ -410,13 +394,6 @@ impl MonitorConfig {
             k.poll_interval_ms,
         )?;
         Ok(())
-    }
-}
-
-fn invalid(field: &str, message: String) -> ConfigError {
-    ConfigError::Invalid {
-        field: field.to_string(),
-        message,
     }
 }
 

@@ -7,6 +7,7 @@ use std::net::SocketAddr;
 use anyhow::Context;
 
 pub mod address;
+pub mod config;
 pub mod health;
 pub mod process;
 pub mod spawn;

@@ -6,6 +6,7 @@
 //! version is ignored).
 
 pub mod cli;
+pub mod config;
 
 use std::net::SocketAddr;
 use std::pin::Pin;
