@@ -18,8 +18,8 @@
 #   --env NAME=VAL   export NAME=VAL to the command (repeatable)
 #   -h, --help       this text
 #
-# Inside the VM: TMPDIR=/run/tmp (a writable tmpfs; everything else is the host's root, read
-# only), DINOMO_VM=1, RDMA device rxe0 on eth0 (10.0.2.15/24), the working directory is the
+# Inside the VM: TMPDIR=/run/tmp and /dev/shm (writable tmpfs; everything else is the host's
+# root, read only), DINOMO_VM=1, RDMA device rxe0 on eth0 (10.0.2.15/24), the working directory is the
 # caller's, with --dax /run/pm is ext4 -o dax on /dev/pmem0 (MAP_SYNC works), with --devdax
 # /dev/dax0.0 is a device-DAX character device (mmap it in 2 MiB multiples). RDMA memory
 # registration works on device-DAX mappings but not on fsdax files (long-term pins of fsdax
@@ -110,6 +110,7 @@ for ko in $(cat /mods/order); do insmod /mods/$ko 2>/dev/null; done
 mount -t 9p -o trans=virtio,version=9p2000.L,ro,msize=262144 hostroot /host
 mount -t proc proc /host/proc; mount -t sysfs sys /host/sys; mount -t devtmpfs dev /host/dev
 mount -t tmpfs tmp /host/run; mkdir -p /host/run/tmp; chmod 1777 /host/run/tmp
+mkdir -p /host/dev/shm; mount -t tmpfs -o mode=1777 shm /host/dev/shm
 ip link set lo up; ip link set eth0 up; ip addr add 10.0.2.15/24 dev eth0
 if ! chroot /host /usr/bin/rdma link add rxe0 type rxe netdev eth0; then
   echo "softroce-vm(guest): could not add rxe0"; dmesg | tail -20

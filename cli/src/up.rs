@@ -1,5 +1,6 @@
-//! `dinomo up`: a whole local cluster as child processes of this binary: a dpm-node (shm
-//! fabric, pool under the data directory), a routing node and the monitor, which starts the N
+//! `dinomo up`: a whole local cluster as child processes of this binary: a dpm-node (shm, tcp
+//! or verbs fabric; pool under the data directory, or `--pool`), a routing node and the
+//! monitor, which starts the N
 //! KV nodes itself (local orchestrator), publishes the cluster map (or resumes the published
 //! one), and from then on adds, removes and recovers KV nodes and replicates hot keys as its
 //! policy decides. `up` prints the endpoints and stops everything cleanly on Ctrl-C or SIGTERM.
@@ -29,7 +30,14 @@ pub struct UpArgs {
     /// 7700, kv-node 7800, routing-node 7900, monitor 7600), which the CLI's commands dial.
     #[arg(long, default_value_t = 7700)]
     pub port_base: u16,
-    /// Size of a new pool.
+    /// The pool: a file (default: dinomo.pool in the data directory) or a device-DAX device
+    /// such as /dev/dax0.0 (the pool then spans the device; see --format-device).
+    #[arg(long)]
+    pub pool: Option<PathBuf>,
+    /// Format a device-DAX --pool that holds no Dinomo pool yet, erasing the device.
+    #[arg(long)]
+    pub format_device: bool,
+    /// Size of a new pool (not on a device-DAX device: the pool is the whole device).
     #[arg(long, default_value = "1GiB")]
     pub pool_size: String,
     /// Log segment size of a new pool (a power of two >= 64KiB). Every KV node shard keeps a
@@ -48,10 +56,15 @@ pub struct UpArgs {
     #[arg(long, default_value = "dac")]
     pub cache_policy: String,
     /// How KV nodes write their log segments into the pool: shm (mapped shared memory, the
-    /// fastest on one machine) or tcp (the dpm-node's software NIC on BASE+1, as KNs on other
-    /// hosts without RDMA would).
-    #[arg(long, default_value = "shm", value_parser = ["shm", "tcp"])]
+    /// fastest on one machine), tcp (the dpm-node's software NIC on BASE+1, as KNs on other
+    /// hosts without RDMA would) or verbs (one-sided RDMA, the side channel on BASE+1; needs a
+    /// binary built with `--features rdma` and an RDMA device, e.g. Soft-RoCE's rxe0).
+    #[arg(long, default_value = "shm", value_parser = ["shm", "tcp", "verbs"])]
     pub fabric: String,
+    /// RDMA device of the dpm-node and the KV nodes with --fabric verbs (default:
+    /// $DINOMO_RDMA_DEVICE, else the first device).
+    #[arg(long)]
+    pub rdma_device: Option<String>,
     /// Virtual nodes per KV node on the hash ring.
     #[arg(long, default_value_t = 128)]
     pub vnodes: u32,
@@ -204,6 +217,15 @@ pub async fn run(a: UpArgs) -> anyhow::Result<()> {
     if a.kns == 0 {
         bail!("--kns must be at least 1");
     }
+    if a.fabric == "verbs" && !cfg!(feature = "rdma") {
+        bail!(
+            "--fabric verbs: this dinomo binary was built without the `rdma` cargo feature; \
+             rebuild it with `cargo build --release -p dinomo-cli --features rdma`"
+        );
+    }
+    if a.rdma_device.is_some() && a.fabric != "verbs" {
+        bail!("--rdma-device applies only to --fabric verbs");
+    }
     // The monitor listens on BASE-100, and port 0 would mean "any port".
     if a.port_base <= 100 {
         bail!("--port-base must be above 100 (the monitor listens on port-base - 100)");
@@ -218,6 +240,17 @@ pub async fn run(a: UpArgs) -> anyhow::Result<()> {
         ))
     };
     let dpm = port(0)?;
+    let pool = a
+        .pool
+        .clone()
+        .unwrap_or_else(|| a.data_dir.join("dinomo.pool"));
+    let mut dpm_args: Vec<String> = Vec::new();
+    if a.format_device {
+        dpm_args.push("--format-device".into());
+    }
+    if let Some(d) = &a.rdma_device {
+        dpm_args.extend(["--rdma-device".into(), d.clone()]);
+    }
     let mut nodes = Vec::new();
     let result = async {
         let (n, _) = spawn(
@@ -225,7 +258,7 @@ pub async fn run(a: UpArgs) -> anyhow::Result<()> {
             &[
                 "dpm-node".into(),
                 "--pool".into(),
-                a.data_dir.join("dinomo.pool").display().to_string(),
+                pool.display().to_string(),
                 "--pool-size".into(),
                 a.pool_size.clone(),
                 "--segment-size".into(),
@@ -238,7 +271,10 @@ pub async fn run(a: UpArgs) -> anyhow::Result<()> {
                 port(1)?,
                 "--metrics-listen".into(),
                 port(2000)?,
-            ],
+            ]
+            .into_iter()
+            .chain(dpm_args)
+            .collect::<Vec<_>>(),
             &logs.join("dpm-node.log"),
         )?;
         nodes.push(n);
@@ -281,11 +317,15 @@ pub async fn run(a: UpArgs) -> anyhow::Result<()> {
             "--vnodes".into(),
             a.vnodes.to_string(),
         ];
+        let rdma = a.rdma_device.iter().map(|d| ("--rdma-device", d.clone()));
         for (flag, v) in [
             ("--shards", a.shards.to_string()),
             ("--cache-size", a.cache_size.clone()),
             ("--cache-policy", a.cache_policy.clone()),
-        ] {
+        ]
+        .into_iter()
+        .chain(rdma)
+        {
             margs.push(format!("--kn-arg={flag}"));
             margs.push(format!("--kn-arg={v}"));
         }
@@ -298,7 +338,13 @@ pub async fn run(a: UpArgs) -> anyhow::Result<()> {
         let map = admin::published_map(&dpm)
             .await?
             .context("the monitor started but no cluster map is published")?;
-        println!("Dinomo is up ({} KV nodes, data in {}).", a.kns, a.data_dir.display());
+        println!(
+            "Dinomo is up ({} KV nodes, {} fabric, pool {}, data in {}).",
+            a.kns,
+            a.fabric,
+            pool.display(),
+            a.data_dir.display()
+        );
         println!("  routing node   {routing}    <- clients connect here (dinomo kv --routing {routing} ...)");
         println!("  dpm-node       {dpm}    (metrics http://{}/metrics)", port(2000)?);
         println!("  monitor        {monitor}    (dinomo admin --monitor {monitor} status|add-kn|remove-kn N|fail-kn N)");

@@ -15,9 +15,12 @@ pub struct Args {
     /// Configuration file (TOML; see config/dpm-node.toml). Without it, defaults apply.
     #[arg(long, short, env = "DINOMO_DPM_CONFIG")]
     pub config: Option<PathBuf>,
-    /// Pool file (overrides pool_path).
+    /// Pool file, or device-DAX device such as /dev/dax0.0 (overrides pool_path).
     #[arg(long, env = "DINOMO_DPM_POOL")]
     pub pool: Option<PathBuf>,
+    /// Format a device-DAX --pool that holds no Dinomo pool, erasing it (sets format_device).
+    #[arg(long, env = "DINOMO_DPM_FORMAT_DEVICE")]
+    pub format_device: bool,
     /// Size of a new pool, e.g. 1GiB (overrides pool_size).
     #[arg(long, env = "DINOMO_DPM_POOL_SIZE")]
     pub pool_size: Option<String>,
@@ -32,21 +35,26 @@ pub struct Args {
     /// Fabric NIC address (overrides fabric_listen).
     #[arg(long, env = "DINOMO_DPM_FABRIC_LISTEN")]
     pub fabric_listen: Option<String>,
-    /// Address KNs reach the tcp fabric NIC at, HOST:PORT or HOST (overrides
-    /// fabric_advertise). Default: the NIC's listen address, or the address this host's name resolves to when it
-    /// listens on a wildcard such as 0.0.0.0.
+    /// Address KNs reach the fabric NIC (tcp, or verbs's side channel) at, HOST:PORT or HOST
+    /// (overrides fabric_advertise). Default: the NIC's listen address, or the address this
+    /// host's name resolves to when it listens on a wildcard such as 0.0.0.0.
     #[arg(long, env = "DINOMO_DPM_FABRIC_ADVERTISE")]
     pub fabric_advertise: Option<String>,
-    /// shm or tcp (overrides fabric).
+    /// shm, tcp or verbs (overrides fabric; verbs needs a build with the `rdma` feature).
     #[arg(long, env = "DINOMO_DPM_FABRIC")]
     pub fabric: Option<String>,
+    /// RDMA device of the verbs NIC, e.g. rxe0 (overrides rdma_device; default
+    /// $DINOMO_RDMA_DEVICE, else the first device).
+    #[arg(long, env = "DINOMO_DPM_RDMA_DEVICE")]
+    pub rdma_device: Option<String>,
     /// Metrics address, "" to disable (overrides metrics_listen).
     #[arg(long, env = "DINOMO_DPM_METRICS_LISTEN")]
     pub metrics_listen: Option<String>,
     /// Merge worker threads (overrides merge_workers).
     #[arg(long, env = "DINOMO_DPM_MERGE_WORKERS")]
     pub merge_workers: Option<usize>,
-    /// Print "READY grpc=<addr> fabric=<addr>" on stdout once serving (for harnesses).
+    /// Print "READY grpc=<addr> fabric=<endpoint>" on stdout once serving (for harnesses;
+    /// the endpoint is the tcp NIC's address, shm:<pool> or verbs:<side channel address>).
     #[arg(long)]
     pub print_ready: bool,
 }
@@ -85,6 +93,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
     if let Some(v) = args.fabric_advertise {
         file.fabric_advertise = v;
+    }
+    if let Some(v) = args.rdma_device {
+        file.rdma_device = v;
+    }
+    if args.format_device {
+        file.format_device = true;
     }
     if let Some(v) = args.metrics_listen {
         file.metrics_listen = v;

@@ -15,10 +15,14 @@ use crate::pool::FormatOptions;
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields, default)]
 pub struct DpmConfigFile {
-    /// Path of the PM pool file. On a DAX filesystem (mounted with `-o dax`) it is real
-    /// persistent memory; elsewhere it is an ordinary file (see `durability`).
+    /// Path of the PM pool: a file, or a device-DAX character device such as `/dev/dax0.0`.
+    /// A file on a DAX filesystem (mounted with `-o dax`) is real persistent memory; elsewhere
+    /// it is an ordinary file (see `durability`). A device-DAX device is real persistent
+    /// memory and the only PM the verbs fabric can serve (fsdax files cannot be registered for
+    /// RDMA); a pool on it spans the whole device.
     pub pool_path: PathBuf,
-    /// Size of a new pool, e.g. "1GiB". Used only when the pool is created.
+    /// Size of a new pool, e.g. "1GiB". Used only when the pool is created, and not on a
+    /// device-DAX device (the pool is the whole device).
     pub pool_size: String,
     /// Size of a log segment, a power of two >= 64KiB, e.g. "8MiB". Used only at creation.
     pub segment_size: String,
@@ -31,6 +35,10 @@ pub struct DpmConfigFile {
     /// Create (format) the pool when the file does not exist. An existing file is never
     /// reformatted.
     pub create: bool,
+    /// Format a device-DAX `pool_path` that holds no Dinomo pool (no pool magic at its start),
+    /// erasing the device. Without it such a device is refused. A device that holds a pool is
+    /// opened (or refused if damaged), never reformatted.
+    pub format_device: bool,
     /// How stores become durable: "auto" (DAX when MAP_SYNC works, else process-crash),
     /// "dax" (fail unless DAX), "msync" (survives power loss on ordinary files, slow),
     /// "process-crash" (survives crashes of any process, not of the machine), or
@@ -50,14 +58,21 @@ pub struct DpmConfigFile {
     pub clean_threshold: f64,
     /// Address of the gRPC control service (DpmService).
     pub listen: String,
-    /// Fabric offered to KNs: "shm" (same host; KNs map the pool) or "tcp" (emulated NIC).
+    /// Fabric offered to KNs: "shm" (same host; KNs map the pool), "tcp" (emulated NIC) or
+    /// "verbs" (one-sided RDMA; needs a binary built with the `rdma` cargo feature and an RDMA
+    /// device).
     pub fabric: String,
-    /// Address of the tcp fabric NIC, started only when `fabric = "tcp"`.
+    /// Address of the tcp fabric NIC, or of the verbs NIC's side channel (the TCP handshake
+    /// that hands a KN its queue pair and rkey), started only when `fabric` is "tcp" or
+    /// "verbs".
     pub fabric_listen: String,
-    /// Address KNs are told to reach the tcp fabric NIC at, `HOST:PORT` or `HOST` (the NIC's
-    /// port). Empty: `fabric_listen`, or the address this host's name resolves to when that is a wildcard such as
-    /// 0.0.0.0 (a wildcard is never handed out).
+    /// Address KNs are told to reach the fabric NIC (tcp, or verbs's side channel) at,
+    /// `HOST:PORT` or `HOST` (the NIC's port). Empty: `fabric_listen`, or the address this host's
+    /// name resolves to when that is a wildcard such as 0.0.0.0 (a wildcard is never handed out).
     pub fabric_advertise: String,
+    /// RDMA device the verbs NIC serves on, e.g. "rxe0" or "mlx5_0" (`fabric = "verbs"` only).
+    /// Empty: the `DINOMO_RDMA_DEVICE` environment variable, else the first device.
+    pub rdma_device: String,
     /// Address of the Prometheus /metrics endpoint; empty to disable.
     pub metrics_listen: String,
     /// Grant slots in the fabric grant table (concurrent KN registrations).
@@ -78,6 +93,7 @@ impl Default for DpmConfigFile {
             max_indirect_cells: 4096,
             metadata_size: "1MiB".into(),
             create: true,
+            format_device: false,
             durability: "auto".into(),
             merge_workers: 2,
             initial_index_buckets: 16384,
@@ -87,6 +103,7 @@ impl Default for DpmConfigFile {
             fabric: "shm".into(),
             fabric_listen: "127.0.0.1:7701".into(),
             fabric_advertise: String::new(),
+            rdma_device: String::new(),
             metrics_listen: "127.0.0.1:9700".into(),
             max_grants: 256,
             verify_accounting: false,
@@ -99,6 +116,32 @@ impl Default for DpmConfigFile {
 pub enum FabricKind {
     Shm,
     Tcp,
+    /// One-sided RDMA verbs; only in a build with the `rdma` feature.
+    Verbs,
+}
+
+impl FabricKind {
+    /// Whether this build can serve the fabric (verbs needs the `rdma` cargo feature).
+    pub fn available(self) -> bool {
+        self != FabricKind::Verbs || cfg!(feature = "rdma")
+    }
+
+    /// Whether a NIC listens for KNs (tcp, and verbs's side channel).
+    pub fn has_nic(self) -> bool {
+        self != FabricKind::Shm
+    }
+}
+
+impl std::str::FromStr for FabricKind {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "shm" => Ok(FabricKind::Shm),
+            "tcp" => Ok(FabricKind::Tcp),
+            "verbs" => Ok(FabricKind::Verbs),
+            other => Err(format!("{other:?}: expected \"shm\", \"tcp\" or \"verbs\"")),
+        }
+    }
 }
 
 /// The validated configuration.
@@ -107,6 +150,7 @@ pub struct DpmConfig {
     pub pool_path: PathBuf,
     pub format: FormatOptions,
     pub create: bool,
+    pub format_device: bool,
     pub durability: DurabilityRequest,
     pub merge_workers: usize,
     pub initial_index_buckets: u64,
@@ -117,6 +161,8 @@ pub struct DpmConfig {
     pub fabric_listen: SocketAddr,
     /// As configured; resolved once the NIC is bound (see [`DpmConfigFile::fabric_advertise`]).
     pub fabric_advertise: String,
+    /// The verbs NIC's RDMA device; `None`: `DINOMO_RDMA_DEVICE`, else the first.
+    pub rdma_device: Option<String>,
     pub metrics_listen: Option<SocketAddr>,
     pub max_grants: u32,
     pub verify_accounting: bool,
@@ -166,17 +212,20 @@ impl DpmConfigFile {
                 self.clean_threshold
             )));
         }
-        let fabric = match self.fabric.as_str() {
-            "shm" => FabricKind::Shm,
-            "tcp" => FabricKind::Tcp,
-            other => {
-                return Err(DpmError::Config(format!(
-                    "fabric = {other:?}: expected \"shm\" or \"tcp\""
-                )))
-            }
-        };
+        let fabric: FabricKind = self
+            .fabric
+            .parse()
+            .map_err(|e| DpmError::Config(format!("fabric = {e}")))?;
+        if !fabric.available() {
+            return Err(DpmError::Config(
+                "fabric = \"verbs\": this binary was built without the `rdma` cargo feature; \
+                 rebuild it with `--features rdma` (needs libibverbs, librdmacm, cmake and \
+                 libclang to build; see docs/operations.md, \"The verbs fabric\")"
+                    .into(),
+            ));
+        }
         let fabric_listen = addr("fabric_listen", &self.fabric_listen)?;
-        if fabric == FabricKind::Tcp {
+        if fabric.has_nic() {
             dinomo_node_common::address::advertise_address(
                 "fabric_advertise",
                 fabric_listen,
@@ -188,6 +237,7 @@ impl DpmConfigFile {
             pool_path: self.pool_path,
             format,
             create: self.create,
+            format_device: self.format_device,
             durability: self
                 .durability
                 .parse()
@@ -200,6 +250,7 @@ impl DpmConfigFile {
             fabric,
             fabric_listen,
             fabric_advertise: self.fabric_advertise,
+            rdma_device: Some(self.rdma_device).filter(|d| !d.trim().is_empty()),
             metrics_listen: if self.metrics_listen.is_empty() {
                 None
             } else {
@@ -251,5 +302,41 @@ mod tests {
             ..Default::default()
         };
         assert!(bad.validate().is_err());
+    }
+
+    #[test]
+    fn verbs_needs_the_rdma_feature_and_a_real_advertised_address() {
+        let verbs = DpmConfigFile {
+            fabric: "verbs".into(),
+            rdma_device: "rxe0".into(),
+            ..Default::default()
+        };
+        let rdma = cfg!(feature = "rdma");
+        match verbs.clone().validate() {
+            Ok(c) => {
+                assert!(rdma, "verbs accepted by a build without rdma");
+                assert_eq!(c.fabric, FabricKind::Verbs);
+                assert_eq!(c.rdma_device.as_deref(), Some("rxe0"));
+            }
+            Err(e) => {
+                assert!(!rdma, "verbs refused by a build with rdma: {e}");
+                let msg = e.to_string();
+                assert!(
+                    msg.contains("built without the `rdma` cargo feature"),
+                    "{msg}"
+                );
+            }
+        }
+        // As for tcp, a wildcard side channel needs something to advertise instead.
+        let wildcard = DpmConfigFile {
+            fabric_listen: "0.0.0.0:7701".into(),
+            fabric_advertise: "0.0.0.0".into(),
+            ..verbs
+        };
+        assert!(wildcard.validate().is_err());
+        assert_eq!(
+            DpmConfigFile::default().validate().unwrap().rdma_device,
+            None
+        );
     }
 }

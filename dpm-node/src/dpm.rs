@@ -5,7 +5,9 @@
 //! KN identity and fencing: each registration of a KN id gets a new epoch (from a persistent
 //! counter) and a fresh fabric grant; the previous incarnation's grant is revoked and its epoch
 //! refused from then on. The fence table lives in the pool's roots, so a restarted DPM still
-//! refuses a fenced KN.
+//! refuses a fenced KN. Every revocation goes through the DPM's [`KeyFence`]: the grant table
+//! (enough for shm and tcp), or the verbs NIC the server installs with [`Dpm::set_key_fence`]
+//! (a grant-table revoke alone does not stop RDMA operations under a registered MR).
 //!
 //! Monitors are fenced the same way, by term: [`Dpm::new_monitor_term`] starts a newer term
 //! and [`Dpm::with_monitor_term`] refuses an older one, so a deposed monitor can no longer
@@ -17,7 +19,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use dinomo_fabric::grants::GrantTable;
+use dinomo_fabric::grants::{GrantTable, KeyFence};
 use dinomo_fabric::AccessKey;
 use dinomo_layout::index::{EntryPtr, IndexArea};
 use dinomo_layout::log::{decode_entry, LogOp};
@@ -116,6 +118,8 @@ pub struct Dpm {
     cells: Arc<Cells>,
     meta: MetaStore,
     grants: Arc<GrantTable>,
+    /// How keys are revoked: the grant table, or the fabric NIC that needs more (verbs).
+    key_fence: parking_lot::RwLock<Arc<dyn KeyFence>>,
     sessions: Mutex<HashMap<u32, KnSession>>,
     /// Fenced shm KN processes that may still write (their segments are not reused).
     fenced_procs: Arc<FencedProcs>,
@@ -128,7 +132,25 @@ impl Dpm {
     /// threads.
     pub fn open(config: DpmConfig) -> Result<Arc<Self>> {
         let path = &config.pool_path;
-        let pool = if path.exists() {
+        let device = dinomo_fabric::pm::DaxDevice::probe(path)?;
+        let pool = if let Some(dev) = device {
+            // A device always exists: it is formatted only when it holds no pool and the
+            // operator said the device may be erased.
+            if Pool::holds_pool(path)? {
+                Pool::open(path, config.durability)?
+            } else if config.format_device {
+                tracing::info!(path = %path.display(), size = dev.len, "formatting a new pool on the device-DAX device (pool_size does not apply: the pool is the whole device)");
+                Pool::format(path, &config.format, config.durability)?
+            } else {
+                return Err(DpmError::BadPool {
+                    path: path.display().to_string(),
+                    detail: "is a device-DAX device that holds no Dinomo pool; to format it \
+                             (erasing the device) set format_device = true or pass \
+                             --format-device"
+                        .into(),
+                });
+            }
+        } else if path.exists() {
             Pool::open(path, config.durability)?
         } else if config.create {
             tracing::info!(path = %path.display(), size = config.format.pool_len, "formatting a new pool");
@@ -241,6 +263,7 @@ impl Dpm {
             gc,
             cells,
             meta,
+            key_fence: parking_lot::RwLock::new(grants.clone()),
             grants,
             sessions: Mutex::new(HashMap::new()),
             fenced_procs,
@@ -255,6 +278,21 @@ impl Dpm {
 
     pub fn grants(&self) -> &Arc<GrantTable> {
         &self.grants
+    }
+
+    /// Makes `fence` the way KN keys are revoked from now on: a fabric NIC whose revocation
+    /// needs more than the grant table (the verbs NIC deregisters the KN's memory regions).
+    /// `None` restores the grant table alone (shm and tcp). The server installs its verbs NIC
+    /// before it serves and removes it when it stops.
+    pub fn set_key_fence(&self, fence: Option<Arc<dyn KeyFence>>) {
+        *self.key_fence.write() = fence.unwrap_or_else(|| self.grants.clone());
+    }
+
+    /// Revokes a KN's key through the key fence.
+    fn revoke_key(&self, key: AccessKey) -> Result<()> {
+        let fence = self.key_fence.read().clone();
+        fence.fence(key)?;
+        Ok(())
     }
 
     pub fn index(&self) -> &Arc<Index> {
@@ -326,7 +364,7 @@ impl Dpm {
         fence.store(epoch, Ordering::Release);
         self.pool.persist_root(Roots::KN_FENCE + 8 * u64::from(kn));
         if let Some(old) = sessions.remove(&kn) {
-            self.grants.revoke(old.key)?;
+            self.revoke_key(old.key)?;
             if let Some(p) = old.process.filter(|p| Some(*p) != process) {
                 self.fenced_procs.watch(kn, p);
             }
@@ -434,7 +472,8 @@ impl Dpm {
     ///
     /// When this returns, no fabric post of the KN can still be acknowledged as done without
     /// being in place: the tcp NIC has finished every post that passed the grant check (the
-    /// revoke waits for them), and an shm post that the KN's own CPU applies after the revoke
+    /// revoke waits for them), the verbs NIC has deregistered the KN's memory regions (the
+    /// device refuses its later operations; see the fabric's verbs.rs), and an shm post that the KN's own CPU applies after the revoke
     /// fails with an outcome-unknown error (see the fabric's grants.rs). Such a late shm batch
     /// can still land in the KN's segments; sealing them here means the merge that follows
     /// retires them (Merged, never scanned again) instead of leaving them open and pending for
@@ -456,7 +495,7 @@ impl Dpm {
         self.meta
             .update(&[(&fenced_under_key(kn), Some(under.as_slice()))])?;
         if let Some(s) = self.sessions.lock().remove(&kn) {
-            self.grants.revoke(s.key)?;
+            self.revoke_key(s.key)?;
             if let Some(p) = s.process {
                 self.fenced_procs.watch(kn, p);
             }

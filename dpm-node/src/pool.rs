@@ -4,11 +4,16 @@
 //! superblock or another format version is refused with an error naming what was found.
 //! Formatting writes every area's initial state and the superblock last, so a crash during
 //! formatting leaves a file that is refused (no magic), never a half-formatted pool.
+//!
+//! The pool is a file or a device-DAX character device (`/dev/daxX.Y`). A pool on a device
+//! spans the whole device (its usable length, see `dinomo_fabric::pm::DaxDevice`), whatever
+//! the configured pool size; formatting zeroes the device first, as a new file is zeroes.
 
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
+use dinomo_fabric::pm::DaxDevice;
 use dinomo_fabric::{Durability, DurabilityRequest, PmRegion};
 use dinomo_layout::segment::{TableEntry, TABLE_ENTRY_SIZE};
 use dinomo_layout::superblock::{Superblock, SUPERBLOCK_SIZE};
@@ -44,14 +49,19 @@ pub struct Pool {
 }
 
 impl Pool {
-    /// Formats a new pool at `path` (the file is created or overwritten).
+    /// Formats a new pool at `path` (the file is created or overwritten; a device-DAX device is
+    /// erased and the pool spans all of it, `opts.pool_len` notwithstanding).
     pub fn format(
         path: &Path,
         opts: &FormatOptions,
         durability: DurabilityRequest,
     ) -> Result<Self> {
+        let pool_len = match DaxDevice::probe(path)? {
+            Some(dev) => dev.len,
+            None => opts.pool_len,
+        };
         let mut sb = Superblock::plan(
-            opts.pool_len,
+            pool_len,
             opts.segment_size,
             opts.metadata_len,
             opts.max_cells,
@@ -65,7 +75,7 @@ impl Pool {
             .duration_since(std::time::UNIX_EPOCH)
             .map(|d| d.as_secs())
             .unwrap_or(0);
-        let region = Arc::new(PmRegion::create(path, opts.pool_len, durability)?);
+        let region = Arc::new(PmRegion::create(path, pool_len, durability)?);
         // A fresh file is zero-filled: free segment-table entries, empty metadata slots, zero
         // roots, an empty chunk directory and free cells are all encoded as zeros. The index
         // is created by the index module on first open.
@@ -73,15 +83,35 @@ impl Pool {
         Ok(Pool { region, sb })
     }
 
+    /// Whether `path` starts with a pool's magic (a file or a device-DAX device that holds a
+    /// pool, valid or not). Device-DAX devices can only be mapped, not read.
+    pub fn holds_pool(path: &Path) -> Result<bool> {
+        let region = match PmRegion::open(path, DurabilityRequest::ProcessCrash) {
+            Ok(r) => r,
+            Err(dinomo_fabric::FabricError::Config(_)) => return Ok(false), // empty file
+            Err(e) => return Err(e.into()),
+        };
+        if region.len() < 8 {
+            return Ok(false);
+        }
+        let mut magic = [0u8; 8];
+        region.read(0, &mut magic)?;
+        Ok(u64::from_le_bytes(magic) == dinomo_layout::superblock::MAGIC)
+    }
+
     /// Opens an existing pool, refusing anything that is not a valid pool of this version.
     pub fn open(path: &Path, durability: DurabilityRequest) -> Result<Self> {
         let p = path.display().to_string();
-        let len = std::fs::metadata(path)
-            .map_err(|e| DpmError::BadPool {
-                path: p.clone(),
-                detail: format!("cannot stat: {e}"),
-            })?
-            .len();
+        let device = DaxDevice::probe(path)?;
+        let len = match device {
+            Some(dev) => dev.len,
+            None => std::fs::metadata(path)
+                .map_err(|e| DpmError::BadPool {
+                    path: p.clone(),
+                    detail: format!("cannot stat: {e}"),
+                })?
+                .len(),
+        };
         if len < SUPERBLOCK_SIZE {
             return Err(DpmError::BadPool {
                 path: p,
@@ -99,8 +129,10 @@ impl Pool {
             return Err(DpmError::BadPool {
                 path: p,
                 detail: format!(
-                    "the superblock says the pool is {} bytes but the file has {len} (truncated or extended)",
-                    sb.pool_len
+                    "the superblock says the pool is {} bytes but the {} has {len} (truncated or \
+                     extended)",
+                    sb.pool_len,
+                    if device.is_some() { "device" } else { "file" }
                 ),
             });
         }

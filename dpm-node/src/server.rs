@@ -1,5 +1,11 @@
-//! Runs a whole dpm-node: opens the DPM, starts the fabric NIC (only when the fabric is tcp),
-//! the gRPC service and the metrics endpoint, and stops cleanly on a shutdown signal.
+//! Runs a whole dpm-node: opens the DPM, starts the fabric NIC (the tcp NIC, or the verbs NIC
+//! in a build with the `rdma` feature; none for shm), the gRPC service and the metrics
+//! endpoint, and stops cleanly on a shutdown signal.
+//!
+//! The node owns its NIC ([`Nic`]). A verbs NIC is also installed as the DPM's key fence
+//! ([`Dpm::set_key_fence`]) for as long as it runs: revoking a key in the grant table does not
+//! stop RDMA operations under a memory region already registered for it, so FenceKn and a KN's
+//! re-registration must go through `VerbsNic`'s revoke (fabric/src/verbs.rs, "Fencing").
 
 use std::fmt;
 use std::future::Future;
@@ -9,6 +15,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use dinomo_fabric::tcp::TcpNic;
+#[cfg(feature = "rdma")]
+use dinomo_fabric::verbs::VerbsNic;
 use dinomo_proto::dpm::dpm_service_server::DpmServiceServer;
 
 use crate::config::{DpmConfig, FabricKind};
@@ -31,6 +39,8 @@ pub enum FabricEndpoint {
     Shm(PathBuf),
     /// The address of the tcp fabric NIC.
     Tcp(SocketAddr),
+    /// The address of the verbs NIC's side channel (the RDMA connection handshake).
+    Verbs(SocketAddr),
 }
 
 impl FabricEndpoint {
@@ -38,18 +48,111 @@ impl FabricEndpoint {
     pub fn tcp(&self) -> Option<SocketAddr> {
         match self {
             FabricEndpoint::Tcp(a) => Some(*a),
+            FabricEndpoint::Shm(_) | FabricEndpoint::Verbs(_) => None,
+        }
+    }
+
+    /// The address KNs connect to (tcp NIC or verbs side channel); none for shm.
+    pub fn nic(&self) -> Option<SocketAddr> {
+        match self {
+            FabricEndpoint::Tcp(a) | FabricEndpoint::Verbs(a) => Some(*a),
             FabricEndpoint::Shm(_) => None,
         }
     }
 }
 
-/// `shm:<pool path>` or the NIC's `host:port` (what the READY line prints after `fabric=`).
+/// `shm:<pool path>`, the tcp NIC's `host:port` or `verbs:<host:port>` (what the READY line
+/// prints after `fabric=`).
 impl fmt::Display for FabricEndpoint {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             FabricEndpoint::Shm(p) => write!(f, "shm:{}", p.display()),
             FabricEndpoint::Tcp(a) => write!(f, "{a}"),
+            FabricEndpoint::Verbs(a) => write!(f, "verbs:{a}"),
         }
+    }
+}
+
+/// The fabric NIC a node runs for its KNs.
+#[derive(Debug, Clone)]
+pub enum Nic {
+    /// shm: KNs map the pool; nothing listens.
+    None,
+    Tcp(Arc<TcpNic>),
+    #[cfg(feature = "rdma")]
+    Verbs(Arc<VerbsNic>),
+}
+
+impl Nic {
+    /// Starts the NIC `dpm.config.fabric` asks for, and says where KNs reach it.
+    pub async fn start(dpm: &Arc<Dpm>) -> Result<(Nic, FabricEndpoint)> {
+        match dpm.config.fabric {
+            // With shm, KNs map the pool and a listening NIC would be an unused door into it.
+            FabricKind::Shm => {
+                let pool = dpm.config.pool_path.canonicalize()?;
+                tracing::info!(pool = %pool.display(), "fabric: shm (KNs map the pool); no NIC is started");
+                Ok((Nic::None, FabricEndpoint::Shm(pool)))
+            }
+            FabricKind::Tcp => {
+                let nic = TcpNic::start(
+                    dpm.config.fabric_listen,
+                    dpm.pool().region().clone(),
+                    dpm.grants().clone(),
+                )
+                .await?;
+                tracing::info!(nic = %nic.local_addr(), "fabric: tcp (the NIC serves the pool)");
+                let addr = nic.local_addr();
+                Ok((Nic::Tcp(Arc::new(nic)), FabricEndpoint::Tcp(addr)))
+            }
+            FabricKind::Verbs => Self::start_verbs(dpm).await,
+        }
+    }
+
+    #[cfg(feature = "rdma")]
+    async fn start_verbs(dpm: &Arc<Dpm>) -> Result<(Nic, FabricEndpoint)> {
+        let region = dpm.pool().region().clone();
+        // The kernel refuses long-term pins of fsdax pages: every KN's connection would fail
+        // to register the pool (docs/decisions/0001-rdma-binding.md). Say so now, once.
+        if matches!(region.durability(), dinomo_fabric::Durability::Dax(_))
+            && dinomo_fabric::pm::DaxDevice::probe(region.path())?.is_none()
+        {
+            return Err(DpmError::Config(format!(
+                "fabric = \"verbs\" cannot serve {}: it is a file on a DAX filesystem, whose \
+                 pages the kernel does not let RDMA register; put the pool on a device-DAX \
+                 device (/dev/daxX.Y) for persistent memory, or on a non-DAX filesystem",
+                region.path().display()
+            )));
+        }
+        let nic = VerbsNic::start_on(
+            dpm.config.rdma_device.as_deref(),
+            dpm.config.fabric_listen,
+            region,
+            dpm.grants().clone(),
+        )
+        .await?;
+        let addr = nic.local_addr();
+        tracing::info!(side_channel = %addr, device = nic.device(), "fabric: verbs (one-sided RDMA; KNs connect through the side channel)");
+        let nic = Arc::new(nic);
+        // From now on a revoked KN key also loses its memory regions at the device.
+        dpm.set_key_fence(Some(nic.clone()));
+        Ok((Nic::Verbs(nic), FabricEndpoint::Verbs(addr)))
+    }
+
+    #[cfg(not(feature = "rdma"))]
+    async fn start_verbs(_dpm: &Arc<Dpm>) -> Result<(Nic, FabricEndpoint)> {
+        Err(DpmError::Config(
+            "fabric = \"verbs\": this binary was built without the `rdma` cargo feature".into(),
+        ))
+    }
+
+    /// Uninstalls the NIC from `dpm` (before it is dropped).
+    fn detach(&self, dpm: &Dpm) {
+        #[cfg(feature = "rdma")]
+        if let Nic::Verbs(_) = self {
+            dpm.set_key_fence(None);
+        }
+        #[cfg(not(feature = "rdma"))]
+        let _ = dpm;
     }
 }
 
@@ -62,34 +165,25 @@ pub async fn run(
     let dpm = tokio::task::spawn_blocking(move || Dpm::open(config))
         .await
         .map_err(|e| DpmError::Config(format!("opening the DPM panicked: {e}")))??;
-    // The tcp NIC runs only when KNs are told to use it: with shm, KNs map the pool and a
-    // listening NIC would be an unused door into the pool.
-    let (nic, fabric) = match dpm.config.fabric {
-        FabricKind::Shm => {
-            let pool = dpm.config.pool_path.canonicalize()?;
-            tracing::info!(pool = %pool.display(), "fabric: shm (KNs map the pool); the tcp NIC is not started");
-            (None, FabricEndpoint::Shm(pool))
+    let (nic, fabric) = Nic::start(&dpm).await?;
+    // The NIC is detached from the DPM however this function returns.
+    struct Detach<'a>(&'a Nic, &'a Dpm);
+    impl Drop for Detach<'_> {
+        fn drop(&mut self) {
+            self.0.detach(self.1);
         }
-        FabricKind::Tcp => {
-            let nic = TcpNic::start(
-                dpm.config.fabric_listen,
-                dpm.pool().region().clone(),
-                dpm.grants().clone(),
-            )
-            .await?;
-            tracing::info!(nic = %nic.local_addr(), "fabric: tcp (the NIC serves the pool)");
-            let addr = nic.local_addr();
-            (Some(nic), FabricEndpoint::Tcp(addr))
-        }
-    };
+    }
+    let detach = Detach(&nic, &dpm);
     let fabric_address = match &fabric {
         FabricEndpoint::Shm(pool) => pool.display().to_string(),
-        FabricEndpoint::Tcp(addr) => dinomo_node_common::address::advertise_address(
-            "fabric_advertise",
-            *addr,
-            &dpm.config.fabric_advertise,
-        )
-        .map_err(DpmError::Config)?,
+        FabricEndpoint::Tcp(addr) | FabricEndpoint::Verbs(addr) => {
+            dinomo_node_common::address::advertise_address(
+                "fabric_advertise",
+                *addr,
+                &dpm.config.fabric_advertise,
+            )
+            .map_err(DpmError::Config)?
+        }
     };
     tracing::info!(fabric = %fabric_address, "KNs are told to reach the fabric here");
     let listener = tokio::net::TcpListener::bind(dpm.config.listen)
@@ -102,7 +196,6 @@ pub async fn run(
     tracing::info!(grpc = %running.grpc, fabric = %running.fabric, kind = ?dpm.config.fabric, "dpm-node serving");
     ready(&running);
 
-    let nic = nic.map(Arc::new);
     let gauges = tokio::spawn(export_gauges(dpm.clone(), nic.clone()));
     let svc = DpmServiceServer::new(DpmGrpc::new(dpm.clone(), dpm.config.fabric, fabric_address))
         .max_decoding_message_size(16 << 20);
@@ -133,6 +226,7 @@ pub async fn run(
     };
     gauges.abort();
     let _ = gauges.await; // releases its handle on the NIC
+    drop(detach);
     drop(nic);
     let d = dpm.clone();
     tokio::task::spawn_blocking(move || d.shutdown()).await.ok();
@@ -141,11 +235,11 @@ pub async fn run(
     Ok(())
 }
 
-async fn export_gauges(dpm: Arc<Dpm>, nic: Option<Arc<TcpNic>>) {
+async fn export_gauges(dpm: Arc<Dpm>, nic: Nic) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     loop {
         tick.tick().await;
-        if let Some(n) = &nic {
+        if let Nic::Tcp(n) = &nic {
             metrics::counter!("dinomo_fabric_tcp_bad_frames_total").absolute(n.bad_frames());
         }
         let s = dpm.stats();

@@ -28,6 +28,12 @@
 //!   its operations; see verbs.rs for when that happens relative to `revoke`.
 //!
 //! Callers that need a hard fence on the control path also bump the epoch the DPM checks.
+//! The memory node revokes through a [`KeyFence`]: the table itself for shm and tcp, the verbs
+//! NIC for verbs (whose revoke also deregisters the caller's memory regions).
+//!
+//! Where the table lives: `<pool>.grants` beside a pool file; for a pool on a device-DAX
+//! character device (which has no directory of its own to write in),
+//! `/dev/shm/dinomo-<device name>.grants` (see [`GrantTable::path_for`]).
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -41,6 +47,20 @@ use crate::pm::{DurabilityRequest, PmRegion};
 
 const MAGIC: u64 = u64::from_le_bytes(*b"DNMGRANT");
 const HEADER: u64 = 16;
+
+/// How a memory node revokes a key so that the revocation is a fence (see the module doc).
+pub trait KeyFence: Send + Sync + std::fmt::Debug {
+    /// Revokes `key`. When this returns, every operation under it either is in place or can no
+    /// longer complete as done, whatever the backend.
+    fn fence(&self, key: AccessKey) -> Result<()>;
+}
+
+/// shm and tcp: the table is the fence ([`GrantTable::revoke`] waits for the tcp NIC's posts).
+impl KeyFence for GrantTable {
+    fn fence(&self, key: AccessKey) -> Result<()> {
+        self.revoke(key)
+    }
+}
 
 /// Called by a backend on the posting thread after a post's key passed the check and before
 /// the post is applied: the window a fence has to close. For tests, which pause a post there
@@ -85,8 +105,18 @@ impl std::fmt::Debug for GrantTable {
 }
 
 impl GrantTable {
-    /// The conventional path of the grant table of a pool file.
+    /// The conventional path of the grant table of a pool: `<pool>.grants`, or for a pool on a
+    /// character device (device-DAX) `/dev/shm/dinomo-<device name>.grants`, since `/dev` is
+    /// no place for regular files. The memory node and shm callers derive it the same way.
     pub fn path_for(pool: &Path) -> PathBuf {
+        use std::os::unix::fs::FileTypeExt;
+        let device = std::fs::metadata(pool).is_ok_and(|m| m.file_type().is_char_device());
+        if let (true, Some(name)) = (device, pool.file_name()) {
+            let mut s = std::ffi::OsString::from("dinomo-");
+            s.push(name);
+            s.push(".grants");
+            return Path::new("/dev/shm").join(s);
+        }
         let mut s = pool.as_os_str().to_owned();
         s.push(".grants");
         PathBuf::from(s)
@@ -284,6 +314,19 @@ mod tests {
         // Re-creating the table (a memory-node restart) revokes the grants callers still map.
         let _fresh = GrantTable::create(&p, 2).unwrap();
         assert!(other.check(b).is_err() && other.check(c).is_err());
+    }
+
+    #[test]
+    fn grant_tables_of_files_sit_beside_them_and_of_devices_in_dev_shm() {
+        assert_eq!(
+            GrantTable::path_for(Path::new("/data/dinomo.pool")),
+            PathBuf::from("/data/dinomo.pool.grants")
+        );
+        // /dev/null stands in for a device-DAX device: any character device.
+        assert_eq!(
+            GrantTable::path_for(Path::new("/dev/null")),
+            PathBuf::from("/dev/shm/dinomo-null.grants")
+        );
     }
 
     #[test]

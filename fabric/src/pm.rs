@@ -1,4 +1,5 @@
-//! A persistent-memory region: a file mapped MAP_SHARED, and the one way to make stores durable.
+//! A persistent-memory region: a file or a device-DAX character device mapped MAP_SHARED, and
+//! the one way to make stores durable.
 //!
 //! Durability modes (chosen at open, logged by the caller, never changed while mapped):
 //! - `Dax`: the file is on a DAX filesystem and was mapped with MAP_SYNC, so CPU stores reach
@@ -12,11 +13,24 @@
 //!   it covers in a shadow image, from which [`PmRegion::power_loss_image`] builds what the
 //!   medium may hold after a power failure (see [`crate::powerloss`]).
 //!
+//! Device-DAX (`/dev/daxX.Y`, `ndctl create-namespace -m devdax`): the region is the whole
+//! character device, with no filesystem in between. Such a device cannot be truncated and its
+//! metadata says nothing of its size, so [`DaxDevice::probe`] reads the size and the mapping
+//! alignment from sysfs (`/sys/dev/char/MAJ:MIN/{size,align}`, else
+//! `/sys/bus/dax/devices/NAME/...`); the region is the size rounded down to the alignment, mapped
+//! at an address aligned to it (the kernel refuses a device-DAX mapping that is not). Durability
+//! is `Dax` (the same CLWB + SFENCE as fsdax with MAP_SYNC: stores go straight to the medium
+//! once their lines are written back) or, when asked for, `ProcessCrash`; `msync` is refused (it
+//! does not write CPU caches back on a device). [`PmRegion::create`] on a device zero-fills and
+//! persists all of it. Unlike fsdax files, device-DAX mappings can be registered for RDMA
+//! (docs/decisions/0001-rdma-binding.md).
+//!
 //! Invariants: the mapping never changes size; every access is bounds-checked by the caller
 //! through [`PmRegion::check`]; 8-byte words used atomically are 8-byte aligned.
 
 use std::fs::{File, OpenOptions};
 use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::sync::atomic::{fence, AtomicU64, Ordering};
@@ -114,12 +128,27 @@ const MAP_SHARED_VALIDATE: libc::c_int = 0x03;
 const MAP_SYNC: libc::c_int = 0x80000;
 
 impl PmRegion {
-    /// Creates (or truncates) `path` to `len` bytes, zero-filled, and maps it.
+    /// Creates (or truncates) `path` to `len` bytes, zero-filled, and maps it. On a device-DAX
+    /// device `len` must be the device's [`DaxDevice::len`] (a region on a device spans all of
+    /// it); every byte is then zeroed and persisted.
     pub fn create(path: &Path, len: u64, request: DurabilityRequest) -> Result<Self> {
         let err = |source| FabricError::Region {
             path: path.display().to_string(),
             source,
         };
+        if let Some(dev) = DaxDevice::probe(path)? {
+            if len != dev.len {
+                return Err(FabricError::Config(format!(
+                    "{}: a region on a device-DAX device spans the whole device ({} bytes \
+                     usable), not {len} bytes",
+                    path.display(),
+                    dev.len
+                )));
+            }
+            let region = Self::open(path, request)?;
+            region.zero_all()?;
+            return Ok(region);
+        }
         let file = OpenOptions::new()
             .read(true)
             .write(true)
@@ -150,6 +179,9 @@ impl PmRegion {
             path: path.display().to_string(),
             source,
         };
+        if let Some(dev) = DaxDevice::probe(path)? {
+            return Self::map_device(file, path, dev, request);
+        }
         let len = file.metadata().map_err(err)?.len();
         if len == 0 || len > isize::MAX as u64 {
             return Err(FabricError::Config(format!(
@@ -211,6 +243,86 @@ impl PmRegion {
             region.shadow = Some(Shadow::new(&region)?);
         }
         Ok(region)
+    }
+
+    /// Maps a device-DAX device: all of [`DaxDevice::len`], at an address aligned to the
+    /// device's alignment.
+    fn map_device(
+        file: File,
+        path: &Path,
+        dev: DaxDevice,
+        request: DurabilityRequest,
+    ) -> Result<Self> {
+        let err = |source| FabricError::Region {
+            path: path.display().to_string(),
+            source,
+        };
+        if dev.len == 0 || dev.len > isize::MAX as u64 {
+            return Err(FabricError::Config(format!(
+                "{}: device-DAX device of {} bytes with alignment {} leaves {} usable bytes",
+                path.display(),
+                dev.size,
+                dev.align,
+                dev.len
+            )));
+        }
+        let len = dev.len as usize;
+        let fd = file.as_raw_fd();
+        let map = |flags| map_aligned(fd, len, dev.align as usize, flags);
+        let (ptr, durability) = match request {
+            // Device-DAX has no filesystem metadata to keep in sync: stores reach the medium
+            // once their lines are written back, with or without MAP_SYNC (tried first, as it
+            // documents the intent; not every kernel accepts it on a device).
+            DurabilityRequest::Auto | DurabilityRequest::Dax => {
+                let p = match map(MAP_SHARED_VALIDATE | MAP_SYNC) {
+                    Ok(p) => p,
+                    Err(_) => map(libc::MAP_SHARED).map_err(err)?,
+                };
+                (p, Durability::Dax(flush_instr()))
+            }
+            DurabilityRequest::Msync => {
+                return Err(FabricError::Config(format!(
+                    "{}: durability msync does not apply to a device-DAX device (msync writes \
+                     back no CPU cache lines there); use dax (or auto)",
+                    path.display()
+                )))
+            }
+            DurabilityRequest::ProcessCrash => (
+                map(libc::MAP_SHARED).map_err(err)?,
+                Durability::ProcessCrash,
+            ),
+            DurabilityRequest::SimulatedPowerLoss => (
+                map(libc::MAP_SHARED).map_err(err)?,
+                Durability::SimulatedPowerLoss,
+            ),
+        };
+        let mut region = PmRegion {
+            base: NonNull::new(ptr.cast()).expect("mmap returned null"),
+            len,
+            durability,
+            path: path.to_path_buf(),
+            shadow: None,
+            _file: file,
+        };
+        if durability == Durability::SimulatedPowerLoss {
+            region.shadow = Some(Shadow::new(&region)?);
+        }
+        Ok(region)
+    }
+
+    /// Zeroes and persists the whole region (a fresh region on a device, which cannot be
+    /// truncated to get zeroes).
+    fn zero_all(&self) -> Result<()> {
+        const CHUNK: usize = 64 << 20;
+        let mut off = 0usize;
+        while off < self.len {
+            let n = CHUNK.min(self.len - off);
+            // SAFETY: in the mapping; no other user of a region being created.
+            unsafe { std::ptr::write_bytes(self.base.as_ptr().add(off), 0, n) };
+            self.persist(off as u64, n as u64)?;
+            off += n;
+        }
+        Ok(())
     }
 
     pub fn len(&self) -> u64 {
@@ -405,6 +517,163 @@ impl Drop for PmRegion {
     }
 }
 
+/// The alignment a device-DAX mapping needs when sysfs does not say (the common default).
+pub const DEFAULT_DAX_ALIGN: u64 = 2 << 20;
+
+/// A device-DAX character device, as sysfs describes it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DaxDevice {
+    /// The device's size in bytes.
+    pub size: u64,
+    /// The alignment of its mappings (address and length), e.g. 2 MiB.
+    pub align: u64,
+    /// What a region on it spans: `size` rounded down to `align`.
+    pub len: u64,
+}
+
+impl DaxDevice {
+    /// `Some` if `path` is a character device (it must then be device-DAX, else an error says
+    /// so), `None` for anything else (a regular file, or a path that does not exist yet).
+    pub fn probe(path: &Path) -> Result<Option<Self>> {
+        let meta = match std::fs::metadata(path) {
+            Ok(m) => m,
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+            Err(source) => {
+                return Err(FabricError::Region {
+                    path: path.display().to_string(),
+                    source,
+                })
+            }
+        };
+        if !meta.file_type().is_char_device() {
+            return Ok(None);
+        }
+        let (major, minor) = dev_major_minor(meta.rdev());
+        let mut dirs = vec![PathBuf::from(format!("/sys/dev/char/{major}:{minor}"))];
+        if let Some(name) = path.file_name() {
+            dirs.push(Path::new("/sys/bus/dax/devices").join(name));
+        }
+        let read = |dir: &Path, attr: &str| std::fs::read_to_string(dir.join(attr)).ok();
+        let Some((dir, size)) = dirs
+            .iter()
+            .find_map(|d| read(d, "size").map(|s| (d.clone(), s)))
+        else {
+            return Err(FabricError::Config(format!(
+                "{} is a character device ({major}:{minor}) but not a device-DAX device: sysfs \
+                 has no size for it (looked in {})",
+                path.display(),
+                dirs.iter()
+                    .map(|d| d.display().to_string())
+                    .collect::<Vec<_>>()
+                    .join(" and ")
+            )));
+        };
+        let size = parse_sysfs_u64(&size).ok_or_else(|| {
+            FabricError::Config(format!(
+                "{}: cannot parse the device size {size:?} from {}",
+                path.display(),
+                dir.join("size").display()
+            ))
+        })?;
+        // `align` exists from Linux 5.10; before, device-DAX mappings were 2 MiB aligned.
+        let align = match read(&dir, "align") {
+            Some(a) => parse_sysfs_u64(&a)
+                .filter(|a| a.is_power_of_two())
+                .ok_or_else(|| {
+                    FabricError::Config(format!(
+                        "{}: cannot parse the alignment {a:?} from {}",
+                        path.display(),
+                        dir.join("align").display()
+                    ))
+                })?,
+            None => DEFAULT_DAX_ALIGN,
+        };
+        Ok(Some(DaxDevice::new(size, align)))
+    }
+
+    /// A device of `size` bytes whose mappings are aligned to `align` (a power of two).
+    pub fn new(size: u64, align: u64) -> Self {
+        DaxDevice {
+            size,
+            align,
+            len: size & !(align - 1),
+        }
+    }
+}
+
+/// A decimal (or `0x` hexadecimal) number as a sysfs attribute holds it, newline and all.
+pub fn parse_sysfs_u64(text: &str) -> Option<u64> {
+    let t = text.trim();
+    match t.strip_prefix("0x") {
+        Some(hex) => u64::from_str_radix(hex, 16).ok(),
+        None => t.parse().ok(),
+    }
+}
+
+/// The major and minor numbers of a `st_rdev` (glibc's encoding).
+fn dev_major_minor(dev: u64) -> (u64, u64) {
+    let major = ((dev >> 8) & 0xfff) | ((dev >> 32) & 0xffff_f000);
+    let minor = (dev & 0xff) | ((dev >> 12) & 0xffff_ff00);
+    (major, minor)
+}
+
+/// Maps `len` bytes of `fd` at an address aligned to `align`: reserves `len + align` bytes of
+/// address space, maps the file over an aligned part of it and gives the rest back.
+fn map_aligned(
+    fd: libc::c_int,
+    len: usize,
+    align: usize,
+    flags: libc::c_int,
+) -> std::io::Result<*mut libc::c_void> {
+    let reserve = len
+        .checked_add(align)
+        .ok_or_else(|| std::io::Error::from_raw_os_error(libc::ENOMEM))?;
+    // SAFETY: a fresh anonymous reservation; the result is checked.
+    let r = unsafe {
+        libc::mmap(
+            std::ptr::null_mut(),
+            reserve,
+            libc::PROT_NONE,
+            libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+            -1,
+            0,
+        )
+    };
+    if r == libc::MAP_FAILED {
+        return Err(std::io::Error::last_os_error());
+    }
+    let start = (r as usize).next_multiple_of(align);
+    // SAFETY: [start, start + len) lies inside the reservation, which MAP_FIXED replaces.
+    let p = unsafe {
+        libc::mmap(
+            start as *mut libc::c_void,
+            len,
+            libc::PROT_READ | libc::PROT_WRITE,
+            flags | libc::MAP_FIXED,
+            fd,
+            0,
+        )
+    };
+    if p == libc::MAP_FAILED {
+        let e = std::io::Error::last_os_error();
+        // SAFETY: unmapping the reservation made above.
+        unsafe { libc::munmap(r, reserve) };
+        return Err(e);
+    }
+    let (head, tail_start) = (start - r as usize, start + len);
+    let tail = r as usize + reserve - tail_start;
+    // SAFETY: the unused ends of our own reservation.
+    unsafe {
+        if head > 0 {
+            libc::munmap(r, head);
+        }
+        if tail > 0 {
+            libc::munmap(tail_start as *mut libc::c_void, tail);
+        }
+    }
+    Ok(p)
+}
+
 /// The best write-back instruction this CPU has (cpuid leaf 7: EBX bit 24 CLWB, 23 CLFLUSHOPT).
 pub fn flush_instr() -> FlushInstr {
     #[cfg(target_arch = "x86_64")]
@@ -483,6 +752,106 @@ mod tests {
         assert_eq!(&b, b"hello");
         assert_eq!(r.word(64).unwrap().load(Ordering::SeqCst), 7);
         r.persist(0, 1 << 16).unwrap();
+    }
+
+    #[test]
+    fn sysfs_numbers_and_device_numbers() {
+        assert_eq!(parse_sysfs_u64("268435456\n"), Some(256 << 20));
+        assert_eq!(parse_sysfs_u64(" 2097152 "), Some(2 << 20));
+        assert_eq!(parse_sysfs_u64("0x200000\n"), Some(2 << 20));
+        assert_eq!(parse_sysfs_u64(""), None);
+        assert_eq!(parse_sysfs_u64("12 MiB"), None);
+        // glibc's makedev.
+        let makedev = |major: u64, minor: u64| {
+            ((major & 0xfff) << 8)
+                | ((major & 0xffff_f000) << 32)
+                | (minor & 0xff)
+                | ((minor & 0xffff_ff00) << 12)
+        };
+        assert_eq!(dev_major_minor((251 << 8) | 3), (251, 3));
+        for (major, minor) in [(252, 0), (4096, 263), (0xffff_ffff, 0xffff_ffff)] {
+            assert_eq!(dev_major_minor(makedev(major, minor)), (major, minor));
+        }
+        let d = DaxDevice::new((256 << 20) + 4096, 2 << 20);
+        assert_eq!(d.len, 256 << 20);
+        assert_eq!(DaxDevice::new(1 << 20, 2 << 20).len, 0);
+    }
+
+    #[test]
+    fn only_character_devices_are_device_dax_and_others_say_why() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("r.pm");
+        assert_eq!(DaxDevice::probe(&p).unwrap(), None, "absent");
+        std::fs::write(&p, b"x").unwrap();
+        assert_eq!(DaxDevice::probe(&p).unwrap(), None, "a regular file");
+        // /dev/null is a character device without a device-DAX size in sysfs.
+        let e = DaxDevice::probe(Path::new("/dev/null")).unwrap_err();
+        assert!(e.to_string().contains("not a device-DAX device"), "{e}");
+        assert!(PmRegion::open(Path::new("/dev/null"), DurabilityRequest::Auto).is_err());
+    }
+
+    #[test]
+    fn aligned_mappings_are_aligned_and_usable() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("r.pm");
+        let f = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(true)
+            .open(&p)
+            .unwrap();
+        f.set_len(4 << 20).unwrap();
+        let ptr = map_aligned(f.as_raw_fd(), 4 << 20, 2 << 20, libc::MAP_SHARED).unwrap();
+        assert_eq!(ptr as usize % (2 << 20), 0);
+        // SAFETY: a 4 MiB mapping of our own file.
+        unsafe {
+            *(ptr as *mut u8).add((4 << 20) - 1) = 7;
+            libc::munmap(ptr, 4 << 20);
+        }
+        let mut b = [0u8; 1];
+        PmRegion::open(&p, DurabilityRequest::ProcessCrash)
+            .unwrap()
+            .read((4 << 20) - 1, &mut b)
+            .unwrap();
+        assert_eq!(b[0], 7);
+    }
+
+    /// Inside the VM of `scripts/vm-tests.sh --devdax` (`DINOMO_DAX_DEVICE=/dev/dax0.0`): a
+    /// region on the real device. Elsewhere it says it is skipped.
+    #[test]
+    fn device_dax_region_when_there_is_one() {
+        let Some(dev) = std::env::var_os("DINOMO_DAX_DEVICE") else {
+            println!("SKIPPED: DINOMO_DAX_DEVICE is not set (no device-DAX outside the test VM)");
+            return;
+        };
+        let path = Path::new(&dev);
+        let d = DaxDevice::probe(path).unwrap().expect("a character device");
+        assert!(d.len > 0 && d.len.is_multiple_of(d.align), "{d:?}");
+        {
+            let r = PmRegion::create(path, d.len, DurabilityRequest::Auto).unwrap();
+            assert!(
+                matches!(r.durability(), Durability::Dax(_)),
+                "{}",
+                r.durability()
+            );
+            assert_eq!(r.as_ptr() as u64 % d.align, 0);
+            let mut b = [1u8; 64];
+            r.read(d.len - 64, &mut b).unwrap();
+            assert_eq!(b, [0u8; 64], "create zeroes the device");
+            r.write_durable(d.len - 8, b"devdax!!").unwrap();
+            assert!(PmRegion::create(path, d.len - d.align, DurabilityRequest::Auto).is_err());
+            assert!(PmRegion::open(path, DurabilityRequest::Msync).is_err());
+        }
+        let r = PmRegion::open(path, DurabilityRequest::Dax).unwrap();
+        let mut b = [0u8; 8];
+        r.read(d.len - 8, &mut b).unwrap();
+        assert_eq!(&b, b"devdax!!");
+        println!(
+            "device-DAX {}: {d:?}, durability {}",
+            path.display(),
+            r.durability()
+        );
     }
 
     #[test]

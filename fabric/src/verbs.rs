@@ -24,7 +24,9 @@
 //!   watcher notices it (up to [`REVOKE_POLL`] later) the caller's WRITEs still land and
 //!   complete successfully, and a caller whose key passed the handshake's check just
 //!   before such a revoke gets a live MR the same way. Whoever fences verbs callers must call
-//!   [`VerbsNic::revoke`] (the DPM does not start a verbs NIC today).
+//!   [`VerbsNic::revoke`], or the same through [`KeyFence`]: the dpm-node installs its NIC as
+//!   the DPM's key fence, so FenceKn and a KN's re-registration deregister the old key's MRs
+//!   before they go on to merge.
 //! - [`VerbsFabric`], the caller side: one RC QP, a registered local bounce buffer, and the
 //!   still-open side channel (the node sees the caller go away when it closes).
 //!
@@ -54,13 +56,26 @@
 //!   good (a remote access error reads as [`FabricError::AccessDenied`], the rest as
 //!   [`FabricError::Transport`]); a caller reconnects with a new handle.
 //!
-//! Durability caveat (Soft-RoCE): the READ-after-WRITE idiom makes a WRITE durable only when the
-//! responder's device places data in the persistence domain before answering a later READ (a
-//! real RNIC writing to PM with DDIO off, or an eADR platform). Soft-RoCE (`rdma_rxe`) copies
-//! payloads with ordinary CPU stores in the node's kernel and never writes cache lines back, so
-//! on rxe a completed WRITE is *visible* at the node but is in its CPU caches, not necessarily in
-//! PM: it survives the crash of any process, not a power loss. The RDMA FLUSH verb
-//! (`IBV_WR_FLUSH`, kernels from 6.2) would close that gap and is not used yet.
+//! What a completed WRITE means (durability):
+//! - The idiom: every WRITE is followed, in the same post, by a 1-byte READ of its last byte,
+//!   and the post completes when that READ's response is back. An RC responder executes a QP's
+//!   requests in order and a READ response is not sent before the WRITE ahead of it is placed,
+//!   so a completed WRITE is *placed* at the node: visible to its CPU and to every later READ.
+//! - Real RNIC: placed means handed to the node's memory system. With Intel DDIO on (the
+//!   default) the NIC's writes land in the last-level cache, outside the persistence domain of
+//!   an ADR platform; placed is durable only on an eADR platform (caches inside the domain) or
+//!   with DDIO off for the NIC's root port (writes then go to the memory controller, which ADR
+//!   drains on power loss; the READ's completion cannot pass those posted PCIe writes). And the
+//!   region must be PM: a pool on device-DAX (fsdax files cannot be registered, see below).
+//! - Soft-RoCE (`rdma_rxe`): the responder is the node's kernel, which copies the payload into
+//!   the MR's pages with ordinary CPU stores and never writes the lines back. On rxe a completed
+//!   WRITE is visible at the node but sits in its CPU caches, not necessarily in PM: it
+//!   survives the crash of any process (DPM and KN alike), not a power loss (unless eADR).
+//! - Not used: the RDMA FLUSH verb (`IBV_WR_FLUSH`, IBTA 1.5; rxe has it from Linux 6.2, the test
+//!   VM's Debian 6.1 kernel has not; it needs MRs registered with the flush access flags),
+//!   which would make the responder write placed data back to the persistence domain and so
+//!   close both gaps above. Everything the DPM writes itself (merges, GC, metadata) is persisted
+//!   with CLWB + SFENCE on its own mapping, whatever the fabric.
 //!
 //! Where the region can live: registering it pins its pages. A page-cache or tmpfs file works.
 //! A file on an fsdax mount does not: the kernel refuses long-term pins of fsdax pages
@@ -98,7 +113,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
 use crate::error::{FabricError, Result};
-use crate::grants::GrantTable;
+use crate::grants::{GrantTable, KeyFence};
 use crate::op::{AccessKey, Completion, Op};
 use crate::pm::PmRegion;
 use crate::stats::FabricStats;
@@ -182,16 +197,29 @@ impl fmt::Debug for Device {
 }
 
 impl Device {
-    fn open() -> Result<Self> {
+    /// Opens the device named `wanted`, else the one `DINOMO_RDMA_DEVICE` names, else the first.
+    fn open(wanted: Option<&str>) -> Result<Self> {
         let list = DeviceList::new()
             .map_err(|e| FabricError::Config(format!("listing RDMA devices: {}", chain(&e))))?;
-        let wanted = std::env::var("DINOMO_RDMA_DEVICE")
-            .ok()
-            .filter(|s| !s.is_empty());
+        let (wanted, from) = match wanted.filter(|s| !s.is_empty()) {
+            Some(name) => (Some(name.to_string()), "asked for"),
+            None => (
+                std::env::var("DINOMO_RDMA_DEVICE")
+                    .ok()
+                    .filter(|s| !s.is_empty()),
+                "DINOMO_RDMA_DEVICE",
+            ),
+        };
         let dev = match &wanted {
             Some(name) => list.iter().find(|d| d.name() == *name).ok_or_else(|| {
+                let present: Vec<String> = list.iter().map(|d| d.name()).collect();
                 FabricError::Config(format!(
-                    "RDMA device {name:?} (DINOMO_RDMA_DEVICE) not found"
+                    "RDMA device {name:?} ({from}) not found; present: {}",
+                    if present.is_empty() {
+                        "none".to_string()
+                    } else {
+                        present.join(", ")
+                    }
                 ))
             })?,
             None => list
@@ -544,14 +572,27 @@ impl fmt::Debug for VerbsNic {
 }
 
 impl VerbsNic {
-    /// Opens the RDMA device, binds the side channel on `addr` and starts serving `region`
-    /// under the access rules of `grants`. Must run inside a tokio runtime.
+    /// Opens the RDMA device (`DINOMO_RDMA_DEVICE`, else the first), binds the side channel on
+    /// `addr` and starts serving `region` under the access rules of `grants`. Must run inside a
+    /// tokio runtime.
     pub async fn start(
         addr: SocketAddr,
         region: Arc<PmRegion>,
         grants: Arc<GrantTable>,
     ) -> Result<Self> {
-        let dev = tokio::task::spawn_blocking(Device::open)
+        Self::start_on(None, addr, region, grants).await
+    }
+
+    /// [`VerbsNic::start`] on the RDMA device named `device` (`None`: `DINOMO_RDMA_DEVICE`,
+    /// else the first).
+    pub async fn start_on(
+        device: Option<&str>,
+        addr: SocketAddr,
+        region: Arc<PmRegion>,
+        grants: Arc<GrantTable>,
+    ) -> Result<Self> {
+        let device = device.map(str::to_string);
+        let dev = tokio::task::spawn_blocking(move || Device::open(device.as_deref()))
             .await
             .map_err(|e| transport(format!("opening the RDMA device: {e}")))??;
         let listener = TcpListener::bind(addr)
@@ -634,6 +675,16 @@ impl VerbsNic {
         }
         let n = self.shared.fence(Some(key));
         tracing::info!(slot = key.slot, registrations = n, "verbs access revoked");
+    }
+}
+
+/// The DPM fences verbs callers through this (see the module doc, "Fencing").
+impl KeyFence for VerbsNic {
+    fn fence(&self, key: AccessKey) -> Result<()> {
+        self.shared.grants.revoke(key)?;
+        let n = self.shared.fence(Some(key));
+        tracing::info!(slot = key.slot, registrations = n, "verbs access revoked");
+        Ok(())
     }
 }
 
@@ -937,8 +988,8 @@ fn align8(n: usize) -> usize {
 }
 
 impl Conn {
-    fn create() -> Result<(Self, Endpoint)> {
-        let dev = Device::open()?;
+    fn create(device: Option<&str>) -> Result<(Self, Endpoint)> {
+        let dev = Device::open(device)?;
         let parts = dev.new_qp(MAX_WR_PER_DOORBELL, false)?;
         let bounce = Bounce::new(&parts.pd, 64 << 10)?;
         let ep = dev.endpoint(&parts, dev.max_init_rd_atomic);
@@ -1281,18 +1332,31 @@ impl fmt::Debug for VerbsFabric {
 }
 
 impl VerbsFabric {
-    /// Connects to the [`VerbsNic`] whose side channel listens on `addr`, presenting `key`.
-    /// Fails with [`FabricError::AccessDenied`] if the node does not accept the key.
+    /// Connects to the [`VerbsNic`] whose side channel listens on `addr`, presenting `key`,
+    /// through the local RDMA device `DINOMO_RDMA_DEVICE` (else the first one). Fails with
+    /// [`FabricError::AccessDenied`] if the node does not accept the key.
     pub async fn connect(addr: SocketAddr, key: AccessKey) -> Result<Self> {
+        Self::connect_on(None, addr, key).await
+    }
+
+    /// [`VerbsFabric::connect`] through the local RDMA device named `device` (`None`:
+    /// `DINOMO_RDMA_DEVICE`, else the first).
+    pub async fn connect_on(
+        device: Option<&str>,
+        addr: SocketAddr,
+        key: AccessKey,
+    ) -> Result<Self> {
         let mut sock = TcpStream::connect(addr).await.map_err(|e| {
             transport(format!(
                 "connecting to the verbs side channel at {addr}: {e}"
             ))
         })?;
         let _ = sock.set_nodelay(true);
-        let (mut conn, local) = tokio::task::spawn_blocking(Conn::create)
-            .await
-            .map_err(|e| transport(format!("creating the queue pair: {e}")))??;
+        let device = device.map(str::to_string);
+        let (mut conn, local) =
+            tokio::task::spawn_blocking(move || Conn::create(device.as_deref()))
+                .await
+                .map_err(|e| transport(format!("creating the queue pair: {e}")))??;
 
         let mut hello = BytesMut::new();
         hello.put_u64_le(MAGIC);

@@ -46,6 +46,10 @@ pub struct Args {
     /// Metrics address, "" to disable (overrides metrics_listen).
     #[arg(long, env = "DINOMO_KN_METRICS_LISTEN")]
     pub metrics_listen: Option<String>,
+    /// Local RDMA device for the verbs fabric, e.g. rxe0 (overrides rdma_device; default
+    /// $DINOMO_RDMA_DEVICE, else the first device). Used only when the dpm-node offers verbs.
+    #[arg(long, env = "DINOMO_KN_RDMA_DEVICE")]
+    pub rdma_device: Option<String>,
     /// Print "READY addr=<addr> kn=<id>" on stdout once serving (for harnesses).
     #[arg(long)]
     pub print_ready: bool,
@@ -113,6 +117,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
     if let Some(v) = args.metrics_listen {
         file.metrics_listen = v;
+    }
+    if let Some(v) = args.rdma_device {
+        file.rdma_device = v;
     }
     let config = file
         .validate()

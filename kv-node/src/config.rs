@@ -53,6 +53,9 @@ pub struct KnConfigFile {
     pub prepare_timeout_ms: u64,
     /// Prometheus /metrics address; empty to disable.
     pub metrics_listen: String,
+    /// Local RDMA device for the verbs fabric (when the dpm-node offers it), e.g. "rxe0".
+    /// Empty: the `DINOMO_RDMA_DEVICE` environment variable, else the first device.
+    pub rdma_device: String,
 }
 
 impl Default for KnConfigFile {
@@ -74,6 +77,7 @@ impl Default for KnConfigFile {
             serve_lease_ms: 250,
             prepare_timeout_ms: 5000,
             metrics_listen: "127.0.0.1:9800".into(),
+            rdma_device: String::new(),
         }
     }
 }
@@ -100,6 +104,8 @@ pub struct KnConfig {
     pub serve_lease: Duration,
     pub prepare_timeout: Duration,
     pub metrics_listen: Option<SocketAddr>,
+    /// The verbs fabric's local RDMA device; `None`: `DINOMO_RDMA_DEVICE`, else the first.
+    pub rdma_device: Option<String>,
 }
 
 impl KnConfigFile {
@@ -189,6 +195,7 @@ impl KnConfigFile {
                         .map_err(|e| format!("metrics_listen: {e}"))?,
                 )
             },
+            rdma_device: Some(self.rdma_device).filter(|d| !d.trim().is_empty()),
         })
     }
 }

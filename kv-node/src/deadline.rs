@@ -4,8 +4,10 @@
 //! would otherwise stall its shard for good. After [`POST_DEADLINE`] the post fails with
 //! [`FabricError::TimedOut`]. It may still be applied later, so the shard reports its writes
 //! as outcome-unknown and ends the session: registering again makes the DPM revoke the old
-//! grant (a tcp revoke waits for posts already applying) and merge the old log before this KN
-//! writes anything new, so a late landing can never overtake a newer write.
+//! grant (a tcp revoke waits for posts already applying; a verbs revoke deregisters the old
+//! key's memory regions, after which the device places nothing more through them) and merge
+//! the old log before this KN writes anything new, so a late landing can never overtake a
+//! newer write.
 
 use std::sync::Arc;
 use std::time::Duration;

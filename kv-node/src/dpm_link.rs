@@ -9,6 +9,11 @@
 //! generation. Shards compare generations and start over (new fabric handle, empty caches and
 //! logs) when it changed. Every call to the DPM has a deadline, so a DPM that hangs is an
 //! error, not a stuck shard.
+//!
+//! Fabrics: the DPM says which one in its registration answer: shm (map the pool file), tcp
+//! (its software NIC) or verbs (one-sided RDMA: an RC queue pair per shard, set up through the
+//! DPM's side channel; only in a build with the `rdma` feature, else refused with an error
+//! that says so).
 
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -73,10 +78,28 @@ pub struct DpmLink {
     reregistering: tokio::sync::Mutex<()>,
     pub index_root: u64,
     pub segment_size: u64,
+    /// The local RDMA device for the verbs fabric (`None`: `DINOMO_RDMA_DEVICE`, else the
+    /// first).
+    rdma_device: Option<String>,
 }
 
 fn unavailable(what: &str, s: tonic::Status) -> KvError {
     KvError::Unavailable(format!("DPM {what}: {} ({:?})", s.message(), s.code()))
+}
+
+/// The DPM's fabric address: a name (the dpm-node's advertised address, e.g. a Kubernetes
+/// service) or an address; resolved at every connect, so a moved dpm-node is found again.
+async fn resolve(address: &str) -> KvResult<std::net::SocketAddr> {
+    tokio::time::timeout(CALL_TIMEOUT, tokio::net::lookup_host(address))
+        .await
+        .map_err(|_| KvError::Unavailable(format!("resolving {address:?} timed out")))?
+        .ok()
+        .and_then(|mut a| a.next())
+        .ok_or_else(|| {
+            KvError::Unavailable(format!(
+                "the DPM's fabric address {address:?} does not resolve"
+            ))
+        })
 }
 
 /// Runs one DPM call with a deadline.
@@ -142,7 +165,15 @@ impl DpmLink {
             reregistering: tokio::sync::Mutex::new(()),
             index_root: r.index_root,
             segment_size: r.segment_size,
+            rdma_device: None,
         })
+    }
+
+    /// Uses the local RDMA device `device` for the verbs fabric (`None`: `DINOMO_RDMA_DEVICE`,
+    /// else the first device).
+    pub fn with_rdma_device(mut self, device: Option<String>) -> Self {
+        self.rdma_device = device;
+        self
     }
 
     /// The current session.
@@ -245,24 +276,7 @@ impl DpmLink {
                     .map_err(refused)?,
             ),
             pb::FabricKind::Tcp => {
-                // A name (the dpm-node's advertised address, e.g. a Kubernetes service) or an
-                // address; resolved at every connect, so a moved dpm-node is found again.
-                let addr = tokio::time::timeout(
-                    CALL_TIMEOUT,
-                    tokio::net::lookup_host(fabric.address.as_str()),
-                )
-                .await
-                .map_err(|_| {
-                    KvError::Unavailable(format!("resolving {:?} timed out", fabric.address))
-                })?
-                .ok()
-                .and_then(|mut a| a.next())
-                .ok_or_else(|| {
-                    KvError::Unavailable(format!(
-                        "the DPM's fabric address {:?} does not resolve",
-                        fabric.address
-                    ))
-                })?;
+                let addr = resolve(&fabric.address).await?;
                 Arc::new(
                     tokio::time::timeout(CALL_TIMEOUT, TcpFabric::connect(addr, key))
                         .await
@@ -275,6 +289,7 @@ impl DpmLink {
                         .map_err(refused)?,
                 )
             }
+            pb::FabricKind::Verbs => self.connect_verbs(&fabric.address, key, refused).await?,
             other => {
                 return Err(KvError::Internal(format!(
                     "the DPM offers fabric {}, which this KN does not speak",
@@ -283,6 +298,45 @@ impl DpmLink {
             }
         };
         Ok((handle, session.generation))
+    }
+
+    /// An RDMA queue pair to the DPM's verbs NIC, whose side channel is at `address`.
+    #[cfg(feature = "rdma")]
+    async fn connect_verbs(
+        &self,
+        address: &str,
+        key: AccessKey,
+        refused: impl FnOnce(FabricError) -> KvError,
+    ) -> KvResult<Arc<dyn Fabric>> {
+        let addr = resolve(address).await?;
+        let f = tokio::time::timeout(
+            CALL_TIMEOUT,
+            dinomo_fabric::verbs::VerbsFabric::connect_on(self.rdma_device.as_deref(), addr, key),
+        )
+        .await
+        .map_err(|_| {
+            KvError::Unavailable(format!(
+                "the DPM's verbs side channel at {addr} did not answer in {} s",
+                CALL_TIMEOUT.as_secs()
+            ))
+        })?
+        .map_err(refused)?;
+        Ok(Arc::new(f))
+    }
+
+    #[cfg(not(feature = "rdma"))]
+    async fn connect_verbs(
+        &self,
+        _address: &str,
+        _key: AccessKey,
+        _refused: impl FnOnce(FabricError) -> KvError,
+    ) -> KvResult<Arc<dyn Fabric>> {
+        Err(KvError::Internal(
+            "the DPM offers the verbs fabric, but this kv-node was built without the `rdma` \
+             cargo feature; rebuild it with `--features rdma` (or run the dpm-node with \
+             --fabric tcp)"
+                .into(),
+        ))
     }
 
     /// The epoch of session `generation`, or an error if a newer session replaced it (the

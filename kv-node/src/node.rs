@@ -115,7 +115,11 @@ impl KvNode {
 
     /// [`KvNode::start`], with each shard's fabric handle passed through `hook` (tests).
     pub async fn start_with(config: KnConfig, hook: Option<FabricHook>) -> KvResult<Arc<Self>> {
-        let link = Arc::new(DpmLink::register(&config.dpm, config.kn_id, &config.advertise).await?);
+        let link = Arc::new(
+            DpmLink::register(&config.dpm, config.kn_id, &config.advertise)
+                .await?
+                .with_rdma_device(config.rdma_device.clone()),
+        );
         let largest = config.max_key_bytes + config.max_value_bytes + 64;
         if largest as u64 > link.segment_size / 4 {
             return Err(KvError::InvalidArgument(format!(

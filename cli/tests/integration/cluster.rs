@@ -1,5 +1,10 @@
 //! A cluster harness: spawns the real nodes (this package's `dinomo` binary) on loopback ports
 //! chosen by the OS, publishes maps, adds, removes and kills KV nodes.
+//!
+//! `DINOMO_TEST_FABRIC` (shm, the default, tcp or verbs) picks the fabric of the dpm-nodes the
+//! harness starts (unless a test asks for one), so the same tests run over every fabric; verbs
+//! needs a build with `--features rdma` and an RDMA device (scripts/vm-cluster.sh runs the
+//! KN-kill tests that way inside the Soft-RoCE VM).
 
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -57,7 +62,17 @@ impl Drop for Proc {
     }
 }
 
-/// A dpm-node with a 256 MiB pool in `dir`, on OS-chosen ports, with `extra` flags.
+/// The fabric the harness's dpm-nodes serve when a test does not ask for one:
+/// `DINOMO_TEST_FABRIC`, else shm.
+pub(crate) fn test_fabric() -> String {
+    std::env::var("DINOMO_TEST_FABRIC")
+        .ok()
+        .filter(|f| !f.is_empty())
+        .unwrap_or_else(|| "shm".to_string())
+}
+
+/// A dpm-node with a 256 MiB pool in `dir`, on OS-chosen ports, with `extra` flags (and
+/// `--fabric` [`test_fabric`] unless `extra` names one).
 pub(crate) fn spawn_dpm(dir: &Path, extra: &[&str]) -> Proc {
     let pool = dir.join("pool");
     let mut args = vec![
@@ -74,6 +89,10 @@ pub(crate) fn spawn_dpm(dir: &Path, extra: &[&str]) -> Proc {
         "",
     ];
     args.extend_from_slice(extra);
+    let fabric = test_fabric();
+    if !extra.contains(&"--fabric") {
+        args.extend(["--fabric", &fabric]);
+    }
     Proc::spawn(&args, &dir.join("dpm.log"), "grpc=")
 }
 

@@ -270,3 +270,43 @@ async fn kv_nodes_reach_a_fabric_advertised_by_name() {
     let log = std::fs::read_to_string(dir.path().join("kn1.log")).unwrap_or_default();
     assert!(log.contains("FABRIC_KIND_TCP"), "{log}");
 }
+
+/// A build without the `rdma` feature refuses the verbs fabric up front, saying why, in the
+/// dpm-node and in `dinomo up` alike (instead of telling KNs to speak a fabric nobody serves).
+#[cfg(not(feature = "rdma"))]
+#[test]
+fn verbs_is_refused_clearly_by_a_build_without_rdma() {
+    let dir = tempfile::tempdir().unwrap();
+    let pool = dir.path().join("pool");
+    let dpm = std::process::Command::new(env!("CARGO_BIN_EXE_dinomo"))
+        .args([
+            "dpm-node",
+            "--pool",
+            pool.to_str().unwrap(),
+            "--fabric",
+            "verbs",
+        ])
+        .args(["--listen", "127.0.0.1:0", "--fabric-listen", "127.0.0.1:0"])
+        .args(["--metrics-listen", ""])
+        .output()
+        .unwrap();
+    let up = std::process::Command::new(env!("CARGO_BIN_EXE_dinomo"))
+        .args([
+            "up",
+            "--data-dir",
+            dir.path().to_str().unwrap(),
+            "--fabric",
+            "verbs",
+        ])
+        .output()
+        .unwrap();
+    for (what, out) in [("dpm-node", dpm), ("up", up)] {
+        assert!(!out.status.success(), "{what} started");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(
+            err.contains("built without the `rdma` cargo feature"),
+            "{what}: {err}"
+        );
+    }
+    assert!(!pool.exists(), "nothing was formatted");
+}

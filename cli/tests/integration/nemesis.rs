@@ -18,17 +18,19 @@
 //! replicated (SetPolicy with a violated SLO: the policy replicates the hot keys of the Zipf
 //! load) and, 1.5 s later, de-replicated (SetPolicy with a met SLO while the load moves to
 //! another hot set, so the replicated keys turn cold). Not covered: disk or PM faults, clock
-//! faults, the verbs fabric (it needs the VM). docs/testing.md has the details.
+//! faults; the verbs fabric only when asked for (`DINOMO_NEMESIS_FABRIC=verbs`, in a build
+//! with `--features rdma` on a machine with an RDMA device: scripts/vm-cluster.sh runs a small
+//! KN-kill schedule so inside the Soft-RoCE VM). docs/testing.md has the details.
 //!
 //! Environment: `DINOMO_NEMESIS_SCHEDULES` (default 3; 1 when a seed is given),
 //! `DINOMO_NEMESIS_SEED` (the first schedule's seed; the others follow it), and for the shape
 //! of a schedule `DINOMO_NEMESIS_SECONDS` (load time, default 8), `DINOMO_NEMESIS_FAULTS`
 //! (most faults per schedule, default 8), `DINOMO_NEMESIS_CLIENTS` (default 4),
-//! `DINOMO_NEMESIS_FABRIC` (shm, tcp or mixed, the default) and `DINOMO_NEMESIS_KINDS` (a
-//! comma-separated subset of the fault kinds, as [`Fault::name`] names them: kill-kn, stop-kn,
-//! stop-monitor, stop-routing, kill-monitor, kill-routing, kill-dpm, cut-kn-dpm,
-//! cut-kn-clients, drop-kn-answers, add-kn, remove-kn, replicate (which brings its
-//! dereplicate); default all). Network cuts need root, iptables and a cgroup2 mount; where
+//! `DINOMO_NEMESIS_FABRIC` (shm, tcp, verbs or mixed, the default: shm and tcp) and
+//! `DINOMO_NEMESIS_KINDS` (a comma-separated subset of the fault kinds, as [`Fault::name`]
+//! names them: kill-kn, stop-kn, stop-monitor, stop-routing, kill-monitor, kill-routing,
+//! kill-dpm, cut-kn-dpm, cut-kn-clients, drop-kn-answers, add-kn, remove-kn, replicate (which
+//! brings its dereplicate); default all). Network cuts need root, iptables and a cgroup2 mount; where
 //! they are missing they are listed as `<cut>:unavailable` in the schedule's `applied=` list.
 //! Every schedule prints one `NEMESIS seed=...` line; `scripts/nemesis.sh` runs the long form
 //! and tabulates them. A failing schedule keeps its fault timeline, history and logs under
@@ -191,7 +193,7 @@ struct Settings {
     clients: usize,
     /// Fault kinds to draw from (`Fault::name`s); None: all.
     kinds: Option<Vec<String>>,
-    /// `shm`, `tcp`, or None: tcp for odd seeds, shm for even ones.
+    /// `shm`, `tcp`, `verbs`, or None: tcp for odd seeds, shm for even ones.
     fabric: Option<String>,
 }
 

@@ -8,3 +8,4 @@ mod powerloss;
 mod process;
 mod publication;
 mod service;
+mod verbs;
