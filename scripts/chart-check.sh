@@ -228,8 +228,8 @@ expect_failure "bad size (dpm.poolSize=1.5GiB)" \
   "/dpm/poolSize" --set dpm.poolSize=1.5GiB
 expect_failure "fraction out of range (policy.over_utilized=1.5)" \
   "/monitor/config/policy/over_utilized" --set-json monitor.config.policy.over_utilized=1.5
-expect_render_failure "reserved fabric (dpm.fabric.kind=verbs)" \
-  "verbs\" is reserved" --set dpm.fabric.kind=verbs
+expect_render_failure "verbs without RDMA (dpm.fabric.kind=verbs, rdma.enabled=false)" \
+  "needs rdma.enabled" --set dpm.fabric.kind=verbs
 expect_render_failure "cross-field rule (kv.replicas above policy.max_kns)" \
   "kv.replicas must be within" --set kv.replicas=5 --set monitor.config.policy.max_kns=4
 expect_render_failure "cross-field rule (under_utilized >= over_utilized)" \
@@ -356,7 +356,7 @@ for path in sorted(glob.glob(os.path.join(out, "*.yaml"))):
             check(dpm["spec"]["replicas"] == 1, f"{where}: dpm-node replicas != 1")
             check(cfg["server"]["dpm"] == f"{host}:{dport}", f"{where}: monitor server.dpm {cfg['server']['dpm']!r} != {host}:{dport}")
             check(arg(c, "--dpm") == f"{host}:{dport}", f"{where}: KV --dpm {arg(c, '--dpm')!r} != {host}:{dport}")
-            check(arg(dc, "--fabric") == "tcp", f"{where}: dpm-node fabric is not tcp")
+            check(arg(dc, "--fabric") in ("tcp", "verbs"), f"{where}: dpm-node fabric {arg(dc, '--fabric')!r} is neither tcp nor verbs")
             fport = arg(dc, "--fabric-listen").rsplit(":", 1)[1]
             check(arg(dc, "--fabric-advertise") == f"{host}:{fport}", f"{where}: fabric advertised as {arg(dc, '--fabric-advertise')!r}, not {host}:{fport}")
             for r in [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["labels"].get("app.kubernetes.io/component") == "routing"]:

@@ -220,6 +220,11 @@ resources:
 {{/* Container security context. Call with (dict "ctx" $ "rdma" true "privileged" false). */}}
 {{- define "dinomo.containerSecurityContext" -}}
 securityContext:
+{{- if and .rdma .ctx.Values.rdma.enabled .ctx.Values.rdma.ipcLock }}
+  # IPC_LOCK takes effect only for uid 0 (Kubernetes never raises RLIMIT_MEMLOCK).
+  runAsUser: 0
+  runAsNonRoot: false
+{{- end }}
 {{- if .privileged }}
   privileged: true
 {{- else }}
@@ -229,6 +234,13 @@ securityContext:
     {{- if and .rdma .ctx.Values.rdma.enabled .ctx.Values.rdma.ipcLock }}
     add: ["IPC_LOCK"]
     {{- end }}
+{{- end }}
+{{- end -}}
+
+{{/* --rdma-device for the dpm-node and KV nodes, when the fabric is verbs and a device is named. */}}
+{{- define "dinomo.rdmaDeviceArg" -}}
+{{- if and (eq .Values.dpm.fabric.kind "verbs") .Values.rdma.device }}
+- --rdma-device={{ .Values.rdma.device }}
 {{- end }}
 {{- end -}}
 
@@ -245,8 +257,8 @@ securityContext:
 {{- $p := .Values.monitor.config.policy -}}
 {{- $o := .Values.monitor.config.orchestrator -}}
 {{- $f := .Values.monitor.config.failure -}}
-{{- if eq .Values.dpm.fabric.kind "verbs" -}}
-{{- fail "dpm.fabric.kind: \"verbs\" is reserved for RDMA; the dpm-node accepts only shm and tcp today (use tcp, with rdma.enabled for the devices)" -}}
+{{- if and (eq .Values.dpm.fabric.kind "verbs") (not .Values.rdma.enabled) -}}
+{{- fail "dpm.fabric.kind: \"verbs\" needs rdma.enabled: true (the pods need the RDMA device, network and IPC_LOCK)" -}}
 {{- end -}}
 {{- if ge (float64 $p.under_utilized) (float64 $p.over_utilized) -}}
 {{- fail "monitor.config.policy.under_utilized must be below over_utilized" -}}
