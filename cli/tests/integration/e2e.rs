@@ -216,6 +216,17 @@ impl Load {
     }
 }
 
+/// Lets the load run for at least `min`, then on until the clients have seen `ops` operations
+/// in all (at most 60 s): on a fast machine just `min`, on a slow one (the emulated VM of
+/// scripts/vm-cluster.sh) long enough that the load really spans what the test does next.
+pub(super) async fn run_load(seen: &Seen, min: Duration, ops: u64) {
+    tokio::time::sleep(min).await;
+    let start = std::time::Instant::now();
+    while seen.ops.load(Ordering::Relaxed) < ops && start.elapsed() < Duration::from_secs(60) {
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
 pub(super) fn assert_linearizable(history: &History, what: &str) {
     match check(history) {
         Ok(report) => println!("{what}: linearizable: {report:?}"),
@@ -288,13 +299,14 @@ async fn map_changes_under_load_reach_no_caller() {
 async fn a_kn_killed_under_load_loses_no_acknowledged_write() {
     let mut cluster = Cluster::start(3).await;
     let load = start_load(&cluster, 4, 24, 100_000).await;
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    run_load(&load.seen, Duration::from_millis(700), 100).await;
     cluster.kns.get_mut(&1).unwrap().kill9();
     let t = std::time::Instant::now();
     let r = cluster.remove_kn(1).await;
     println!("failover of KN 1 in {:?}: {r:?}", t.elapsed());
     assert_eq!(r.fenced, vec![1], "the dead KN is fenced");
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    let after = load.seen.ops.load(Ordering::Relaxed) + 101;
+    run_load(&load.seen, Duration::from_millis(700), after).await;
     let (history, seen) = load.finish().await;
     println!(
         "ops {} errors {} (unknown outcome {})",

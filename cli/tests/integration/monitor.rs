@@ -9,7 +9,7 @@ use dinomo_checker::{History, Op, Res};
 use dinomo_proto::monitor::{AddKnRequest, KnRequest, PolicyRequest, StatusRequest};
 
 use super::cluster::MonitoredCluster;
-use super::e2e::{assert_linearizable, start_load_with, Keys};
+use super::e2e::{assert_linearizable, run_load, start_load_with, Keys};
 
 /// Fast failure detection; a policy that never acts on its own (SLOs unreachable to violate,
 /// nothing ever under-utilised), so the test drives every change.
@@ -46,7 +46,7 @@ async fn the_monitor_recovers_a_killed_kn_without_losing_acknowledged_writes() {
         history.clone(),
         0,
     );
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    run_load(&load.seen, Duration::from_millis(700), 100).await;
     let t = Instant::now();
     let reply = cluster
         .admin()
@@ -64,7 +64,8 @@ async fn the_monitor_recovers_a_killed_kn_without_losing_acknowledged_writes() {
         t.elapsed(),
         reply.message
     );
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    let after = load.seen.ops.load(Ordering::Relaxed) + 101;
+    run_load(&load.seen, Duration::from_millis(700), after).await;
     let seen = load.finish().await.1;
     let (ops, errors, unknown) = (
         seen.ops.load(Ordering::Relaxed),
