@@ -3,9 +3,10 @@
 
 use std::path::PathBuf;
 
-use crate::config::DpmConfigFile;
+use crate::config::{DpmConfigFile, FabricKind};
 use anyhow::Context;
 use clap::Parser;
+use dinomo_node_common::config::{load_toml, ByteSize};
 
 /// The Dinomo DPM node: owns the persistent-memory pool, merges KV-node logs into the index,
 /// collects garbage and keeps cluster metadata.
@@ -23,12 +24,12 @@ pub struct Args {
     pub format_device: bool,
     /// Size of a new pool, e.g. 1GiB (overrides pool_size).
     #[arg(long, env = "DINOMO_DPM_POOL_SIZE")]
-    pub pool_size: Option<String>,
+    pub pool_size: Option<ByteSize>,
     /// Log segment size of a new pool, a power of two >= 64KiB, e.g. 8MiB (overrides
     /// segment_size). Small pools want small segments: every KV node shard keeps one segment
     /// open, and the index grows a segment at a time.
     #[arg(long, env = "DINOMO_DPM_SEGMENT_SIZE")]
-    pub segment_size: Option<String>,
+    pub segment_size: Option<ByteSize>,
     /// gRPC address (overrides listen).
     #[arg(long, env = "DINOMO_DPM_LISTEN")]
     pub listen: Option<String>,
@@ -42,7 +43,7 @@ pub struct Args {
     pub fabric_advertise: Option<String>,
     /// shm, tcp or verbs (overrides fabric; verbs needs a build with the `rdma` feature).
     #[arg(long, env = "DINOMO_DPM_FABRIC")]
-    pub fabric: Option<String>,
+    pub fabric: Option<FabricKind>,
     /// RDMA device of the verbs NIC, e.g. rxe0 (overrides rdma_device; default
     /// $DINOMO_RDMA_DEVICE, else the first device).
     #[arg(long, env = "DINOMO_DPM_RDMA_DEVICE")]
@@ -66,13 +67,8 @@ pub fn init_tracing() {
 
 /// Runs the node with these arguments until SIGINT or SIGTERM.
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    let mut file = match &args.config {
-        Some(p) => DpmConfigFile::from_toml(
-            &std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
-        )
-        .with_context(|| format!("parsing {}", p.display()))?,
-        None => DpmConfigFile::default(),
-    };
+    // Flags (and their DINOMO_DPM_* variables) over the file over the defaults.
+    let mut file: DpmConfigFile = load_toml(args.config.as_deref())?;
     if let Some(v) = args.pool {
         file.pool_path = v;
     }

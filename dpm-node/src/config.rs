@@ -1,14 +1,17 @@
-//! Configuration of the dpm-node, in two stages: [`DpmConfigFile`] is what the TOML file and
-//! flags say (every field documented, every field defaulted), [`DpmConfig`] is the validated
-//! runtime form. config/dpm-node.toml is a commented example parsed by a test.
+//! Configuration of the dpm-node, in two stages and after the convention every node shares
+//! ([`dinomo_node_common::config`]): [`DpmConfigFile`] is what the TOML file and flags say
+//! (every field documented and defaulted, sizes and enums typed so that a bad one is refused
+//! when the file is read), [`DpmConfig`] is the validated runtime form. Every refusal is a
+//! [`ConfigError`] naming the field. config/dpm-node.toml is a commented example parsed by a
+//! test.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
 
 use dinomo_fabric::DurabilityRequest;
+use dinomo_node_common::config::{from_str_field, invalid, parse_toml, ByteSize, ConfigError};
 use serde::Deserialize;
 
-use crate::error::{DpmError, Result};
 use crate::pool::FormatOptions;
 
 /// The dpm-node's configuration file.
@@ -23,15 +26,15 @@ pub struct DpmConfigFile {
     pub pool_path: PathBuf,
     /// Size of a new pool, e.g. "1GiB". Used only when the pool is created, and not on a
     /// device-DAX device (the pool is the whole device).
-    pub pool_size: String,
+    pub pool_size: ByteSize,
     /// Size of a log segment, a power of two >= 64KiB, e.g. "8MiB". Used only at creation.
-    pub segment_size: String,
+    pub segment_size: ByteSize,
     /// Indirect cells (for selectively replicated hot keys) a new pool can hold at once, 64
     /// bytes each. Used only at creation. The index itself needs no share of the pool set
     /// aside: it grows into free segments.
     pub max_indirect_cells: u64,
     /// Size of the cluster-metadata area, e.g. "1MiB". Used only at creation.
-    pub metadata_size: String,
+    pub metadata_size: ByteSize,
     /// Create (format) the pool when the file does not exist. An existing file is never
     /// reformatted.
     pub create: bool,
@@ -44,7 +47,8 @@ pub struct DpmConfigFile {
     /// "process-crash" (survives crashes of any process, not of the machine), or
     /// "simulated-power-loss" (tests only: process-crash plus a record of persisted cache
     /// lines, from which crash images that lose or tear unpersisted lines are made).
-    pub durability: String,
+    #[serde(deserialize_with = "from_str_field")]
+    pub durability: DurabilityRequest,
     /// Threads that merge KN logs into the index.
     pub merge_workers: usize,
     /// Home buckets of a new index (rounded up to a power of two, at most one segment's worth);
@@ -61,7 +65,8 @@ pub struct DpmConfigFile {
     /// Fabric offered to KNs: "shm" (same host; KNs map the pool), "tcp" (emulated NIC) or
     /// "verbs" (one-sided RDMA; needs a binary built with the `rdma` cargo feature and an RDMA
     /// device).
-    pub fabric: String,
+    #[serde(deserialize_with = "from_str_field")]
+    pub fabric: FabricKind,
     /// Address of the tcp fabric NIC, or of the verbs NIC's side channel (the TCP handshake
     /// that hands a KN its queue pair and rkey), started only when `fabric` is "tcp" or
     /// "verbs".
@@ -88,19 +93,19 @@ impl Default for DpmConfigFile {
     fn default() -> Self {
         DpmConfigFile {
             pool_path: PathBuf::from("dinomo.pool"),
-            pool_size: "1GiB".into(),
-            segment_size: "8MiB".into(),
+            pool_size: ByteSize(1 << 30),
+            segment_size: ByteSize(8 << 20),
             max_indirect_cells: 4096,
-            metadata_size: "1MiB".into(),
+            metadata_size: ByteSize(1 << 20),
             create: true,
             format_device: false,
-            durability: "auto".into(),
+            durability: DurabilityRequest::Auto,
             merge_workers: 2,
             initial_index_buckets: 16384,
             gc_interval_ms: 200,
             clean_threshold: 0.25,
             listen: "127.0.0.1:7700".into(),
-            fabric: "shm".into(),
+            fabric: FabricKind::Shm,
             fabric_listen: "127.0.0.1:7701".into(),
             fabric_advertise: String::new(),
             rdma_device: String::new(),
@@ -168,29 +173,39 @@ pub struct DpmConfig {
     pub verify_accounting: bool,
 }
 
-/// Parses sizes like "8MiB" (see [`dinomo_node_common::parse_size`]).
-pub fn parse_size(s: &str) -> Result<u64> {
-    dinomo_node_common::parse_size(s).map_err(DpmError::Config)
-}
-
-fn addr(field: &str, s: &str) -> Result<SocketAddr> {
+fn addr(field: &str, s: &str) -> Result<SocketAddr, ConfigError> {
     s.parse().map_err(|e| {
-        DpmError::Config(format!(
-            "{field} = {s:?}: not a socket address like 127.0.0.1:7700 ({e})"
-        ))
+        invalid(
+            field,
+            format!("{s:?} is not a socket address like 127.0.0.1:7700 ({e})"),
+        )
     })
 }
 
 impl DpmConfigFile {
-    pub fn from_toml(text: &str) -> Result<Self> {
-        toml::from_str(text).map_err(|e| DpmError::Config(e.to_string()))
+    /// The defaults for a node run inside a test or a benchmark: the pool at `pool_path`, the
+    /// gRPC service and the fabric NIC on ephemeral loopback ports, no metrics endpoint (which
+    /// is process-wide and would clash between nodes of one process).
+    pub fn in_process(pool_path: impl Into<PathBuf>) -> Self {
+        DpmConfigFile {
+            pool_path: pool_path.into(),
+            listen: "127.0.0.1:0".into(),
+            fabric_listen: "127.0.0.1:0".into(),
+            metrics_listen: String::new(),
+            ..Default::default()
+        }
     }
 
-    pub fn validate(self) -> Result<DpmConfig> {
+    /// Parses a config file's text (`origin` names it in errors).
+    pub fn from_toml(text: &str, origin: &str) -> Result<Self, ConfigError> {
+        parse_toml(text, origin)
+    }
+
+    pub fn validate(self) -> Result<DpmConfig, ConfigError> {
         let format = FormatOptions {
-            pool_len: parse_size(&self.pool_size)?,
-            segment_size: parse_size(&self.segment_size)?,
-            metadata_len: parse_size(&self.metadata_size)?,
+            pool_len: self.pool_size.bytes(),
+            segment_size: self.segment_size.bytes(),
+            metadata_len: self.metadata_size.bytes(),
             max_cells: self.max_indirect_cells,
         };
         dinomo_layout::superblock::Superblock::plan(
@@ -199,29 +214,26 @@ impl DpmConfigFile {
             format.metadata_len,
             format.max_cells,
         )
-        .map_err(|e| DpmError::Config(format!("pool_size/segment_size/max_indirect_cells: {e}")))?;
+        .map_err(|e| invalid("pool_size/segment_size/max_indirect_cells", e.to_string()))?;
         if self.merge_workers == 0 || self.merge_workers > 64 {
-            return Err(DpmError::Config(format!(
-                "merge_workers = {}: must be 1..=64",
-                self.merge_workers
-            )));
+            return Err(invalid(
+                "merge_workers",
+                format!("{}: must be 1..=64", self.merge_workers),
+            ));
         }
         if !(0.0..1.0).contains(&self.clean_threshold) {
-            return Err(DpmError::Config(format!(
-                "clean_threshold = {}: must be in [0, 1)",
-                self.clean_threshold
-            )));
+            return Err(invalid(
+                "clean_threshold",
+                format!("{}: must be in [0, 1)", self.clean_threshold),
+            ));
         }
-        let fabric: FabricKind = self
-            .fabric
-            .parse()
-            .map_err(|e| DpmError::Config(format!("fabric = {e}")))?;
+        let fabric = self.fabric;
         if !fabric.available() {
-            return Err(DpmError::Config(
-                "fabric = \"verbs\": this binary was built without the `rdma` cargo feature; \
+            return Err(invalid(
+                "fabric",
+                "\"verbs\": this binary was built without the `rdma` cargo feature; \
                  rebuild it with `--features rdma` (needs libibverbs, librdmacm, cmake and \
-                 libclang to build; see docs/operations.md, \"The verbs fabric\")"
-                    .into(),
+                 libclang to build; see docs/operations.md, \"The verbs fabric\")",
             ));
         }
         let fabric_listen = addr("fabric_listen", &self.fabric_listen)?;
@@ -231,17 +243,14 @@ impl DpmConfigFile {
                 fabric_listen,
                 &self.fabric_advertise,
             )
-            .map_err(DpmError::Config)?;
+            .map_err(|e| invalid("fabric_advertise", e))?;
         }
         Ok(DpmConfig {
             pool_path: self.pool_path,
             format,
             create: self.create,
             format_device: self.format_device,
-            durability: self
-                .durability
-                .parse()
-                .map_err(|e: dinomo_fabric::FabricError| DpmError::Config(e.to_string()))?,
+            durability: self.durability,
             merge_workers: self.merge_workers,
             initial_index_buckets: self.initial_index_buckets.max(64),
             gc_interval_ms: self.gc_interval_ms.max(1),
@@ -267,11 +276,23 @@ mod tests {
     use super::*;
 
     #[test]
-    fn sizes() {
-        assert_eq!(parse_size("8MiB").unwrap(), 8 << 20);
-        assert_eq!(parse_size("512").unwrap(), 512);
-        assert!(parse_size("8 parsecs").is_err());
-        assert!(parse_size("").is_err());
+    fn sizes_and_kinds_are_refused_when_the_file_is_read() {
+        let c =
+            DpmConfigFile::from_toml("pool_size = \"2GiB\"\nsegment_size = 65536", "t").unwrap();
+        assert_eq!(
+            (c.pool_size.bytes(), c.segment_size.bytes()),
+            (2 << 30, 64 << 10)
+        );
+        for (text, field) in [
+            ("pool_size = \"8 parsecs\"", "pool_size"),
+            ("fabric = \"carrier-pigeon\"", "fabric"),
+            ("durability = \"forever\"", "durability"),
+        ] {
+            let e = DpmConfigFile::from_toml(text, "dpm.toml").unwrap_err();
+            assert!(matches!(e, ConfigError::Parse { .. }), "{e}");
+            let msg = e.to_string();
+            assert!(msg.starts_with("dpm.toml:") && msg.contains(field), "{msg}");
+        }
     }
 
     #[test]
@@ -281,24 +302,31 @@ mod tests {
             "/../config/dpm-node.toml"
         ))
         .unwrap();
-        let cfg = DpmConfigFile::from_toml(&text).unwrap().validate().unwrap();
+        let file = DpmConfigFile::from_toml(&text, "config/dpm-node.toml").unwrap();
+        let defaults = DpmConfigFile::default();
+        assert_eq!(
+            format!("{file:?}"),
+            format!("{defaults:?}"),
+            "the example shows the defaults"
+        );
+        let cfg = file.validate().unwrap();
         assert_eq!(cfg.format.segment_size, 8 << 20);
     }
 
     #[test]
     fn unknown_fields_and_bad_values_are_refused() {
-        assert!(DpmConfigFile::from_toml("pool_sise = \"1GiB\"").is_err());
+        let e = DpmConfigFile::from_toml("pool_sise = \"1GiB\"", "dpm.toml").unwrap_err();
+        assert!(e.to_string().contains("unknown field `pool_sise`"), "{e}");
         let bad = DpmConfigFile {
             merge_workers: 0,
             ..Default::default()
         };
-        assert!(bad
-            .validate()
-            .unwrap_err()
-            .to_string()
-            .contains("merge_workers"));
+        match bad.validate().unwrap_err() {
+            ConfigError::Invalid { field, .. } => assert_eq!(field, "merge_workers"),
+            e => panic!("{e}"),
+        }
         let bad = DpmConfigFile {
-            fabric: "carrier-pigeon".into(),
+            segment_size: ByteSize(1000),
             ..Default::default()
         };
         assert!(bad.validate().is_err());
@@ -307,7 +335,7 @@ mod tests {
     #[test]
     fn verbs_needs_the_rdma_feature_and_a_real_advertised_address() {
         let verbs = DpmConfigFile {
-            fabric: "verbs".into(),
+            fabric: FabricKind::Verbs,
             rdma_device: "rxe0".into(),
             ..Default::default()
         };

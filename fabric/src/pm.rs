@@ -230,19 +230,7 @@ impl PmRegion {
                 Durability::SimulatedPowerLoss,
             ),
         };
-        let mut region = PmRegion {
-            base: NonNull::new(ptr.cast()).expect("mmap returned null"),
-            len,
-            durability,
-            path: path.to_path_buf(),
-            shadow: None,
-            _file: file,
-        };
-        if durability == Durability::SimulatedPowerLoss {
-            // What the file holds now is what the medium holds: persisted.
-            region.shadow = Some(Shadow::new(&region)?);
-        }
-        Ok(region)
+        Self::from_mapping(ptr, len, durability, path, file)
     }
 
     /// Maps a device-DAX device: all of [`DaxDevice::len`], at an address aligned to the
@@ -296,6 +284,19 @@ impl PmRegion {
                 Durability::SimulatedPowerLoss,
             ),
         };
+        Self::from_mapping(ptr, len, durability, path, file)
+    }
+
+    /// The region over a fresh mapping of `file` (both kinds: file and device), with the
+    /// persisted-lines shadow in `SimulatedPowerLoss` mode: what the medium holds when it is
+    /// mapped counts as persisted.
+    fn from_mapping(
+        ptr: *mut libc::c_void,
+        len: usize,
+        durability: Durability,
+        path: &Path,
+        file: File,
+    ) -> Result<Self> {
         let mut region = PmRegion {
             base: NonNull::new(ptr.cast()).expect("mmap returned null"),
             len,

@@ -3,9 +3,11 @@
 
 use std::path::PathBuf;
 
+use crate::cache::Policy;
 use crate::config::KnConfigFile;
 use anyhow::Context;
 use clap::Parser;
+use dinomo_node_common::config::{load_toml, ByteSize};
 
 /// A Dinomo KV node: owns key ranges, caches values and shortcuts (DAC), and writes batched
 /// logs to the dpm-node with one-sided operations.
@@ -39,10 +41,10 @@ pub struct Args {
     pub shards: Option<u32>,
     /// Cache size, e.g. 64MiB (overrides cache_size).
     #[arg(long, env = "DINOMO_KN_CACHE_SIZE")]
-    pub cache_size: Option<String>,
+    pub cache_size: Option<ByteSize>,
     /// dac | shortcut-only | value-only | static-N (overrides cache_policy).
     #[arg(long, env = "DINOMO_KN_CACHE_POLICY")]
-    pub cache_policy: Option<String>,
+    pub cache_policy: Option<Policy>,
     /// Metrics address, "" to disable (overrides metrics_listen).
     #[arg(long, env = "DINOMO_KN_METRICS_LISTEN")]
     pub metrics_listen: Option<String>,
@@ -83,14 +85,8 @@ pub fn init_tracing() {
 
 /// Runs the node with these arguments until SIGINT or SIGTERM.
 pub async fn run(args: Args) -> anyhow::Result<()> {
-    let mut file = match &args.config {
-        Some(p) => KnConfigFile::from_toml(
-            &std::fs::read_to_string(p).with_context(|| format!("reading {}", p.display()))?,
-        )
-        .map_err(anyhow::Error::msg)
-        .with_context(|| format!("parsing {}", p.display()))?,
-        None => KnConfigFile::default(),
-    };
+    // Flags (and their DINOMO_KN_* variables) over the file over the defaults.
+    let mut file: KnConfigFile = load_toml(args.config.as_deref())?;
     if args.kn_id.is_some() {
         file.kn_id = args.kn_id;
     }
@@ -121,10 +117,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     if let Some(v) = args.rdma_device {
         file.rdma_device = v;
     }
-    let config = file
-        .validate()
-        .map_err(anyhow::Error::msg)
-        .context("invalid configuration")?;
+    let config = file.validate().context("invalid configuration")?;
     dinomo_node_common::install_metrics(config.metrics_listen)?;
     let print_ready = args.print_ready;
     let shutdown = dinomo_node_common::shutdown_signal();

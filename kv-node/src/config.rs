@@ -1,10 +1,13 @@
-//! Configuration of the kv-node: [`KnConfigFile`] (TOML + flags, every field documented and
-//! defaulted) validated into [`KnConfig`]. config/kv-node.toml is a commented example parsed
-//! by a test.
+//! Configuration of the kv-node, after the convention every node shares
+//! ([`dinomo_node_common::config`]): [`KnConfigFile`] (TOML + flags, every field documented and
+//! defaulted; sizes and the cache policy typed, so a bad one is refused when the file is read)
+//! validated into [`KnConfig`]; every refusal is a [`ConfigError`] naming the field.
+//! config/kv-node.toml is a commented example parsed by a test.
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
+use dinomo_node_common::config::{from_str_field, invalid, parse_toml, ByteSize, ConfigError};
 use serde::Deserialize;
 
 use crate::cache::Policy;
@@ -25,15 +28,16 @@ pub struct KnConfigFile {
     /// Worker shards (each owns a slice of this KN's keys, its cache and its log).
     pub shards: u32,
     /// Cache budget of the whole KN, split evenly across shards, e.g. "256MiB".
-    pub cache_size: String,
+    pub cache_size: ByteSize,
     /// Cache policy: dac | shortcut-only | value-only | static-N (N = percent for values).
-    pub cache_policy: String,
+    #[serde(deserialize_with = "from_str_field")]
+    pub cache_policy: Policy,
     /// Longest key accepted, in bytes.
     pub max_key_bytes: usize,
-    /// Longest value accepted, in bytes.
-    pub max_value_bytes: usize,
-    /// A batch is flushed when it reaches this many bytes.
-    pub batch_bytes: usize,
+    /// Longest value accepted, e.g. "1MiB".
+    pub max_value_bytes: ByteSize,
+    /// A batch is flushed when it reaches this size, e.g. "256KiB".
+    pub batch_bytes: ByteSize,
     /// ... or when its oldest write has waited this long (microseconds), if the log is busy.
     pub batch_delay_us: u64,
     /// Writes wait while a shard has more sealed-but-unmerged segments than this.
@@ -66,11 +70,11 @@ impl Default for KnConfigFile {
             advertise: String::new(),
             dpm: "127.0.0.1:7700".into(),
             shards: 2,
-            cache_size: "256MiB".into(),
-            cache_policy: "dac".into(),
+            cache_size: ByteSize(256 << 20),
+            cache_policy: Policy::Dac,
             max_key_bytes: 1024,
-            max_value_bytes: 1 << 20,
-            batch_bytes: 256 << 10,
+            max_value_bytes: ByteSize(1 << 20),
+            batch_bytes: ByteSize(256 << 10),
             batch_delay_us: 200,
             max_unmerged_segments: 2,
             map_poll_ms: 100,
@@ -109,38 +113,62 @@ pub struct KnConfig {
 }
 
 impl KnConfigFile {
-    pub fn from_toml(text: &str) -> Result<Self, String> {
-        toml::from_str(text).map_err(|e| e.to_string())
+    /// The defaults for a KN run inside a test or a benchmark: id `kn_id`, the dpm-node at
+    /// `dpm`, the KvService on an ephemeral loopback port, no metrics endpoint (process-wide).
+    pub fn in_process(kn_id: u32, dpm: impl Into<String>) -> Self {
+        KnConfigFile {
+            kn_id: Some(kn_id),
+            listen: "127.0.0.1:0".into(),
+            dpm: dpm.into(),
+            metrics_listen: String::new(),
+            ..Default::default()
+        }
     }
 
-    pub fn validate(self) -> Result<KnConfig, String> {
-        let listen: SocketAddr = self
-            .listen
-            .parse()
-            .map_err(|e| format!("listen = {:?}: not a socket address ({e})", self.listen))?;
+    /// Parses a config file's text (`origin` names it in errors).
+    pub fn from_toml(text: &str, origin: &str) -> Result<Self, ConfigError> {
+        parse_toml(text, origin)
+    }
+
+    pub fn validate(self) -> Result<KnConfig, ConfigError> {
+        let listen: SocketAddr = self.listen.parse().map_err(|e| {
+            invalid(
+                "listen",
+                format!("{:?} is not a socket address ({e})", self.listen),
+            )
+        })?;
         if self.shards == 0 || self.shards > 256 {
-            return Err(format!("shards = {}: must be 1..=256", self.shards));
+            return Err(invalid(
+                "shards",
+                format!("{}: must be 1..=256", self.shards),
+            ));
         }
         if self.max_key_bytes == 0 || self.max_key_bytes > dinomo_layout::log::MAX_KEY {
-            return Err(format!(
-                "max_key_bytes = {}: must be 1..={}",
-                self.max_key_bytes,
-                dinomo_layout::log::MAX_KEY
+            return Err(invalid(
+                "max_key_bytes",
+                format!(
+                    "{}: must be 1..={}",
+                    self.max_key_bytes,
+                    dinomo_layout::log::MAX_KEY
+                ),
             ));
         }
-        if self.batch_bytes < 4096 {
-            return Err(format!(
-                "batch_bytes = {}: must be at least 4096",
-                self.batch_bytes
+        if self.batch_bytes.bytes() < 4096 {
+            return Err(invalid(
+                "batch_bytes",
+                format!("{}: must be at least 4KiB", self.batch_bytes),
             ));
         }
-        let cache_policy: Policy = self
-            .cache_policy
-            .parse()
-            .map_err(|e| format!("cache_policy: {e}"))?;
+        if self.max_value_bytes.bytes() > u32::MAX as u64 {
+            return Err(invalid(
+                "max_value_bytes",
+                format!("{}: must be below 4GiB", self.max_value_bytes),
+            ));
+        }
         // Resolved again once the listener is bound (port 0 picks a port).
         let advertise =
-            dinomo_node_common::address::advertise_address("kv-node", listen, &self.advertise)?;
+            dinomo_node_common::address::advertise_address("kv-node", listen, &self.advertise)
+                .map_err(|e| invalid("advertise", e))?;
         Ok(KnConfig {
             kn_id: self.kn_id,
             advertise,
@@ -152,48 +180,58 @@ impl KnConfigFile {
                 format!("http://{}", self.dpm)
             },
             shards: self.shards,
-            cache_bytes: dinomo_node_common::parse_size(&self.cache_size)? as usize,
-            cache_policy,
+            cache_bytes: self.cache_size.bytes() as usize,
+            cache_policy: self.cache_policy,
             max_key_bytes: self.max_key_bytes,
-            max_value_bytes: self.max_value_bytes,
-            batch_bytes: self.batch_bytes,
+            max_value_bytes: self.max_value_bytes.bytes() as usize,
+            batch_bytes: self.batch_bytes.bytes() as usize,
             batch_delay: Duration::from_micros(self.batch_delay_us),
             max_unmerged_segments: self.max_unmerged_segments.max(1),
             map_poll: Duration::from_millis(self.map_poll_ms.max(1)),
             serve_lease: {
                 if self.serve_lease_ms < 2 * self.map_poll_ms.max(1) {
-                    return Err(format!(
-                        "serve_lease_ms = {} must be at least twice map_poll_ms = {}, or the KN \
-                         would stop serving between two map reads",
-                        self.serve_lease_ms, self.map_poll_ms
+                    return Err(invalid(
+                        "serve_lease_ms",
+                        format!(
+                            "{} must be at least twice map_poll_ms = {}, or the KN would stop \
+                             serving between two map reads",
+                            self.serve_lease_ms, self.map_poll_ms
+                        ),
                     ));
                 }
                 let lease = Duration::from_millis(self.serve_lease_ms);
                 if lease > crate::lease::MAX_SERVE_LEASE {
-                    return Err(format!(
-                        "serve_lease_ms = {} is above {} ms, the longest lease a \
-                         reconfiguration waits out after fencing a KN; a longer lease could \
-                         serve stale values after a failover",
-                        self.serve_lease_ms,
-                        crate::lease::MAX_SERVE_LEASE.as_millis()
+                    return Err(invalid(
+                        "serve_lease_ms",
+                        format!(
+                            "{} is above {} ms, the longest lease a reconfiguration waits out \
+                             after fencing a KN; a longer lease could serve stale values after \
+                             a failover",
+                            self.serve_lease_ms,
+                            crate::lease::MAX_SERVE_LEASE.as_millis()
+                        ),
                     ));
                 }
                 lease
             },
             prepare_timeout: {
                 if self.prepare_timeout_ms == 0 {
-                    return Err("prepare_timeout_ms = 0: must be positive".into());
+                    return Err(invalid("prepare_timeout_ms", "0: must be positive"));
                 }
                 Duration::from_millis(self.prepare_timeout_ms)
             },
             metrics_listen: if self.metrics_listen.is_empty() {
                 None
             } else {
-                Some(
-                    self.metrics_listen
-                        .parse()
-                        .map_err(|e| format!("metrics_listen: {e}"))?,
-                )
+                Some(self.metrics_listen.parse().map_err(|e| {
+                    invalid(
+                        "metrics_listen",
+                        format!(
+                            "{:?}: {e} (give IP:PORT, or \"\" to disable)",
+                            self.metrics_listen
+                        ),
+                    )
+                })?)
             },
             rdma_device: Some(self.rdma_device).filter(|d| !d.trim().is_empty()),
         })
@@ -211,31 +249,49 @@ mod tests {
             "/../config/kv-node.toml"
         ))
         .unwrap();
-        let cfg = KnConfigFile::from_toml(&text).unwrap().validate().unwrap();
+        let file = KnConfigFile::from_toml(&text, "config/kv-node.toml").unwrap();
+        let defaults = KnConfigFile::default();
+        assert_eq!(
+            format!("{file:?}"),
+            format!("{defaults:?}"),
+            "the example shows the defaults"
+        );
+        let cfg = file.validate().unwrap();
         assert_eq!(cfg.shards, 2);
         assert_eq!(cfg.cache_policy, Policy::Dac);
     }
 
     #[test]
     fn bad_values_are_refused() {
-        assert!(KnConfigFile::from_toml("shard = 3").is_err());
-        assert!(KnConfigFile {
+        let e = KnConfigFile::from_toml("shard = 3", "kn.toml").unwrap_err();
+        assert!(e.to_string().contains("unknown field `shard`"), "{e}");
+        match (KnConfigFile {
             shards: 0,
             ..Default::default()
-        }
+        })
         .validate()
-        .is_err());
-        assert!(KnConfigFile {
-            cache_policy: "fifo".into(),
-            ..Default::default()
+        .unwrap_err()
+        {
+            ConfigError::Invalid { field, .. } => assert_eq!(field, "shards"),
+            e => panic!("{e}"),
         }
-        .validate()
-        .is_err());
-        assert!(KnConfigFile {
-            cache_size: "lots".into(),
-            ..Default::default()
+        // A bad policy or size is refused when the file is read, by name.
+        for (text, field) in [
+            ("cache_policy = \"fifo\"", "cache_policy"),
+            ("cache_size = \"lots\"", "cache_size"),
+            ("batch_bytes = \"-1\"", "batch_bytes"),
+        ] {
+            let e = KnConfigFile::from_toml(text, "kn.toml").unwrap_err();
+            assert!(matches!(e, ConfigError::Parse { .. }), "{e}");
+            assert!(e.to_string().contains(field), "{e}");
         }
+        let c = KnConfigFile::from_toml(
+            "cache_size = \"64MiB\"\ncache_policy = \"static-30\"\nmax_value_bytes = 16384",
+            "kn.toml",
+        )
+        .unwrap()
         .validate()
-        .is_err());
+        .unwrap();
+        assert_eq!((c.cache_bytes, c.max_value_bytes), (64 << 20, 16384));
     }
 }

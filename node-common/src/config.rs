@@ -63,6 +63,20 @@ pub fn load_toml<T: DeserializeOwned + Default>(path: Option<&Path>) -> Result<T
     parse_toml(&text, &path.display().to_string())
 }
 
+/// Deserializes a field written as a string through its `FromStr` (`#[serde(deserialize_with =
+/// "...")]`), for enums such as a fabric kind or a cache policy: a bad value is refused when
+/// the file is read, with the field and its line named, like any other type error.
+pub fn from_str_field<'de, D, T>(d: D) -> Result<T, D::Error>
+where
+    D: Deserializer<'de>,
+    T: FromStr,
+    T::Err: fmt::Display,
+{
+    let text = String::deserialize(d)?;
+    text.parse()
+        .map_err(|e| serde::de::Error::custom(format!("{text:?}: {e}")))
+}
+
 /// A size in bytes, written with an optional binary unit: "64KiB", "8MiB", "1GiB", "512"
 /// (K/KB, M/MB, G/GB, T/TB read as the binary units too). In TOML either such a string or an
 /// integer number of bytes; as a flag, the string.
@@ -130,6 +144,17 @@ mod tests {
     struct Sample {
         size: ByteSize,
         every_ms: u64,
+        #[serde(deserialize_with = "from_str_field")]
+        port: u16,
+    }
+
+    #[test]
+    fn string_fields_are_parsed_when_the_file_is_read() {
+        let s: Sample = parse_toml("port = \"7700\"", "t").unwrap();
+        assert_eq!(s.port, 7700);
+        let e = parse_toml::<Sample>("port = \"seventy\"", "node.toml").unwrap_err();
+        let msg = e.to_string();
+        assert!(msg.contains("port") && msg.contains("\"seventy\""), "{msg}");
     }
 
     #[test]

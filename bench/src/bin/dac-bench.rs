@@ -22,6 +22,7 @@ use dinomo_dpm_node::testkit::InProcessDpm;
 use dinomo_kv_node::config::KnConfigFile;
 use dinomo_kv_node::shard::{PutMode, ShardOp};
 use dinomo_kv_node::KvNode;
+use dinomo_node_common::config::ByteSize;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use serde::Serialize;
@@ -135,14 +136,10 @@ async fn start_kn(
     shards: u32,
 ) -> anyhow::Result<Arc<KvNode>> {
     let cfg = KnConfigFile {
-        kn_id: Some(kn_id),
-        listen: "127.0.0.1:0".into(),
-        dpm: dpm.to_string(),
         shards,
-        cache_size: cache_bytes.max(1).to_string(),
-        cache_policy: policy.to_string(),
-        metrics_listen: String::new(),
-        ..Default::default()
+        cache_size: ByteSize(cache_bytes.max(1)),
+        cache_policy: policy.parse()?,
+        ..KnConfigFile::in_process(kn_id, dpm.to_string())
     }
     .validate()
     .map_err(anyhow::Error::msg)?;
@@ -156,13 +153,12 @@ async fn main() -> anyhow::Result<()> {
     let dataset = args.keys * (KEY_BYTES + VALUE_BYTES) as u64;
     let pool = (dataset * 8).max(256 << 20);
     let cfg = DpmConfigFile {
-        pool_path: dir.path().join("pool"),
-        pool_size: format!("{}MiB", pool >> 20),
-        listen: "127.0.0.1:0".into(),
-        fabric_listen: "127.0.0.1:0".into(),
-        metrics_listen: String::new(),
-        fabric: args.fabric.clone(),
-        ..Default::default()
+        pool_size: ByteSize(pool),
+        fabric: args
+            .fabric
+            .parse()
+            .map_err(|e| anyhow::anyhow!("--fabric: {e}"))?,
+        ..DpmConfigFile::in_process(dir.path().join("pool"))
     }
     .validate()
     .map_err(|e| anyhow::anyhow!("{e}"))?;

@@ -45,7 +45,7 @@ use anyhow::{bail, ensure, Context, Result};
 use async_trait::async_trait;
 use clap::Parser;
 use dinomo_bench::{human_size, thousands, write_json, Align, Table};
-use dinomo_dpm_node::config::{parse_size, DpmConfigFile};
+use dinomo_dpm_node::config::DpmConfigFile;
 use dinomo_dpm_node::segments::SegmentGrant;
 use dinomo_dpm_node::testkit::{LogRecord, LogWriter, SegmentSource};
 use dinomo_dpm_node::Dpm;
@@ -56,6 +56,8 @@ use dinomo_layout::log::{batch_len, entry_len, LogOp};
 use dinomo_layout::meta::Roots;
 use dinomo_layout::segment::HEADER_SIZE;
 use dinomo_layout::superblock::Superblock;
+use dinomo_node_common::config::ByteSize;
+use dinomo_node_common::parse_size;
 use rand::Rng as _;
 use serde::Serialize;
 
@@ -429,17 +431,16 @@ fn open_fresh(plan: &PoolPlan, merge_workers: usize) -> Result<Fresh> {
         None => b.tempdir().context("creating a temporary directory")?,
     };
     let cfg = DpmConfigFile {
-        pool_path: dir.path().join("pool"),
-        pool_size: plan.pool_size.to_string(),
-        segment_size: plan.segment_size.to_string(),
-        metadata_size: METADATA_LEN.to_string(),
-        durability: plan.durability.clone(),
+        pool_size: ByteSize(plan.pool_size),
+        segment_size: ByteSize(plan.segment_size),
+        metadata_size: ByteSize(METADATA_LEN),
+        durability: plan
+            .durability
+            .parse()
+            .map_err(|e| anyhow::anyhow!("--durability: {e}"))?,
         merge_workers,
         initial_index_buckets: plan.initial_buckets,
-        listen: "127.0.0.1:0".into(),
-        fabric_listen: "127.0.0.1:0".into(),
-        metrics_listen: String::new(),
-        ..Default::default()
+        ..DpmConfigFile::in_process(dir.path().join("pool"))
     }
     .validate()
     .context("DPM configuration")?;
@@ -727,7 +728,9 @@ async fn merge_run(
 
 /// Sizes the pool so that the logs of one run and the index fit.
 fn plan_pool(args: &Args, shape: Shape) -> Result<PoolPlan> {
-    let segment_size = parse_size(&args.segment_size).context("--segment-size")?;
+    let segment_size = parse_size(&args.segment_size)
+        .map_err(anyhow::Error::msg)
+        .context("--segment-size")?;
     let batch_bytes = batch_len(shape.batch * entry_len(KEY_SIZE, shape.value_size)) as u64;
     ensure!(
         HEADER_SIZE as u64 + batch_bytes <= segment_size,
@@ -758,7 +761,9 @@ fn plan_pool(args: &Args, shape: Shape) -> Result<PoolPlan> {
     };
     let pool_size = match &args.pool_size {
         Some(s) => {
-            let len = parse_size(s).context("--pool-size")?;
+            let len = parse_size(s)
+                .map_err(anyhow::Error::msg)
+                .context("--pool-size")?;
             ensure!(
                 fits(len)?,
                 "--pool-size {s}: too small for {segments_needed} segments of {} and ~{} of index",

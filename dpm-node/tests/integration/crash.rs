@@ -272,7 +272,8 @@ async fn dpm_killed_50_times_keeps_exactly_the_acknowledged_writes() {
         .into_inner();
     dpm.stop();
 
-    let mut file = DpmConfigFile::from_toml(&std::fs::read_to_string(&cfg).unwrap()).unwrap();
+    let mut file =
+        DpmConfigFile::from_toml(&std::fs::read_to_string(&cfg).unwrap(), "dpm config").unwrap();
     file.gc_interval_ms = 1_000_000;
     let dpm = Dpm::open(file.validate().unwrap()).unwrap();
     let l = ledger.lock();

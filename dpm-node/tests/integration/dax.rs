@@ -22,15 +22,11 @@ async fn dpm_on_dax_merges_and_reopens() {
     let pool = std::path::Path::new(&dir).join(format!("dpm-dax-{}.pool", std::process::id()));
     let _ = std::fs::remove_file(&pool);
     let cfg = DpmConfigFile {
-        pool_path: pool.clone(),
-        pool_size: "48MiB".into(),
-        segment_size: "256KiB".into(),
-        durability: "dax".into(),
-        listen: "127.0.0.1:0".into(),
-        fabric_listen: "127.0.0.1:0".into(),
-        metrics_listen: String::new(),
+        pool_size: "48MiB".parse().unwrap(),
+        segment_size: "256KiB".parse().unwrap(),
+        durability: "dax".parse().unwrap(),
         initial_index_buckets: 64,
-        ..Default::default()
+        ..DpmConfigFile::in_process(pool.clone())
     }
     .validate()
     .unwrap();
@@ -100,16 +96,12 @@ async fn dpm_on_device_dax_formats_only_when_told_and_reopens() {
         .unwrap();
     let cfg = |format_device: bool| {
         DpmConfigFile {
-            pool_path: path.clone(),
-            pool_size: "1GiB".into(), // does not apply to a device
-            segment_size: "256KiB".into(),
-            durability: "dax".into(),
+            pool_size: "1GiB".parse().unwrap(), // does not apply to a device
+            segment_size: "256KiB".parse().unwrap(),
+            durability: "dax".parse().unwrap(),
             format_device,
-            listen: "127.0.0.1:0".into(),
-            fabric_listen: "127.0.0.1:0".into(),
-            metrics_listen: String::new(),
             initial_index_buckets: 64,
-            ..Default::default()
+            ..DpmConfigFile::in_process(path.clone())
         }
         .validate()
         .unwrap()

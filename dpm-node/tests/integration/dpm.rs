@@ -17,17 +17,13 @@ fn config(
     f: impl FnOnce(&mut DpmConfigFile),
 ) -> dinomo_dpm_node::config::DpmConfig {
     let mut c = DpmConfigFile {
-        pool_path: dir.join("pool"),
-        pool_size: "64MiB".into(),
-        segment_size: "256KiB".into(),
-        listen: "127.0.0.1:0".into(),
-        fabric_listen: "127.0.0.1:0".into(),
-        metrics_listen: String::new(),
+        pool_size: "64MiB".parse().unwrap(),
+        segment_size: "256KiB".parse().unwrap(),
         initial_index_buckets: 64,
         gc_interval_ms: 10,
         // Every merge, clean and cell removal in these tests is checked against a recount.
         verify_accounting: true,
-        ..Default::default()
+        ..DpmConfigFile::in_process(dir.join("pool"))
     };
     f(&mut c);
     c.validate().unwrap()
@@ -550,9 +546,9 @@ async fn large_values_fill_four_fifths_of_the_pool() {
 /// of merges over an index of up to 160k keys.
 fn small_full_pool_config(dir: &std::path::Path) -> dinomo_dpm_node::config::DpmConfig {
     config(dir, |c| {
-        c.pool_size = "16MiB".into();
-        c.segment_size = "64KiB".into();
-        c.metadata_size = "64KiB".into();
+        c.pool_size = "16MiB".parse().unwrap();
+        c.segment_size = "64KiB".parse().unwrap();
+        c.metadata_size = "64KiB".parse().unwrap();
         c.max_indirect_cells = 64;
         c.gc_interval_ms = 1_000_000;
         c.verify_accounting = false;

@@ -18,15 +18,11 @@ use dinomo_layout::log::LogOp;
 
 fn open_dpm(dir: &std::path::Path) -> Arc<Dpm> {
     let c = DpmConfigFile {
-        pool_path: dir.join("pool"),
-        pool_size: "64MiB".into(),
-        segment_size: "256KiB".into(),
-        listen: "127.0.0.1:0".into(),
-        fabric_listen: "127.0.0.1:0".into(),
-        metrics_listen: String::new(),
+        pool_size: "64MiB".parse().unwrap(),
+        segment_size: "256KiB".parse().unwrap(),
         initial_index_buckets: 64,
         verify_accounting: true,
-        ..Default::default()
+        ..DpmConfigFile::in_process(dir.join("pool"))
     };
     Dpm::open(c.validate().unwrap()).unwrap()
 }

@@ -307,21 +307,17 @@ impl Shared {
 
 fn base_config(dir: &Path, pool_size: &str, durability: &str, create: bool) -> DpmConfig {
     DpmConfigFile {
-        pool_path: dir.join("pool"),
-        pool_size: pool_size.into(),
-        segment_size: "64KiB".into(),
-        metadata_size: "64KiB".into(),
-        listen: "127.0.0.1:0".into(),
-        fabric_listen: "127.0.0.1:0".into(),
-        metrics_listen: String::new(),
+        pool_size: pool_size.parse().unwrap(),
+        segment_size: "64KiB".parse().unwrap(),
+        metadata_size: "64KiB".parse().unwrap(),
         initial_index_buckets: 64,
         merge_workers: 1,
         // Garbage collection runs only when the test says so.
         gc_interval_ms: 3_600_000,
         clean_threshold: 0.5,
-        durability: durability.into(),
+        durability: durability.parse().unwrap(),
         create,
-        ..Default::default()
+        ..DpmConfigFile::in_process(dir.join("pool"))
     }
     .validate()
     .unwrap()

@@ -25,15 +25,11 @@ async fn fence_kn_and_reregistration_stop_a_verbs_kn_at_once() {
     }
     let dir = tempfile::tempdir().unwrap();
     let cfg = DpmConfigFile {
-        pool_path: dir.path().join("pool"),
-        pool_size: "32MiB".into(),
-        segment_size: "256KiB".into(),
-        fabric: "verbs".into(),
-        listen: "127.0.0.1:0".into(),
-        fabric_listen: "127.0.0.1:0".into(),
-        metrics_listen: String::new(),
+        pool_size: "32MiB".parse().unwrap(),
+        segment_size: "256KiB".parse().unwrap(),
+        fabric: FabricKind::Verbs,
         initial_index_buckets: 64,
-        ..Default::default()
+        ..DpmConfigFile::in_process(dir.path().join("pool"))
     }
     .validate()
     .unwrap();

@@ -32,14 +32,10 @@ pub struct InProcDpm {
 impl InProcDpm {
     pub async fn start(dir: &Path, segment_size: &str) -> Self {
         let cfg = DpmConfigFile {
-            pool_path: dir.join("pool"),
-            pool_size: "256MiB".into(),
-            segment_size: segment_size.into(),
-            listen: "127.0.0.1:0".into(),
-            fabric_listen: "127.0.0.1:0".into(),
-            metrics_listen: String::new(),
+            pool_size: "256MiB".parse().unwrap(),
+            segment_size: segment_size.parse().unwrap(),
             gc_interval_ms: 20,
-            ..Default::default()
+            ..DpmConfigFile::in_process(dir.join("pool"))
         }
         .validate()
         .unwrap();
@@ -168,15 +164,11 @@ pub type FaultyFabrics = Arc<parking_lot::Mutex<Vec<Arc<Faulty<Arc<dyn dinomo_fa
 /// One shard, so every key shares one log; the serve lease is long (tests drive maps by hand).
 pub async fn start_inproc_kn(dpm: &str, kn_id: u32) -> (Arc<KvNode>, FaultyFabrics) {
     let cfg = KnConfigFile {
-        kn_id: Some(kn_id),
-        listen: "127.0.0.1:0".into(),
         advertise: format!("127.0.0.1:{}", 17000 + kn_id),
-        dpm: dpm.to_string(),
         shards: 1,
-        cache_size: "16MiB".into(),
+        cache_size: "16MiB".parse().unwrap(),
         map_poll_ms: 100,
-        metrics_listen: String::new(),
-        ..Default::default()
+        ..KnConfigFile::in_process(kn_id, dpm.to_string())
     }
     .validate()
     .unwrap();

@@ -8,6 +8,7 @@ use bytes::Bytes;
 use dinomo_kv_node::config::KnConfigFile;
 use dinomo_kv_node::shard::{PutMode, ShardOp};
 use dinomo_kv_node::{KvError, KvNode};
+use dinomo_node_common::config::ByteSize;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 
@@ -17,16 +18,12 @@ async fn run_policy(policy: &str, seed: u64) {
     let dir = tempfile::tempdir().unwrap();
     let dpm = InProcDpm::start(dir.path(), "128KiB").await;
     let cfg = KnConfigFile {
-        kn_id: Some(0),
-        listen: "127.0.0.1:0".into(),
-        dpm: dpm.url(),
         shards: 2,
-        cache_size: "48KiB".into(),
-        cache_policy: policy.into(),
-        max_value_bytes: 4096,
-        batch_bytes: 8192,
-        metrics_listen: String::new(),
-        ..Default::default()
+        cache_size: "48KiB".parse().unwrap(),
+        cache_policy: policy.parse().unwrap(),
+        max_value_bytes: ByteSize(4096),
+        batch_bytes: ByteSize(8192),
+        ..KnConfigFile::in_process(0, dpm.url())
     }
     .validate()
     .unwrap();

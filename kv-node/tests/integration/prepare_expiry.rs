@@ -36,17 +36,13 @@ fn sole_owner(kn: u32, version: u64) -> ClusterMap {
 
 async fn kn(dpm: &str, kn_id: u32) -> Arc<KvNode> {
     let cfg = KnConfigFile {
-        kn_id: Some(kn_id),
-        listen: "127.0.0.1:0".into(),
         advertise: format!("127.0.0.1:{}", 17100 + kn_id),
-        dpm: dpm.to_string(),
         shards: 1,
-        cache_size: "16MiB".into(),
+        cache_size: "16MiB".parse().unwrap(),
         map_poll_ms: 50,
         serve_lease_ms: 500,
         prepare_timeout_ms: BOUND.as_millis() as u64,
-        metrics_listen: String::new(),
-        ..Default::default()
+        ..KnConfigFile::in_process(kn_id, dpm.to_string())
     }
     .validate()
     .unwrap();

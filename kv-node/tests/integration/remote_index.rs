@@ -27,14 +27,10 @@ async fn a_stale_reader_finds_every_merged_key_while_buckets_split() {
     const BATCH: u64 = 100;
     let dir = tempfile::tempdir().unwrap();
     let cfg = DpmConfigFile {
-        pool_path: dir.path().join("pool"),
-        pool_size: "64MiB".into(),
-        segment_size: "256KiB".into(),
-        listen: "127.0.0.1:0".into(),
-        fabric_listen: "127.0.0.1:0".into(),
-        metrics_listen: String::new(),
+        pool_size: "64MiB".parse().unwrap(),
+        segment_size: "256KiB".parse().unwrap(),
         initial_index_buckets: 64,
-        ..Default::default()
+        ..DpmConfigFile::in_process(dir.path().join("pool"))
     }
     .validate()
     .unwrap();
