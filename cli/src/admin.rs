@@ -93,6 +93,9 @@ pub async fn run(a: AdminArgs) -> anyhow::Result<()> {
                     println!("  {k} -> {r}");
                 }
             }
+            let now_ms = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_millis() as u64);
             println!("recent decisions:");
             for d in s
                 .recent
@@ -103,7 +106,10 @@ pub async fn run(a: AdminArgs) -> anyhow::Result<()> {
             {
                 println!(
                     "  [{}] {} (map {}): {}",
-                    d.at_ms, d.action, d.map_version, d.reason
+                    decision_time(d.at_ms, now_ms),
+                    d.action,
+                    d.map_version,
+                    d.reason
                 );
             }
             return Ok(());
@@ -114,4 +120,78 @@ pub async fn run(a: AdminArgs) -> anyhow::Result<()> {
         .into_inner();
     println!("{} (map version {})", r.message, r.map_version);
     Ok(())
+}
+
+/// When a decision was taken (`at_ms`: Unix milliseconds, the monitor's clock), as a UTC time
+/// and how long before `now_ms` (this host's clock) that was.
+fn decision_time(at_ms: u64, now_ms: u64) -> String {
+    let (days, ms) = (at_ms / 86_400_000, at_ms % 86_400_000);
+    let (y, m, d) = civil_from_days(days);
+    let at = format!(
+        "{y:04}-{m:02}-{d:02}T{:02}:{:02}:{:02}.{:03}Z",
+        ms / 3_600_000,
+        ms / 60_000 % 60,
+        ms / 1000 % 60,
+        ms % 1000
+    );
+    // Clocks of two hosts: a decision "in the future" gets no age rather than a negative one.
+    let Some(age) = now_ms.checked_sub(at_ms) else {
+        return at;
+    };
+    let secs = age as f64 / 1000.0;
+    let ago = if secs < 60.0 {
+        format!("{secs:.1} s ago")
+    } else if secs < 3600.0 {
+        format!("{:.1} min ago", secs / 60.0)
+    } else {
+        format!("{:.1} h ago", secs / 3600.0)
+    };
+    format!("{at}, {ago}")
+}
+
+/// (year, month, day) of the proleptic Gregorian calendar, `days` after 1970-01-01 (Howard
+/// Hinnant's `civil_from_days`: eras of 400 years, years starting in March so that the leap
+/// day comes last).
+fn civil_from_days(days: u64) -> (u64, u64, u64) {
+    let z = days + 719_468;
+    let era = z / 146_097;
+    let doe = z % 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + u64::from(m <= 2);
+    (y, m, d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decision_times_read_as_times() {
+        // 2026-11-25T16:40:12.345Z.
+        let at = 1_795_624_812_345;
+        assert_eq!(
+            decision_time(at, at + 12_300),
+            "2026-11-25T16:40:12.345Z, 12.3 s ago"
+        );
+        assert_eq!(
+            decision_time(at, at + 1_500_000),
+            "2026-11-25T16:40:12.345Z, 25.0 min ago"
+        );
+        assert_eq!(
+            decision_time(at, at + 36 * 3_600_000),
+            "2026-11-25T16:40:12.345Z, 36.0 h ago"
+        );
+        // The monitor's clock ahead of this host's: no negative age.
+        assert_eq!(decision_time(at, at - 5), "2026-11-25T16:40:12.345Z");
+        assert_eq!(decision_time(0, 0), "1970-01-01T00:00:00.000Z, 0.0 s ago");
+        // A leap day.
+        assert_eq!(
+            decision_time(951_782_400_000, 0),
+            "2000-02-29T00:00:00.000Z"
+        );
+    }
 }

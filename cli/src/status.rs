@@ -28,6 +28,16 @@ fn ratio(a: u64, b: u64) -> String {
     }
 }
 
+/// The index's bytes per key, as `", N B/key"`; nothing with no keys (an empty index still
+/// has its buckets, and dividing them by one key printed "8388608.0 B/key").
+fn per_key(index_bytes: u64, keys: u64) -> String {
+    if keys == 0 {
+        String::new()
+    } else {
+        format!(", {:.1} B/key", index_bytes as f64 / keys as f64)
+    }
+}
+
 pub async fn run(a: StatusArgs) -> anyhow::Result<()> {
     let client = Client::connect(&[&a.routing])
         .await
@@ -82,7 +92,8 @@ pub async fn run(a: StatusArgs) -> anyhow::Result<()> {
         .await;
         match stats {
             Ok(s) => {
-                let reads = s.gets.max(1);
+                // No gets: the ratios print "-" rather than 0.
+                let reads = s.gets;
                 println!(
                     "{:>4}  {:<21} {:>6} {:>9} {:>9} {:>7} {:>7} {:>7} {:>7} {:>7} {:>5.0}%",
                     kn.id,
@@ -118,13 +129,13 @@ pub async fn run(a: StatusArgs) -> anyhow::Result<()> {
             );
             let share = |b: u64| b as f64 / s.pool_bytes.max(1) as f64 * 100.0;
             println!(
-                "  space: pool {} MiB; live data {:.1} MiB ({:.1}%); index {:.1} MiB ({:.1}%, {:.1} B/key); free {:.1} MiB ({:.1}%)",
+                "  space: pool {} MiB; live data {:.1} MiB ({:.1}%); index {:.1} MiB ({:.1}%{}); free {:.1} MiB ({:.1}%)",
                 s.pool_bytes >> 20,
                 s.live_log_bytes as f64 / 1048576.0,
                 share(s.live_log_bytes),
                 s.index_bytes as f64 / 1048576.0,
                 share(s.index_bytes),
-                s.index_bytes as f64 / s.index_items.max(1) as f64,
+                per_key(s.index_bytes, s.index_items),
                 (s.segments_free * s.segment_size) as f64 / 1048576.0,
                 share(s.segments_free * s.segment_size),
             );
@@ -132,4 +143,15 @@ pub async fn run(a: StatusArgs) -> anyhow::Result<()> {
         Err(e) => println!("dpm-node {}: unreachable: {e}", a.dpm),
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn no_per_key_figure_without_keys() {
+        assert_eq!(per_key(8 << 20, 0), "");
+        assert_eq!(per_key(1000, 8), ", 125.0 B/key");
+    }
 }
