@@ -19,7 +19,10 @@
 //!   exceeds `tail_latency_slo_us`.
 //! - With no client latency report at all this epoch, no data is not a violation: the engine
 //!   takes no latency-driven action (no add, no replication), but the SLO is not violated either,
-//!   so it may still remove an under-utilised KN and de-replicate cold keys.
+//!   so it may still de-replicate cold keys and remove an under-utilised KN, but only one that
+//!   served no request this epoch. Without latency data nothing says the other KNs would absorb
+//!   a serving KN's load within the SLO, and low occupancy alone does not make a KN idle: a
+//!   steady benchmark whose clients did not report was once taken for an idle cluster.
 //! - A key is hot when its count exceeds mean + `hot_key_sigmas` standard deviations of the
 //!   reported keys' counts AND it carries at least `min_hot_key_share` of all requests of the
 //!   epoch. KNs report only their top keys; the share bound keeps a near-uniform load from
@@ -218,11 +221,12 @@ pub fn evaluate(cfg: &PolicyConfig, stats: &EpochStats) -> Decision {
     }
     match slo(cfg, stats) {
         Slo::Violated(why) => on_violation(cfg, stats, &why),
-        Slo::Met(why) => on_slo_met(cfg, stats, &why),
+        Slo::Met(why) => on_slo_met(cfg, stats, &why, true),
         Slo::NoReports => on_slo_met(
             cfg,
             stats,
             "no client latency reports this epoch (so no add or replication)",
+            false,
         ),
     }
 }
@@ -374,18 +378,37 @@ fn on_violation(cfg: &PolicyConfig, stats: &EpochStats, why: &str) -> Decision {
     Decision::Replicate { keys, reason }
 }
 
-fn on_slo_met(cfg: &PolicyConfig, stats: &EpochStats, why: &str) -> Decision {
+/// `reports`: clients reported latencies this epoch. Without them only an idle KN (no
+/// request this epoch) may be removed (module doc).
+fn on_slo_met(cfg: &PolicyConfig, stats: &EpochStats, why: &str, reports: bool) -> Decision {
     let n = stats.kns.len();
-    let candidates = removal_candidates(cfg, stats);
-    let occupancy = match candidates.first() {
-        Some(&kn) => {
-            let occ = stats
-                .kns
-                .iter()
-                .find(|k| k.id == kn)
-                .map_or(0.0, |k| k.occupancy);
+    let mut candidates = removal_candidates(cfg, stats);
+    let serving = if reports {
+        None
+    } else {
+        let ops = |id: KnId| stats.kns.iter().find(|k| k.id == id).map_or(0, |k| k.ops);
+        let first = candidates.first().map(|&kn| (kn, ops(kn)));
+        candidates.retain(|&kn| ops(kn) == 0);
+        first.filter(|&(_, ops)| ops > 0 && candidates.is_empty())
+    };
+    let occupancy_of = |kn: KnId| {
+        stats
+            .kns
+            .iter()
+            .find(|k| k.id == kn)
+            .map_or(0.0, |k| k.occupancy)
+    };
+    let occupancy = match (serving, candidates.first()) {
+        (Some((kn, ops)), _) => format!(
+            "KN {kn} occupancy {:.2} < {:.2}, but it served {ops} requests this epoch and \
+             without latency reports its removal cannot be judged safe (only an idle KN goes)",
+            occupancy_of(kn),
+            cfg.under_utilized
+        ),
+        (None, Some(&kn)) => {
             let low = format!(
-                "KN {kn} occupancy {occ:.2} < {:.2} (least occupied of {} under-utilised KN(s))",
+                "KN {kn} occupancy {:.2} < {:.2} (least occupied of {} under-utilised KN(s))",
+                occupancy_of(kn),
                 cfg.under_utilized,
                 candidates.len()
             );
@@ -397,7 +420,7 @@ fn on_slo_met(cfg: &PolicyConfig, stats: &EpochStats, why: &str) -> Decision {
             }
             format!("{low}, but already at min_kns = {}", cfg.min_kns)
         }
-        None => format!(
+        (None, None) => format!(
             "no KN under-utilised (min occupancy {:.2} >= {:.2})",
             min_occupancy(stats),
             cfg.under_utilized
@@ -717,11 +740,31 @@ mod tests {
         expect_none(&evaluate(&cfg(), &s));
     }
 
+    /// Issue 12: during a steady `dinomo bench` whose clients did not report latencies, the
+    /// monitor removed a KN at occupancy 0.08 that was serving thousands of requests an epoch.
+    /// With no SLO data the engine cannot tell that the others would absorb its load.
+    #[test]
+    fn no_latency_reports_never_remove_a_serving_kn() {
+        let mut s = stats(&[0.5, 0.08]);
+        s.avg_latency_us = None;
+        s.p99_latency_us = None;
+        let reason = expect_none(&evaluate(&cfg(), &s)).to_string();
+        assert!(
+            reason.contains("KN 1 occupancy 0.08 < 0.10, but it served 1000 requests"),
+            "{reason}"
+        );
+        // Occupancy alone does not make it idle; having served nothing does.
+        s.kns[1].ops = 0;
+        assert_eq!(evaluate(&cfg(), &s).action(), "remove_kn");
+    }
+
     #[test]
     fn no_latency_reports_may_still_remove_and_dereplicate() {
         let mut s = stats(&[0.5, 0.01]);
         s.avg_latency_us = None;
         s.p99_latency_us = None;
+        // Only an idle KN may go without latency data (see the test above).
+        s.kns[1].ops = 0;
         let d = evaluate(&cfg(), &s);
         assert_eq!(
             d,
