@@ -207,6 +207,26 @@ pub async fn new_monitor_term(dpm: &str) -> Result<u64> {
         .term)
 }
 
+/// Publishes the leading monitor's MonitorService address (host:port) under its monitor
+/// `term` (a deposed monitor's publish is refused), in the metadata entry
+/// [`dinomo_proto::MONITOR_ENDPOINT_KEY`] that routing nodes hand to clients.
+pub async fn publish_monitor_endpoint(dpm: &str, term: u64, endpoint: &str) -> Result<()> {
+    dpm_client(dpm)
+        .await?
+        .put_metadata(with_term(
+            dinomo_proto::dpm::PutMetadataRequest {
+                name: dinomo_proto::MONITOR_ENDPOINT_KEY.into(),
+                value: Some(endpoint.as_bytes().to_vec()),
+            },
+            Some(term),
+        ))
+        .await
+        .map_err(|s| {
+            ClientError::Other(format!("publishing the monitor's address: {}", s.message()))
+        })?;
+    Ok(())
+}
+
 /// Publishes the first map (bootstrap: no KN serves yet). Refused if a map is already
 /// published: changing it takes [`reconfigure`] (or [`replace_map`]).
 pub async fn publish_map(dpm: &str, map: &ClusterMap) -> Result<()> {

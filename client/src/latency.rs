@@ -2,21 +2,23 @@
 //! "periodically collects latency information from clients").
 //!
 //! Every finished operation (a value, a definite error, or a deadline) is recorded with the KN
-//! that answered its last attempt. When the client was configured with a monitor, a background
-//! task sends what was recorded since the previous report every `report_every`, then starts a
-//! new interval; the task ends when the last clone of the client is dropped. A report that
-//! cannot be delivered is dropped (the monitor then sees a quieter epoch; latencies are a signal,
-//! not a record).
+//! that answered its last attempt. Unless reporting is switched off, a background task sends
+//! what was recorded since the previous report every `report_every` to the monitor known at
+//! that moment (configured, or named by the routing nodes; it may change when another monitor
+//! takes over), then starts a new interval; the task ends when the last clone of the client is
+//! dropped. An interval with no monitor to send it to, or whose report cannot be delivered, is
+//! dropped (the monitor then sees a quieter epoch; latencies are a signal, not a record).
 
 use std::collections::HashMap;
-use std::sync::Weak;
+use std::sync::{Arc, Weak};
 use std::time::Duration;
 
 use dinomo_placement::KnId;
 use dinomo_proto::monitor::monitor_service_client::MonitorServiceClient;
 use dinomo_proto::monitor::{KnLatency, LatencyReport};
 use hdrhistogram::Histogram;
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
+use tonic::transport::Channel;
 
 /// What was recorded in one reporting interval.
 #[derive(Debug)]
@@ -86,29 +88,35 @@ impl Recorder {
     }
 }
 
-/// Sends the recorder's reports to `monitor` every `every` until `owner` is dropped.
-pub(crate) async fn report_loop<T: Send + Sync + 'static>(
-    monitor: String,
-    every: Duration,
-    recorder: std::sync::Arc<Recorder>,
-    owner: Weak<T>,
-) {
-    let client_id = format!("{}-{:08x}", std::process::id(), rand::random::<u32>());
+/// A MonitorService client for `monitor` (host:port or URL); `None` if it is not an address.
+fn monitor_client(monitor: &str) -> Option<MonitorServiceClient<Channel>> {
     let url = if monitor.starts_with("http") {
-        monitor.clone()
+        monitor.to_string()
     } else {
         format!("http://{monitor}")
     };
     let Ok(endpoint) = tonic::transport::Endpoint::from_shared(url) else {
-        tracing::warn!(%monitor, "bad monitor endpoint; latencies will not be reported");
-        return;
+        tracing::warn!(%monitor, "bad monitor endpoint; latencies will not be reported to it");
+        return None;
     };
-    let mut client = MonitorServiceClient::new(
+    Some(MonitorServiceClient::new(
         endpoint
             .connect_timeout(Duration::from_secs(1))
             .timeout(Duration::from_secs(2))
             .connect_lazy(),
-    );
+    ))
+}
+
+/// Sends the recorder's reports every `every` to the monitor `monitor` holds at the time,
+/// until `owner` is dropped.
+pub(crate) async fn report_loop<T: Send + Sync + 'static>(
+    monitor: Arc<RwLock<Option<String>>>,
+    every: Duration,
+    recorder: Arc<Recorder>,
+    owner: Weak<T>,
+) {
+    let client_id = format!("{}-{:08x}", std::process::id(), rand::random::<u32>());
+    let mut current: Option<(String, Option<MonitorServiceClient<Channel>>)> = None;
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tick.tick().await;
@@ -117,9 +125,18 @@ pub(crate) async fn report_loop<T: Send + Sync + 'static>(
         if owner.strong_count() == 0 {
             return;
         }
-        if let Some(report) = recorder.take_report(&client_id) {
+        let Some(report) = recorder.take_report(&client_id) else {
+            continue;
+        };
+        let Some(addr) = monitor.read().clone() else {
+            continue;
+        };
+        if current.as_ref().is_none_or(|(a, _)| *a != addr) {
+            current = Some((addr.clone(), monitor_client(&addr)));
+        }
+        if let Some((_, Some(client))) = current.as_mut() {
             if let Err(e) = client.report_latency(report).await {
-                tracing::debug!(%monitor, error = %e.message(), "latency report not delivered");
+                tracing::debug!(monitor = %addr, error = %e.message(), "latency report not delivered");
             }
         }
     }

@@ -9,6 +9,11 @@
 //! Clones share the map and the connection pool (one multiplexed HTTP/2 channel per node), so
 //! many concurrent calls from one client are pipelined on few connections.
 //!
+//! Every client reports its latencies to the cluster's monitor (the SLO policy's input) unless
+//! [`ClientConfig::report_latency`] is false: to [`ClientConfig::monitor`] when set, else to
+//! the monitor the routing nodes name with the map. A cluster without a monitor names none,
+//! and nothing is sent.
+//!
 //! ```no_run
 //! # async fn demo() -> Result<(), dinomo_client::ClientError> {
 //! use dinomo_client::Client;
@@ -57,8 +62,12 @@ pub struct ClientConfig {
     pub max_backoff: Duration,
     /// Per-attempt RPC timeout.
     pub rpc_timeout: Duration,
-    /// The monitor (host:port) to report latencies to, if any.
+    /// The monitor (host:port) to report latencies to; `None`: the one the routing nodes
+    /// name (the leading monitor), if any.
     pub monitor: Option<String>,
+    /// Report latencies to the monitor (on by default: without them the monitor cannot tell a
+    /// loaded cluster from an idle one). False: never, whatever `monitor` says.
+    pub report_latency: bool,
     /// How often latencies are reported.
     pub report_every: Duration,
 }
@@ -72,6 +81,7 @@ impl ClientConfig {
             max_backoff: Duration::from_millis(200),
             rpc_timeout: Duration::from_secs(5),
             monitor: None,
+            report_latency: true,
             report_every: Duration::from_secs(1),
         }
     }
@@ -134,6 +144,8 @@ struct Shared {
     routing: Mutex<(usize, HashMap<String, RoutingServiceClient<Channel>>)>,
     nodes: Mutex<HashMap<String, KvServiceClient<Channel>>>,
     latency: Arc<latency::Recorder>,
+    /// Where latencies go now: `cfg.monitor`, else the monitor the routing nodes named last.
+    monitor: Arc<RwLock<Option<String>>>,
 }
 
 /// A Dinomo client. Cheap to clone; clones share the map and the connections.
@@ -205,12 +217,13 @@ impl Client {
                 routing: Mutex::new((0, routing)),
                 nodes: Mutex::new(HashMap::new()),
                 latency: Arc::new(latency::Recorder::new()),
+                monitor: Arc::new(RwLock::new(cfg.monitor.clone())),
                 cfg,
             }),
         };
-        if let Some(monitor) = client.shared.cfg.monitor.clone() {
+        if client.shared.cfg.report_latency {
             tokio::spawn(latency::report_loop(
-                monitor,
+                client.shared.monitor.clone(),
                 client.shared.cfg.report_every,
                 client.shared.latency.clone(),
                 Arc::downgrade(&client.shared),
@@ -256,6 +269,7 @@ impl Client {
                     let r = r.into_inner();
                     let map = ClusterMap::decode(&r.map)
                         .map_err(|e| ClientError::NoMap(format!("{name}: {e}")))?;
+                    self.learn_monitor(r.monitor);
                     let mut cur = self.shared.map.write();
                     if cur.as_ref().is_none_or(|c| map.version > c.version) {
                         *cur = Some(Arc::new(map));
@@ -269,6 +283,24 @@ impl Client {
             }
         }
         Err(ClientError::NoMap(last))
+    }
+
+    /// The monitor address a routing node named (empty: none, or a routing node that predates
+    /// the field). A configured `monitor` wins; an empty answer keeps the last one known, as
+    /// routing nodes of two versions may answer in turn.
+    fn learn_monitor(&self, named: String) {
+        if self.shared.cfg.monitor.is_some() || named.is_empty() {
+            return;
+        }
+        let mut m = self.shared.monitor.write();
+        if m.as_deref() != Some(named.as_str()) {
+            *m = Some(named);
+        }
+    }
+
+    /// The monitor latencies are reported to, if any.
+    pub fn monitor(&self) -> Option<String> {
+        self.shared.monitor.read().clone()
     }
 
     fn node(&self, endpoint: &str) -> Result<KvServiceClient<Channel>> {

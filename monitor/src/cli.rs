@@ -30,6 +30,12 @@ pub struct Args {
     /// MonitorService address (overrides server.listen).
     #[arg(long, env = "DINOMO_MONITOR_LISTEN")]
     pub listen: Option<String>,
+    /// Address clients reach MonitorService at, HOST:PORT (overrides server.advertise;
+    /// default: the listen address unless it is a wildcard such as 0.0.0.0). Published at the
+    /// dpm-node while this monitor leads; routing nodes hand it to clients for their latency
+    /// reports.
+    #[arg(long, env = "DINOMO_MONITOR_ADVERTISE")]
+    pub advertise: Option<String>,
     /// Who runs the KV nodes: local (child processes), kubernetes (a StatefulSet's pods) or
     /// external (started by someone else; adopted once they register with the dpm-node).
     /// Overrides orchestrator.kind.
@@ -108,6 +114,9 @@ pub fn load_config(args: &Args) -> anyhow::Result<MonitorConfig> {
     };
     if let Some(v) = &args.listen {
         cfg.server.listen = v.parse().context("--listen: not a socket address")?;
+    }
+    if let Some(v) = &args.advertise {
+        cfg.server.advertise = v.clone();
     }
     if let Some(v) = args.orchestrator {
         cfg.orchestrator.kind = v;

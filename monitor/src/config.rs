@@ -46,6 +46,11 @@ pub struct MonitorConfig {
 pub struct ServerConfig {
     /// MonitorService gRPC address (client latency reports, Status, admin actions).
     pub listen: SocketAddr,
+    /// The address clients reach MonitorService at (host:port). While this monitor leads it
+    /// publishes it at the DPM, and routing nodes hand it to clients, which then report their
+    /// latencies to it by default. Empty: the listen address, unless that is unspecified
+    /// (0.0.0.0 or [::]), in which case nothing is published.
+    pub advertise: String,
     /// The dpm-node's gRPC address.
     pub dpm: String,
     /// Prometheus /metrics address; empty disables it.
@@ -58,6 +63,7 @@ impl Default for ServerConfig {
     fn default() -> Self {
         ServerConfig {
             listen: SocketAddr::from(([127, 0, 0, 1], 7600)),
+            advertise: String::new(),
             dpm: "127.0.0.1:7700".into(),
             metrics_listen: "127.0.0.1:9600".into(),
             recent_decisions: 32,

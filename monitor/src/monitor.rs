@@ -162,6 +162,9 @@ pub struct Monitor {
     /// Set when a new term starts: an unfinished reconfiguration recorded at the DPM is to be
     /// resolved before this monitor changes the map ([`Monitor::resolve_unfinished`]).
     resolve_pending: AtomicBool,
+    /// The MonitorService address to publish for clients ([`Monitor::advertise`]), and the
+    /// term it was last published under.
+    endpoint: Mutex<(Option<String>, Option<u64>)>,
 }
 
 /// A reconfiguration driven by this monitor under `term` (see [`Monitor::lead`]).
@@ -240,7 +243,48 @@ impl Monitor {
             epoch: Mutex::new(0),
             term: tokio::sync::Mutex::new(None),
             resolve_pending: AtomicBool::new(false),
+            endpoint: Mutex::new((None, None)),
         })
+    }
+
+    /// Where clients reach this monitor's MonitorService, bound at `listening`:
+    /// `server.advertise`, else `listening` unless its address is unspecified. While it leads,
+    /// the monitor publishes it at the DPM (once per term, see [`Monitor::lead`]) and routing
+    /// nodes hand it to clients, which then report their latencies here by default.
+    pub fn advertise(&self, listening: std::net::SocketAddr) {
+        let endpoint = if !self.cfg.server.advertise.is_empty() {
+            Some(self.cfg.server.advertise.clone())
+        } else if listening.ip().is_unspecified() {
+            tracing::warn!(
+                %listening,
+                "server.advertise is not set and the monitor listens on every address: its \
+                 address is not published, so clients will not report latencies unless told \
+                 where it is"
+            );
+            None
+        } else {
+            Some(listening.to_string())
+        };
+        *self.endpoint.lock() = (endpoint, None);
+    }
+
+    /// Publishes the advertised address under `term` unless it already was. A failure is
+    /// logged and retried at the next [`Monitor::lead`]: it costs only latency reports.
+    async fn publish_endpoint(&self, term: u64) {
+        let addr = match &*self.endpoint.lock() {
+            (Some(addr), published) if *published != Some(term) => addr.clone(),
+            _ => return,
+        };
+        match admin::publish_monitor_endpoint(self.dpm(), term, &addr).await {
+            Ok(()) => {
+                tracing::info!(monitor = %addr, term, "published this monitor's address for clients");
+                let mut e = self.endpoint.lock();
+                if e.0.as_deref() == Some(&addr) {
+                    e.1 = Some(term);
+                }
+            }
+            Err(e) => tracing::warn!(error = %e, "cannot publish this monitor's address; retrying"),
+        }
     }
 
     /// Whether this monitor may act now, and under which DPM monitor term. Asks the
@@ -252,6 +296,7 @@ impl Monitor {
         match self.orchestrator.is_leader().await {
             Ok(true) => {
                 if let Some(t) = *term {
+                    self.publish_endpoint(t).await;
                     return Ok(Some(t));
                 }
                 let t = admin::new_monitor_term(self.dpm()).await?;
@@ -260,6 +305,7 @@ impl Monitor {
                 *term = Some(t);
                 // The previous leader may have crashed in the middle of a map change.
                 self.resolve_pending.store(true, Ordering::Release);
+                self.publish_endpoint(t).await;
                 Ok(Some(t))
             }
             Ok(false) => {

@@ -201,6 +201,7 @@ pub async fn serve(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let addr: SocketAddr = listener.local_addr()?;
+    monitor.advertise(addr);
     monitor.spawn_loops();
     tracing::info!(%addr, orchestrator = monitor.orchestrator().name(), "monitor serving");
     // Healthy once serving, leader or standby (the cluster map was resumed or published

@@ -124,11 +124,23 @@ impl DpmService for FakeDpm {
     }
     async fn put_metadata(
         &self,
-        _: Request<pb::PutMetadataRequest>,
+        req: Request<pb::PutMetadataRequest>,
     ) -> Result<Response<pb::PutMetadataResponse>, Status> {
-        Err(Status::unimplemented(
-            "the cluster map is published with CompareAndPutMetadata only",
-        ))
+        let t = self.admit(&req)?;
+        let r = req.into_inner();
+        if r.name != dinomo_proto::MONITOR_ENDPOINT_KEY {
+            return Err(Status::unimplemented(
+                "the cluster map is published with CompareAndPutMetadata only",
+            ));
+        }
+        let value = r.value.unwrap_or_default();
+        let mut st = self.0.lock();
+        st.calls.push(format!(
+            "monitor at {} {t}",
+            String::from_utf8_lossy(&value)
+        ));
+        st.other.insert(r.name, value);
+        Ok(Response::new(pb::PutMetadataResponse {}))
     }
     async fn compare_and_put_metadata(
         &self,
@@ -359,4 +371,36 @@ async fn a_monitor_deposed_at_the_dpm_publishes_nothing() {
             .collect::<Vec<_>>(),
         [1]
     );
+}
+
+/// The leader publishes where clients reach it, once per term and under that term, so that
+/// routing nodes can hand it to clients (issue 12: clients did not report latencies unless
+/// told where the monitor was).
+#[tokio::test]
+async fn a_leading_monitor_publishes_its_address_once_per_term() {
+    let (dpm, m, _) = setup(&[true, true, false, true]).await;
+    m.advertise("127.0.0.1:7601".parse().unwrap());
+    assert_eq!(m.lead().await.unwrap(), Some(1));
+    assert_eq!(m.lead().await.unwrap(), Some(1));
+    assert_eq!(
+        dpm.calls(),
+        ["publish v1 @-", "term 1", "monitor at 127.0.0.1:7601 @1"]
+    );
+    // Leadership lost and taken again: a new term, published again.
+    assert_eq!(m.lead().await.unwrap(), None);
+    assert_eq!(m.lead().await.unwrap(), Some(2));
+    assert_eq!(dpm.calls()[3..], ["term 2", "monitor at 127.0.0.1:7601 @2"]);
+    let got = dpm
+        .0
+        .lock()
+        .other
+        .get(dinomo_proto::MONITOR_ENDPOINT_KEY)
+        .cloned();
+    assert_eq!(got.as_deref(), Some(&b"127.0.0.1:7601"[..]));
+
+    // Listening on every address with no server.advertise: nothing to publish.
+    let (dpm, m, _) = setup(&[true; 4]).await;
+    m.advertise("0.0.0.0:7600".parse().unwrap());
+    m.lead().await.unwrap();
+    assert_eq!(dpm.calls(), ["publish v1 @-", "term 1"]);
 }

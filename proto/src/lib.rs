@@ -31,6 +31,10 @@ pub const MAP_VERSION_TRAILER: &str = "dinomo-map-version";
 /// it publishes the next map, so the fenced KN has stopped serving from its caches by then.
 pub const MAX_KN_SERVE_LEASE_MS: u64 = 500;
 
+/// The DPM metadata entry in which the leading monitor publishes its MonitorService address
+/// (host:port, UTF-8), written under its monitor term; routing nodes hand it to clients.
+pub const MONITOR_ENDPOINT_KEY: &str = "monitor/endpoint";
+
 /// RoutingService, served by routing nodes.
 pub mod routing {
     #![allow(missing_debug_implementations, clippy::all)]

@@ -4,6 +4,10 @@
 //!
 //! Invariant: the served version never goes backwards (a poll that returns an older or equal
 //! version is ignored).
+//!
+//! Each poll also reads the leading monitor's address (metadata
+//! [`dinomo_proto::MONITOR_ENDPOINT_KEY`]), handed to clients with the map so that they report
+//! their latencies to it without being configured with it.
 
 pub mod cli;
 pub mod config;
@@ -30,10 +34,26 @@ type Current = (u64, Vec<u8>);
 #[derive(Debug, Clone)]
 pub struct Routing {
     current: watch::Receiver<Current>,
+    /// The leading monitor's MonitorService address; empty: none published.
+    monitor: watch::Receiver<String>,
 }
 
-/// Polls the DPM for the map of record and publishes newer versions on `tx`.
-pub async fn poll_dpm(dpm: String, poll: Duration, tx: watch::Sender<Current>) {
+fn reply((version, map): Current, monitor: &watch::Receiver<String>) -> pb::ClusterMapReply {
+    pb::ClusterMapReply {
+        version,
+        map,
+        monitor: monitor.borrow().clone(),
+    }
+}
+
+/// Polls the DPM for the map of record and publishes newer versions on `tx`, and the monitor's
+/// address on `monitor`.
+pub async fn poll_dpm(
+    dpm: String,
+    poll: Duration,
+    tx: watch::Sender<Current>,
+    monitor: watch::Sender<String>,
+) {
     let mut client: Option<DpmServiceClient<tonic::transport::Channel>> = None;
     let mut warned = false;
     loop {
@@ -76,6 +96,30 @@ pub async fn poll_dpm(dpm: String, poll: Duration, tx: watch::Sender<Current>) {
                 }
             }
         }
+        if let Some(c) = client.as_mut() {
+            // A failed read keeps the address last seen: a monitor does not move often, and a
+            // stale address costs only undelivered latency reports.
+            if let Ok(r) = c
+                .get_metadata(GetMetadataRequest {
+                    name: dinomo_proto::MONITOR_ENDPOINT_KEY.into(),
+                })
+                .await
+            {
+                let addr = r
+                    .into_inner()
+                    .value
+                    .and_then(|v| String::from_utf8(v).ok())
+                    .unwrap_or_default();
+                monitor.send_if_modified(|m| {
+                    if *m == addr {
+                        return false;
+                    }
+                    tracing::info!(monitor = %addr, "the monitor's address changed");
+                    *m = addr;
+                    true
+                });
+            }
+        }
         tokio::time::sleep(poll).await;
     }
 }
@@ -99,7 +143,7 @@ impl RoutingService for Routing {
             ));
         }
         metrics::counter!("dinomo_routing_map_requests_total").increment(1);
-        Ok(Response::new(pb::ClusterMapReply { version, map }))
+        Ok(Response::new(reply((version, map), &self.monitor)))
     }
 
     type WatchClusterMapStream = MapStream;
@@ -110,19 +154,13 @@ impl RoutingService for Routing {
     ) -> Result<Response<Self::WatchClusterMapStream>, Status> {
         let mut known = req.into_inner().known_version;
         let mut rx = self.current.clone();
+        let monitor = self.monitor.clone();
         let stream = async_stream(move |tx| async move {
             loop {
                 let next = { rx.borrow_and_update().clone() };
                 if next.0 > known {
                     known = next.0;
-                    if tx
-                        .send(Ok(pb::ClusterMapReply {
-                            version: next.0,
-                            map: next.1,
-                        }))
-                        .await
-                        .is_err()
-                    {
+                    if tx.send(Ok(reply(next, &monitor))).await.is_err() {
                         return;
                     }
                 }
@@ -158,7 +196,8 @@ pub async fn run(
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let (tx, rx) = watch::channel((0u64, Vec::new()));
-    let poller = tokio::spawn(poll_dpm(dpm, poll, tx));
+    let (monitor_tx, monitor) = watch::channel(String::new());
+    let poller = tokio::spawn(poll_dpm(dpm, poll, tx, monitor_tx));
     let addr: SocketAddr = listener.local_addr()?;
     tracing::info!(%addr, "routing-node serving");
     // Ready for a probe once it holds a cluster map to hand out.
@@ -168,7 +207,10 @@ pub async fn run(
     let health_task = health.follow("routing-node", move || probed.borrow().0 > 0);
     let r = tonic::transport::Server::builder()
         .add_service(health_service)
-        .add_service(RoutingServiceServer::new(Routing { current: rx }))
+        .add_service(RoutingServiceServer::new(Routing {
+            current: rx,
+            monitor,
+        }))
         .serve_with_incoming_shutdown(dinomo_proto::nodelay_incoming(listener), shutdown)
         .await;
     poller.abort();
@@ -187,7 +229,10 @@ mod tests {
     #[tokio::test]
     async fn a_dropped_watch_ends_its_task_without_waiting_for_a_new_map() {
         let (tx, rx) = watch::channel((1u64, vec![1u8]));
-        let routing = Routing { current: rx };
+        let routing = Routing {
+            current: rx,
+            monitor: watch::channel(String::new()).1,
+        };
         let mut stream = routing
             .watch_cluster_map(Request::new(pb::WatchClusterMapRequest {
                 known_version: 0,
@@ -206,6 +251,40 @@ mod tests {
             tx.receiver_count(),
             1,
             "the watch task outlived its client while no new map was published"
+        );
+    }
+
+    /// Clients learn the monitor's address with the map (issue 12: no client reported
+    /// latencies unless told where the monitor was, so the policy saw a loaded cluster as idle).
+    #[tokio::test]
+    async fn the_map_comes_with_the_monitor_address() {
+        let (_tx, rx) = watch::channel((3u64, vec![1u8]));
+        let (monitor_tx, monitor) = watch::channel(String::new());
+        let routing = Routing {
+            current: rx,
+            monitor,
+        };
+        let get = || async {
+            routing
+                .get_cluster_map(Request::new(pb::GetClusterMapRequest { newer_than: None }))
+                .await
+                .unwrap()
+                .into_inner()
+        };
+        assert_eq!(get().await.monitor, "", "none published yet");
+        monitor_tx.send_replace("10.0.0.9:7600".into());
+        let r = get().await;
+        assert_eq!((r.version, r.monitor.as_str()), (3, "10.0.0.9:7600"));
+        let mut stream = routing
+            .watch_cluster_map(Request::new(pb::WatchClusterMapRequest {
+                known_version: 0,
+            }))
+            .await
+            .unwrap()
+            .into_inner();
+        assert_eq!(
+            stream.next().await.unwrap().unwrap().monitor,
+            "10.0.0.9:7600"
         );
     }
 }

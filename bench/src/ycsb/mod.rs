@@ -119,6 +119,12 @@ pub struct BenchArgs {
     /// Also write the summary as JSON to this file.
     #[arg(long)]
     pub json: Option<PathBuf>,
+
+    /// Do not report client latencies to the cluster's monitor (by default the SDK reports
+    /// them to the monitor the routing nodes name: without them the monitor's policy takes a
+    /// loaded cluster for an idle one and may remove KNs in the middle of the run).
+    #[arg(long)]
+    pub no_latency_reports: bool,
 }
 
 impl Default for BenchArgs {
@@ -226,7 +232,8 @@ async fn connect(plan: &Plan, args: &BenchArgs) -> anyhow::Result<Connections> {
     match &plan.target {
         TargetSpec::Dinomo(routing) => {
             for _ in 0..args.clients {
-                let t = DinomoTarget::connect(routing, args.write_mode).await?;
+                let t = DinomoTarget::connect(routing, args.write_mode, !args.no_latency_reports)
+                    .await?;
                 dinomo.get_or_insert_with(|| t.clone());
                 targets.push(Arc::new(t));
             }

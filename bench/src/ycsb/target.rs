@@ -142,13 +142,18 @@ pub struct DinomoTarget {
 }
 
 impl DinomoTarget {
-    /// Connects through the routing nodes `routing` (host:port each).
-    pub async fn connect(routing: &[String], mode: WriteMode) -> anyhow::Result<Self> {
-        let client = Client::connect_with(ClientConfig::new(routing))
-            .await
-            .with_context(|| {
-                format!("connecting to Dinomo routing node(s) {}", routing.join(","))
-            })?;
+    /// Connects through the routing nodes `routing` (host:port each); `report_latency`: see
+    /// [`ClientConfig::report_latency`].
+    pub async fn connect(
+        routing: &[String],
+        mode: WriteMode,
+        report_latency: bool,
+    ) -> anyhow::Result<Self> {
+        let mut cfg = ClientConfig::new(routing);
+        cfg.report_latency = report_latency;
+        let client = Client::connect_with(cfg).await.with_context(|| {
+            format!("connecting to Dinomo routing node(s) {}", routing.join(","))
+        })?;
         Ok(DinomoTarget { client, mode })
     }
 

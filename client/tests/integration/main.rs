@@ -1,3 +1,4 @@
 //! The client against fake nodes on loopback: what it does with each kind of failure.
 
+mod latency_reports;
 mod write_outcome;

@@ -28,6 +28,7 @@ impl RoutingService for FixedMap {
         Ok(Response::new(pb::ClusterMapReply {
             version: 1,
             map: self.0.clone(),
+            monitor: String::new(),
         }))
     }
 

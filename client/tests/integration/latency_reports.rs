@@ -1,0 +1,165 @@
+//! Latency reports go, by default, to the monitor the routing node names with the map, and
+//! nowhere when switched off (issue 12: no client reported unless told where the monitor was,
+//! so the monitor took a loaded cluster for an idle one and removed a KN).
+
+use std::pin::Pin;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use dinomo_client::{Client, ClientConfig};
+use dinomo_placement::{ClusterMap, KnInfo};
+use dinomo_proto::monitor as mpb;
+use dinomo_proto::monitor::monitor_service_server::{MonitorService, MonitorServiceServer};
+use dinomo_proto::routing as pb;
+use dinomo_proto::routing::routing_service_server::{RoutingService, RoutingServiceServer};
+use tonic::{Request, Response, Status};
+
+/// A routing node serving one map (its only KN refuses connections) and a monitor address.
+struct Routing {
+    map: Vec<u8>,
+    monitor: String,
+}
+
+type MapStream = Pin<Box<dyn futures::Stream<Item = Result<pb::ClusterMapReply, Status>> + Send>>;
+
+#[tonic::async_trait]
+impl RoutingService for Routing {
+    async fn get_cluster_map(
+        &self,
+        _: Request<pb::GetClusterMapRequest>,
+    ) -> Result<Response<pb::ClusterMapReply>, Status> {
+        Ok(Response::new(pb::ClusterMapReply {
+            version: 1,
+            map: self.map.clone(),
+            monitor: self.monitor.clone(),
+        }))
+    }
+
+    type WatchClusterMapStream = MapStream;
+
+    async fn watch_cluster_map(
+        &self,
+        _: Request<pb::WatchClusterMapRequest>,
+    ) -> Result<Response<MapStream>, Status> {
+        Err(Status::unimplemented("not in this test"))
+    }
+}
+
+/// A monitor that keeps the latency reports it receives.
+#[derive(Clone, Default)]
+struct Reports(Arc<Mutex<Vec<mpb::LatencyReport>>>);
+
+impl Reports {
+    fn count(&self) -> u64 {
+        self.0.lock().unwrap().iter().map(|r| r.count).sum()
+    }
+}
+
+#[tonic::async_trait]
+impl MonitorService for Reports {
+    async fn report_latency(
+        &self,
+        r: Request<mpb::LatencyReport>,
+    ) -> Result<Response<mpb::LatencyReply>, Status> {
+        self.0.lock().unwrap().push(r.into_inner());
+        Ok(Response::new(mpb::LatencyReply {
+            report_every_ms: 100,
+        }))
+    }
+    async fn status(
+        &self,
+        _: Request<mpb::StatusRequest>,
+    ) -> Result<Response<mpb::StatusReply>, Status> {
+        Err(Status::unimplemented("not in this test"))
+    }
+    async fn add_kn(
+        &self,
+        _: Request<mpb::AddKnRequest>,
+    ) -> Result<Response<mpb::ActionReply>, Status> {
+        Err(Status::unimplemented("not in this test"))
+    }
+    async fn remove_kn(
+        &self,
+        _: Request<mpb::KnRequest>,
+    ) -> Result<Response<mpb::ActionReply>, Status> {
+        Err(Status::unimplemented("not in this test"))
+    }
+    async fn fail_kn(
+        &self,
+        _: Request<mpb::KnRequest>,
+    ) -> Result<Response<mpb::ActionReply>, Status> {
+        Err(Status::unimplemented("not in this test"))
+    }
+    async fn set_policy(
+        &self,
+        _: Request<mpb::PolicyRequest>,
+    ) -> Result<Response<mpb::PolicyReply>, Status> {
+        Err(Status::unimplemented("not in this test"))
+    }
+}
+
+async fn listener() -> (tokio::net::TcpListener, String) {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = l.local_addr().unwrap().to_string();
+    (l, addr)
+}
+
+/// A fake monitor, and a client with `report_latency` through a routing node naming it.
+/// Every operation of the client ends in a deadline (its KN refuses connections), which is
+/// recorded and reported like any other outcome.
+async fn setup(report_latency: bool) -> (Client, Reports, String) {
+    let reports = Reports::default();
+    let (ml, monitor) = listener().await;
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(MonitorServiceServer::new(reports.clone()))
+            .serve_with_incoming(dinomo_proto::nodelay_incoming(ml)),
+    );
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let map = ClusterMap::new(
+        vec![KnInfo {
+            id: 1,
+            endpoint: closed.to_string(),
+        }],
+        16,
+        1,
+    )
+    .unwrap();
+    let (rl, routing) = listener().await;
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(RoutingServiceServer::new(Routing {
+                map: map.encode(),
+                monitor: monitor.clone(),
+            }))
+            .serve_with_incoming(dinomo_proto::nodelay_incoming(rl)),
+    );
+    let mut cfg = ClientConfig::new(&[routing]);
+    cfg.deadline = Duration::from_millis(100);
+    cfg.report_every = Duration::from_millis(100);
+    cfg.report_latency = report_latency;
+    (Client::connect_with(cfg).await.unwrap(), reports, monitor)
+}
+
+#[tokio::test]
+async fn a_default_client_reports_to_the_monitor_the_routing_node_names() {
+    let (client, reports, monitor) = setup(true).await;
+    assert_eq!(client.monitor().as_deref(), Some(monitor.as_str()));
+    assert!(client.get("k").await.is_err());
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while reports.count() == 0 && tokio::time::Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(reports.count(), 1, "the one operation, reported once");
+}
+
+#[tokio::test]
+async fn a_client_that_opted_out_reports_nothing() {
+    let (client, reports, _) = setup(false).await;
+    assert!(client.get("k").await.is_err());
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(reports.count(), 0);
+}
