@@ -8,6 +8,7 @@
 //! - [`target`]: the [`Target`] trait and its Dinomo and Redis implementations.
 //! - [`driver`]: client tasks with a fixed number of requests in flight, warm-up, bounds.
 //! - [`report`]: the [`Summary`] printed as a table and written as JSON.
+//! - [`cpu`]: CPU time per operation of the client and of the local Dinomo processes.
 //!
 //! A run: connect one [`Target`] per client; with `--load`, insert `--records` keys (key
 //! numbers `0..records`, in parallel, with a progress bar); then run the workload until
@@ -20,6 +21,7 @@
 //!
 //! Nothing here asserts on time: the unit tests check distributions and bookkeeping only.
 
+pub mod cpu;
 pub mod driver;
 pub mod generator;
 pub mod report;
@@ -337,7 +339,19 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
         (Some(d), true) => Some(d.kn_stats().await),
         _ => None,
     };
+    // CPU time is read at the same two moments (at the start of the measured run, and when it
+    // ends).
+    let cpu_early = warmup.is_zero().then(cpu::CpuSnapshot::take);
     let start = Instant::now();
+    let cpu_before = async {
+        match cpu_early {
+            Some(s) => s,
+            None => {
+                tokio::time::sleep_until((start + warmup).into()).await;
+                cpu::CpuSnapshot::take()
+            }
+        }
+    };
     let snapshot_before = async {
         if early.is_some() {
             return early;
@@ -346,12 +360,15 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
         tokio::time::sleep_until((start + warmup).into()).await;
         Some(d.kn_stats().await)
     };
-    let (outcome, before) = tokio::join!(
+    let (outcome, before, cpu_before) = tokio::join!(
         driver::run_phase(&conns.targets, env, spec, start),
-        snapshot_before
+        snapshot_before,
+        cpu_before
     );
+    let cpu_after = cpu::CpuSnapshot::take();
     let outcome = outcome?;
     let run = PhaseSummary::new(&outcome.recorder, outcome.measured);
+    let cpu = cpu_before.per_op(&cpu_after, run.ops);
 
     let (dinomo, dinomo_stats_error) = match (&conns.dinomo, before) {
         (Some(d), Some(Ok(before))) => match d.kn_stats().await {
@@ -383,6 +400,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
         run,
         dinomo,
         dinomo_stats_error,
+        cpu,
     };
     print!("{}", summary.render());
     if let Some(path) = &args.json {

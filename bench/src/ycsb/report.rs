@@ -9,6 +9,7 @@ use dinomo_proto::kv::KnStatsResponse;
 use hdrhistogram::Histogram;
 use serde::Serialize;
 
+use super::cpu::CpuUse;
 use super::driver::Recorder;
 use super::target::WriteMode;
 use super::workload::{Mix, OpKind};
@@ -199,6 +200,9 @@ pub struct Summary {
     pub dinomo: Option<DinomoStats>,
     /// Dinomo only: why the KV node counters could not be read.
     pub dinomo_stats_error: Option<String>,
+    /// CPU per operation of the measured run: this process ("client") and every Dinomo node
+    /// process on this machine ([`super::cpu`]); empty without /proc.
+    pub cpu: Vec<CpuUse>,
 }
 
 fn us(x: f64) -> String {
@@ -350,6 +354,27 @@ impl Summary {
         if let Some(e) = &self.dinomo_stats_error {
             let _ = writeln!(out, "\nDinomo KV node counters unavailable: {e}");
         }
+        if !self.cpu.is_empty() {
+            let _ = writeln!(
+                out,
+                "\nCPU over the run (from /proc: this client and the Dinomo processes on this machine)"
+            );
+            let mut t = Table::new(&[
+                ("process", Align::Left),
+                ("pid", Align::Right),
+                ("CPU s", Align::Right),
+                ("CPU us/op", Align::Right),
+            ]);
+            for c in &self.cpu {
+                t.row(vec![
+                    c.name.clone(),
+                    c.pid.to_string(),
+                    format!("{:.2}", c.cpu_s),
+                    format!("{:.1}", c.us_per_op),
+                ]);
+            }
+            out.push_str(&t.render());
+        }
         out
     }
 }
@@ -434,9 +459,16 @@ mod tests {
             run,
             dinomo: Some(DinomoStats::default()),
             dinomo_stats_error: None,
+            cpu: vec![CpuUse {
+                name: "kv-node 1".into(),
+                pid: 42,
+                cpu_s: 1.5,
+                us_per_op: 35.25,
+            }],
         };
         let text = s.render();
         assert!(text.contains("READ"), "{text}");
+        assert!(text.contains("kv-node 1") && text.contains("35.2"), "{text}");
         assert!(text.contains("not_found: 1"), "{text}");
         assert!(text.contains("RTs/op"), "{text}");
         let json: serde_json::Value = serde_json::to_value(&s).unwrap();
