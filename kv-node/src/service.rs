@@ -1,5 +1,6 @@
 //! KvService over gRPC: requests become [`ShardOp`]s, [`KvError`]s become statuses (error.rs).
 
+use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::Arc;
 
@@ -96,6 +97,58 @@ async fn run_one(node: &KvNode, req: pb::KvRequest) -> pb::KvResponse {
     response(id, r)
 }
 
+/// Runs the requests of one Batch: those on distinct keys concurrently, those naming the same
+/// key one at a time in the order given (a client coalesces concurrent operations into one
+/// batch, and a hot key may well appear in it more than once; only its own operations wait
+/// for each other). Responses come back in the requests' order.
+async fn run_batch(node: &KvNode, reqs: Vec<pb::KvRequest>) -> Vec<pb::KvResponse> {
+    // The group (the run of one key's operations) of each request, numbered in order of
+    // first appearance; a request without an operation is a group of its own.
+    let group_of: Vec<usize> = {
+        let mut first: HashMap<&[u8], usize> = HashMap::with_capacity(reqs.len());
+        let mut groups = 0;
+        reqs.iter()
+            .map(|r| {
+                let new = groups;
+                let g = match key_of(r) {
+                    Some(k) => *first.entry(k).or_insert(new),
+                    None => new,
+                };
+                if g == new {
+                    groups += 1;
+                }
+                g
+            })
+            .collect()
+    };
+    let n = reqs.len();
+    let groups = group_of.iter().max().map_or(0, |g| g + 1);
+    if groups == n {
+        // Every key distinct (the usual case): all at once.
+        return futures::future::join_all(reqs.into_iter().map(|r| run_one(node, r))).await;
+    }
+    let mut runs: Vec<Vec<(usize, pb::KvRequest)>> = (0..groups).map(|_| Vec::new()).collect();
+    for (i, (r, g)) in reqs.into_iter().zip(group_of).enumerate() {
+        runs[g].push((i, r));
+    }
+    let done = futures::future::join_all(runs.into_iter().map(|run| async move {
+        let mut out = Vec::with_capacity(run.len());
+        for (i, r) in run {
+            out.push((i, run_one(node, r).await));
+        }
+        out
+    }))
+    .await;
+    let mut responses: Vec<Option<pb::KvResponse>> = (0..n).map(|_| None).collect();
+    for (i, r) in done.into_iter().flatten() {
+        responses[i] = Some(r);
+    }
+    responses
+        .into_iter()
+        .map(|r| r.expect("every request of a batch is in one run"))
+        .collect()
+}
+
 /// Most requests of one Pipeline stream that the KN works on at once (running, or answered and
 /// waiting for room in the response channel). Without a bound, a client that streams faster
 /// than the shards answer makes the KN accept and hold every request it sends. With it, a
@@ -188,19 +241,7 @@ impl KvService for KvGrpc {
         if reqs.is_empty() {
             return Err(KvError::InvalidArgument("an empty batch".into()).into());
         }
-        // Operations on distinct keys run concurrently; a batch that names a key twice runs in
-        // the order given, one operation at a time.
-        let mut seen = std::collections::HashSet::new();
-        let distinct = reqs.iter().all(|r| seen.insert(key_of(r)));
-        let responses = if distinct {
-            futures::future::join_all(reqs.into_iter().map(|r| run_one(&self.node, r))).await
-        } else {
-            let mut out = Vec::with_capacity(reqs.len());
-            for r in reqs {
-                out.push(run_one(&self.node, r).await);
-            }
-            out
-        };
+        let responses = run_batch(&self.node, reqs).await;
         Ok(Response::new(pb::BatchResponse { responses }))
     }
 

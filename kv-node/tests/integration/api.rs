@@ -170,6 +170,58 @@ async fn crud_modes_and_bad_input() {
     );
     assert_eq!(r[2].value, b"1");
 
+    // Interleaved keys (as a client coalescing concurrent operations sends them): each key's
+    // operations run in the batch's order, whatever the other keys do.
+    let op = |id: u64, o: kv_request::Op| KvRequest { id, op: Some(o) };
+    let get = |k: &[u8]| kv_request::Op::Get(GetRequest { key: k.to_vec() });
+    let upsert = |k: &[u8], v: &[u8]| kv_request::Op::Put(put(k, v, PutMode::Upsert));
+    let reqs = vec![
+        op(10, upsert(b"ia", b"1")),
+        op(11, upsert(b"ib", b"1")),
+        op(12, upsert(b"ia", b"2")),
+        op(13, get(b"ia")),
+        op(14, get(b"ib")),
+        op(15, upsert(b"ib", b"2")),
+        op(16, get(b"ib")),
+        op(17, get(b"ic")),
+        op(
+            18,
+            kv_request::Op::Delete(DeleteRequest {
+                key: b"ia".to_vec(),
+            }),
+        ),
+        op(19, get(b"ia")),
+    ];
+    let r = c
+        .batch(BatchRequest { requests: reqs })
+        .await
+        .unwrap()
+        .into_inner()
+        .responses;
+    let ids: Vec<u64> = r.iter().map(|x| x.id).collect();
+    assert_eq!(
+        ids,
+        (10..20).collect::<Vec<_>>(),
+        "answers in request order"
+    );
+    let got: Vec<(i32, &[u8])> = r.iter().map(|x| (x.code, &x.value[..])).collect();
+    let nf = Code::NotFound as i32;
+    assert_eq!(
+        got,
+        vec![
+            (0, &b""[..]),
+            (0, b""),
+            (0, b""),
+            (0, b"2"),
+            (0, b"1"),
+            (0, b""),
+            (0, b"2"),
+            (nf, b""),
+            (0, b""),
+            (nf, b""),
+        ]
+    );
+
     // Pipelining: many requests in flight on one stream.
     let reqs: Vec<KvRequest> = (0..200u64)
         .map(|i| KvRequest {
