@@ -433,7 +433,7 @@ async fn prepare_kns(
     dead: &[KnId],
     report: &mut ReconfigReport,
 ) -> Vec<(KnId, KvServiceClient<Channel>)> {
-    let bytes = next.encode();
+    let bytes = bytes::Bytes::from(next.encode());
     let mut prepared = Vec::new();
     for &kn in &report.affected {
         if dead.contains(&kn) {
@@ -562,7 +562,7 @@ async fn finish<L: Leadership>(
             .await
             .map_err(|s| publish_error(next, &s))?;
     }
-    let bytes = next.encode();
+    let bytes = bytes::Bytes::from(next.encode());
     for (kn, mut c) in prepared {
         if next.contains(kn) {
             if let Err(s) = c.commit_map(MapRequest { map: bytes.clone() }).await {
@@ -709,7 +709,7 @@ pub async fn resolve_unfinished<L: Leadership>(
 /// CommitMap(`map`) to each endpoint, best effort. A KN whose transition is newer than `map`
 /// takes it as a hint: it asks the DPM whether its change is still recorded, and resumes if not.
 async fn nudge(map: &ClusterMap, endpoints: &[String]) {
-    let bytes = map.encode();
+    let bytes = bytes::Bytes::from(map.encode());
     for ep in endpoints {
         if let Some(mut c) = kn_client(ep).await {
             if let Err(s) = c.commit_map(MapRequest { map: bytes.clone() }).await {

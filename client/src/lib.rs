@@ -6,8 +6,10 @@
 //! the client refreshes its map and retries with a bounded, jittered backoff until the request's
 //! deadline. A write whose outcome cannot be known (the node or the connection died while it
 //! was in flight) is never retried blindly: it fails with [`ClientError::OutcomeUnknown`].
-//! Clones share the map and the connection pool (one multiplexed HTTP/2 channel per node), so
-//! many concurrent calls from one client are pipelined on few connections.
+//! Clones share the map and the connection pool: one HTTP/2 channel per node, and on it one
+//! long-lived `Pipeline` stream (`stream`) that carries every operation of this client to that
+//! node, so that operations in flight together share frames and system calls instead of each
+//! paying for an RPC of its own.
 //!
 //! Every client reports its latencies to the cluster's monitor (the SLO policy's input) unless
 //! [`ClientConfig::report_latency`] is false: to [`ClientConfig::monitor`] when set, else to
@@ -33,6 +35,7 @@
 pub mod admin;
 mod error;
 mod latency;
+mod stream;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -116,17 +119,17 @@ impl Op {
         use pb::kv_request::Op as R;
         let put = |k: &Bytes, v: &Bytes, mode: pb::PutMode| {
             R::Put(pb::PutRequest {
-                key: k.to_vec(),
-                value: v.to_vec(),
+                key: k.clone(),
+                value: v.clone(),
                 mode: mode as i32,
             })
         };
         let op = match self {
-            Op::Get(k) => R::Get(pb::GetRequest { key: k.to_vec() }),
+            Op::Get(k) => R::Get(pb::GetRequest { key: k.clone() }),
             Op::Put(k, v) => put(k, v, pb::PutMode::Upsert),
             Op::Insert(k, v) => put(k, v, pb::PutMode::Insert),
             Op::Update(k, v) => put(k, v, pb::PutMode::Update),
-            Op::Delete(k) => R::Delete(pb::DeleteRequest { key: k.to_vec() }),
+            Op::Delete(k) => R::Delete(pb::DeleteRequest { key: k.clone() }),
         };
         pb::KvRequest { id, op: Some(op) }
     }
@@ -142,7 +145,8 @@ struct Shared {
     /// None only until `connect` has fetched the first map.
     map: RwLock<Option<Arc<ClusterMap>>>,
     routing: Mutex<(usize, HashMap<String, RoutingServiceClient<Channel>>)>,
-    nodes: Mutex<HashMap<String, KvServiceClient<Channel>>>,
+    /// One Pipeline stream per KV node endpoint ([`stream`]).
+    nodes: Mutex<HashMap<String, stream::NodeStream>>,
     latency: Arc<latency::Recorder>,
     /// Where latencies go now: `cfg.monitor`, else the monitor the routing nodes named last.
     monitor: Arc<RwLock<Option<String>>>,
@@ -303,13 +307,16 @@ impl Client {
         self.shared.monitor.read().clone()
     }
 
-    fn node(&self, endpoint: &str) -> Result<KvServiceClient<Channel>> {
+    fn node(&self, endpoint: &str) -> Result<stream::NodeStream> {
         let mut nodes = self.shared.nodes.lock();
         if let Some(c) = nodes.get(endpoint) {
             return Ok(c.clone());
         }
-        let c = KvServiceClient::new(channel(endpoint, self.shared.cfg.rpc_timeout)?)
-            .max_decoding_message_size(64 << 20);
+        let c = stream::NodeStream::new(
+            KvServiceClient::new(channel(endpoint, self.shared.cfg.rpc_timeout)?)
+                .max_decoding_message_size(64 << 20),
+            self.shared.cfg.rpc_timeout,
+        );
         nodes.insert(endpoint.to_string(), c.clone());
         Ok(c)
     }
@@ -351,24 +358,18 @@ impl Client {
             let map = self.map();
             let owner = Self::pick_owner(&map, op.key());
             *last_kn = owner;
-            let last = match owner.and_then(|kn| map.endpoint(kn).map(str::to_string)) {
+            let last = match owner.and_then(|kn| map.endpoint(kn)) {
                 None => format!("no KV node owns the key under map version {}", map.version),
                 Some(endpoint) => {
-                    let mut node = self.node(&endpoint)?;
-                    let r = node
-                        .batch(pb::BatchRequest {
-                            requests: vec![op.to_request(0)],
-                        })
-                        .await;
+                    // Sent on the node's stream, in the same frames as whatever else this client
+                    // has queued for the node.
+                    let r = self.node(endpoint)?.call(op.to_request(0)).await;
                     match r {
-                        Ok(resp) => {
-                            let Some(x) = resp.into_inner().responses.pop() else {
-                                return Err(ClientError::Other("empty batch response".into()));
-                            };
+                        Ok(x) => {
                             match Code::from_i32(x.code) {
                                 Code::Ok => {
                                     return Ok(match op {
-                                        Op::Get(_) => Some(Bytes::from(x.value)),
+                                        Op::Get(_) => Some(x.value),
                                         Op::Delete(_) => Some(Bytes::new()),
                                         _ => None,
                                     })

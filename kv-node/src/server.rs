@@ -48,8 +48,12 @@ pub async fn run(
     let (health, health_service) = dinomo_node_common::health::Health::new().await;
     let shutdown = health.on_shutdown(shutdown);
     let (stopping_tx, stopping_rx) = tokio::sync::oneshot::channel::<()>();
+    let (streams_stop, streams_stopping) = tokio::sync::watch::channel(false);
     let signal = async move {
         shutdown.await;
+        // Clients hold their Pipeline streams open for good: end them (once their requests
+        // in flight are answered) so that the graceful shutdown can finish.
+        let _ = streams_stop.send(true);
         let _ = stopping_tx.send(());
     };
     let probed = node.clone();
@@ -59,7 +63,8 @@ pub async fn run(
     let serve = tonic::transport::Server::builder()
         .add_service(health_service)
         .add_service(
-            KvServiceServer::new(KvGrpc::new(node.clone())).max_decoding_message_size(64 << 20),
+            KvServiceServer::new(KvGrpc::with_shutdown(node.clone(), streams_stopping))
+                .max_decoding_message_size(64 << 20),
         )
         .serve_with_incoming_shutdown(dinomo_proto::nodelay_incoming(listener), signal);
     let served = tokio::select! {

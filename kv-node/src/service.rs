@@ -17,11 +17,38 @@ use crate::shard::{PutMode, ShardOp};
 #[derive(Debug, Clone)]
 pub struct KvGrpc {
     node: Arc<KvNode>,
+    /// Turns true when the server starts shutting down: Pipeline streams then stop reading
+    /// and end once their requests in flight are answered (clients keep one stream per KN
+    /// open for good, so a graceful shutdown would otherwise wait for them forever).
+    stopping: Option<tokio::sync::watch::Receiver<bool>>,
 }
 
 impl KvGrpc {
+    /// A service whose streams end only when their clients end them.
     pub fn new(node: Arc<KvNode>) -> Self {
-        KvGrpc { node }
+        KvGrpc {
+            node,
+            stopping: None,
+        }
+    }
+
+    /// A service whose Pipeline streams end when `stopping` turns true (or its sender is
+    /// dropped).
+    pub fn with_shutdown(node: Arc<KvNode>, stopping: tokio::sync::watch::Receiver<bool>) -> Self {
+        KvGrpc {
+            node,
+            stopping: Some(stopping),
+        }
+    }
+}
+
+/// Resolves when `stopping` turns true or its sender is gone; never without one.
+async fn stopped(stopping: &mut Option<tokio::sync::watch::Receiver<bool>>) {
+    match stopping {
+        Some(rx) => {
+            let _ = rx.wait_for(|s| *s).await;
+        }
+        None => std::future::pending().await,
     }
 }
 
@@ -36,20 +63,25 @@ fn put_mode(m: i32) -> KvResult<PutMode> {
     }
 }
 
+/// A key or value of a request, in a buffer of its own. Decoded `Bytes` are views into the
+/// buffer the request arrived in (8 KiB and more, shared with its neighbours); a key or value
+/// that the KN keeps (cache, unmerged log, pending writes) would keep that whole buffer alive
+/// while the cache budget counts only its own length. One copy here, as prost's `Vec` decoding
+/// made before.
+fn owned(b: Bytes) -> Bytes {
+    Bytes::copy_from_slice(&b)
+}
+
 /// Decodes one pipelined/batched request.
 fn op_of(req: pb::KvRequest) -> KvResult<ShardOp> {
     match req.op {
-        Some(pb::kv_request::Op::Get(g)) => Ok(ShardOp::Get {
-            key: Bytes::from(g.key),
-        }),
+        Some(pb::kv_request::Op::Get(g)) => Ok(ShardOp::Get { key: owned(g.key) }),
         Some(pb::kv_request::Op::Put(p)) => Ok(ShardOp::Put {
             mode: put_mode(p.mode)?,
-            key: Bytes::from(p.key),
-            value: Bytes::from(p.value),
+            key: owned(p.key),
+            value: owned(p.value),
         }),
-        Some(pb::kv_request::Op::Delete(d)) => Ok(ShardOp::Delete {
-            key: Bytes::from(d.key),
-        }),
+        Some(pb::kv_request::Op::Delete(d)) => Ok(ShardOp::Delete { key: owned(d.key) }),
         None => Err(KvError::InvalidArgument(
             "request without an operation (get, put or delete)".into(),
         )),
@@ -61,7 +93,7 @@ fn response(id: u64, r: KvResult<Option<Bytes>>) -> pb::KvResponse {
         Ok(v) => pb::KvResponse {
             id,
             code: 0,
-            value: v.map(|b| b.to_vec()).unwrap_or_default(),
+            value: v.unwrap_or_default(),
             ..Default::default()
         },
         Err(e) => pb::KvResponse {
@@ -69,7 +101,7 @@ fn response(id: u64, r: KvResult<Option<Bytes>>) -> pb::KvResponse {
             code: e.code() as i32,
             message: e.to_string(),
             map_version: e.map_version(),
-            value: Vec::new(),
+            value: Bytes::new(),
         },
     }
 }
@@ -170,6 +202,7 @@ const PIPELINE_RESPONSE_QUEUE: usize = 1024;
 fn drive_pipeline<S, F, Fut>(
     mut incoming: S,
     max_in_flight: usize,
+    mut stopping: Option<tokio::sync::watch::Receiver<bool>>,
     run: F,
 ) -> tokio::sync::mpsc::Receiver<Result<pb::KvResponse, Status>>
 where
@@ -184,8 +217,14 @@ where
             let Ok(slot) = slots.clone().acquire_owned().await else {
                 break; // never closed
             };
-            // The stream ends, fails, or nobody reads the answers any more: stop reading.
-            let Some(Ok(r)) = incoming.next().await else {
+            // The stream ends, fails, or nobody reads the answers any more, or the server is
+            // shutting down: stop reading.
+            let next = tokio::select! {
+                biased;
+                _ = stopped(&mut stopping) => None,
+                r = incoming.next() => r,
+            };
+            let Some(Ok(r)) = next else {
                 break;
             };
             if tx.is_closed() {
@@ -206,10 +245,10 @@ type ResponseStream = Pin<Box<dyn Stream<Item = Result<pb::KvResponse, Status>> 
 #[tonic::async_trait]
 impl KvService for KvGrpc {
     async fn get(&self, req: Request<pb::GetRequest>) -> Result<Response<pb::GetResponse>, Status> {
-        let key = Bytes::from(req.into_inner().key);
+        let key = owned(req.into_inner().key);
         let v = self.node.execute(ShardOp::Get { key }).await?;
         Ok(Response::new(pb::GetResponse {
-            value: v.map(|b| b.to_vec()).unwrap_or_default(),
+            value: v.unwrap_or_default(),
         }))
     }
 
@@ -217,8 +256,8 @@ impl KvService for KvGrpc {
         let r = req.into_inner();
         let op = ShardOp::Put {
             mode: put_mode(r.mode)?,
-            key: Bytes::from(r.key),
-            value: Bytes::from(r.value),
+            key: owned(r.key),
+            value: owned(r.value),
         };
         self.node.execute(op).await?;
         Ok(Response::new(pb::PutResponse {}))
@@ -228,7 +267,7 @@ impl KvService for KvGrpc {
         &self,
         req: Request<pb::DeleteRequest>,
     ) -> Result<Response<pb::DeleteResponse>, Status> {
-        let key = Bytes::from(req.into_inner().key);
+        let key = owned(req.into_inner().key);
         self.node.execute(ShardOp::Delete { key }).await?;
         Ok(Response::new(pb::DeleteResponse {}))
     }
@@ -255,6 +294,7 @@ impl KvService for KvGrpc {
         let rx = drive_pipeline(
             req.into_inner(),
             PIPELINE_MAX_IN_FLIGHT,
+            self.stopping.clone(),
             move |r: pb::KvRequest| {
                 let node = node.clone();
                 async move { run_one(&node, r).await }
@@ -316,10 +356,7 @@ impl KvService for KvGrpc {
             top_keys: s
                 .top_keys
                 .into_iter()
-                .map(|(k, c)| pb::KeyCount {
-                    key: k.to_vec(),
-                    count: c,
-                })
+                .map(|(k, c)| pb::KeyCount { key: k, count: c })
                 .collect(),
             batches: s.batches,
             cache_values: s.cache_values,
@@ -340,7 +377,7 @@ mod tests {
         Ok(pb::KvRequest {
             id,
             op: Some(pb::kv_request::Op::Get(pb::GetRequest {
-                key: id.to_be_bytes().to_vec(),
+                key: id.to_be_bytes().to_vec().into(),
             })),
         })
     }
@@ -364,7 +401,7 @@ mod tests {
             r
         });
         let (inf, max, g) = (in_flight.clone(), max_seen.clone(), gate.clone());
-        let mut rx = drive_pipeline(Box::pin(incoming), LIMIT, move |r: pb::KvRequest| {
+        let mut rx = drive_pipeline(Box::pin(incoming), LIMIT, None, move |r: pb::KvRequest| {
             let (inf, max, g) = (inf.clone(), max.clone(), g.clone());
             async move {
                 let now = inf.fetch_add(1, Ordering::SeqCst) + 1;
@@ -406,9 +443,12 @@ mod tests {
             counted.fetch_add(1, Ordering::SeqCst);
             r
         });
-        let rx = drive_pipeline(Box::pin(incoming), LIMIT, |r: pb::KvRequest| async move {
-            response(r.id, Ok(None))
-        });
+        let rx = drive_pipeline(
+            Box::pin(incoming),
+            LIMIT,
+            None,
+            |r: pb::KvRequest| async move { response(r.id, Ok(None)) },
+        );
         tokio::time::sleep(Duration::from_millis(200)).await;
         let r = read.load(Ordering::SeqCst);
         assert!(

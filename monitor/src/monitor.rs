@@ -886,7 +886,7 @@ impl Monitor {
                     },
                 );
                 for k in s.top_keys {
-                    *keys.entry(k.key).or_default() += k.count;
+                    *keys.entry(k.key.to_vec()).or_default() += k.count;
                 }
             }
         }

@@ -251,8 +251,8 @@ async fn kv_nodes_reach_a_fabric_advertised_by_name() {
     loop {
         let r = c
             .put(dinomo_proto::kv::PutRequest {
-                key: b"k".to_vec(),
-                value: b"v".to_vec(),
+                key: b"k".to_vec().into(),
+                value: b"v".to_vec().into(),
                 mode: dinomo_proto::kv::PutMode::Upsert as i32,
             })
             .await;

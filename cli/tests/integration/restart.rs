@@ -55,8 +55,8 @@ async fn a_kn_restarted_without_an_id_serves_its_acknowledged_writes() {
     let mut c = kn_client(&kn.addr).await;
     for i in 0..KEYS {
         c.put(PutRequest {
-            key: format!("k{i}").into_bytes(),
-            value: format!("v{i}").into_bytes(),
+            key: format!("k{i}").into(),
+            value: format!("v{i}").into(),
             mode: PutMode::Upsert as i32,
         })
         .await
@@ -70,7 +70,7 @@ async fn a_kn_restarted_without_an_id_serves_its_acknowledged_writes() {
         let r = tokio::time::timeout(
             Duration::from_secs(10),
             c.get(GetRequest {
-                key: format!("k{i}").into_bytes(),
+                key: format!("k{i}").into(),
             }),
         )
         .await

@@ -14,8 +14,8 @@ use super::harness::{eventually, InProcDpm, KnProcess};
 
 fn put(key: &[u8], value: &[u8], mode: PutMode) -> PutRequest {
     PutRequest {
-        key: key.to_vec(),
-        value: value.to_vec(),
+        key: key.to_vec().into(),
+        value: value.to_vec().into(),
         mode: mode as i32,
     }
 }
@@ -31,24 +31,24 @@ async fn crud_modes_and_bad_input() {
     c.put(put(b"k1", b"v1", PutMode::Upsert)).await.unwrap();
     assert_eq!(
         c.get(GetRequest {
-            key: b"k1".to_vec()
+            key: b"k1"[..].into()
         })
         .await
         .unwrap()
         .into_inner()
         .value,
-        b"v1"
+        &b"v1"[..]
     );
     c.put(put(b"k1", b"v2", PutMode::Update)).await.unwrap();
     assert_eq!(
         c.get(GetRequest {
-            key: b"k1".to_vec()
+            key: b"k1"[..].into()
         })
         .await
         .unwrap()
         .into_inner()
         .value,
-        b"v2"
+        &b"v2"[..]
     );
     let e = c.put(put(b"k1", b"v3", PutMode::Insert)).await.unwrap_err();
     assert_eq!(e.code(), Code::AlreadyExists, "{e:?}");
@@ -64,20 +64,20 @@ async fn crud_modes_and_bad_input() {
     );
     c.put(put(b"k2", b"fresh", PutMode::Insert)).await.unwrap();
     c.delete(DeleteRequest {
-        key: b"k1".to_vec(),
+        key: b"k1"[..].into(),
     })
     .await
     .unwrap();
     let e = c
         .get(GetRequest {
-            key: b"k1".to_vec(),
+            key: b"k1"[..].into(),
         })
         .await
         .unwrap_err();
     assert_eq!(e.code(), Code::NotFound);
     let e = c
         .delete(DeleteRequest {
-            key: b"k1".to_vec(),
+            key: b"k1"[..].into(),
         })
         .await
         .unwrap_err();
@@ -86,22 +86,26 @@ async fn crud_modes_and_bad_input() {
     c.put(put(b"k1", b"", PutMode::Insert)).await.unwrap();
     assert_eq!(
         c.get(GetRequest {
-            key: b"k1".to_vec()
+            key: b"k1"[..].into()
         })
         .await
         .unwrap()
         .into_inner()
         .value,
-        b""
+        &b""[..]
     );
 
     // Bad input on every RPC.
     let long_key = vec![b'k'; 1025];
     let huge_value = vec![0u8; (1 << 20) + 1];
     for e in [
-        c.get(GetRequest { key: vec![] }).await.unwrap_err(),
         c.get(GetRequest {
-            key: long_key.clone(),
+            key: Default::default(),
+        })
+        .await
+        .unwrap_err(),
+        c.get(GetRequest {
+            key: long_key.clone().into(),
         })
         .await
         .unwrap_err(),
@@ -113,13 +117,17 @@ async fn crud_modes_and_bad_input() {
             .await
             .unwrap_err(),
         c.put(PutRequest {
-            key: b"k".to_vec(),
-            value: vec![],
+            key: b"k".to_vec().into(),
+            value: Default::default(),
             mode: 7,
         })
         .await
         .unwrap_err(),
-        c.delete(DeleteRequest { key: vec![] }).await.unwrap_err(),
+        c.delete(DeleteRequest {
+            key: Default::default(),
+        })
+        .await
+        .unwrap_err(),
         c.batch(BatchRequest { requests: vec![] })
             .await
             .unwrap_err(),
@@ -148,12 +156,14 @@ async fn crud_modes_and_bad_input() {
         },
         KvRequest {
             id: 3,
-            op: Some(kv_request::Op::Get(GetRequest { key: b"b".to_vec() })),
+            op: Some(kv_request::Op::Get(GetRequest {
+                key: b"b".to_vec().into(),
+            })),
         },
         KvRequest {
             id: 4,
             op: Some(kv_request::Op::Delete(DeleteRequest {
-                key: b"missing".to_vec(),
+                key: b"missing".to_vec().into(),
             })),
         },
     ];
@@ -168,12 +178,16 @@ async fn crud_modes_and_bad_input() {
         codes,
         vec![0, Code::AlreadyExists as i32, 0, Code::NotFound as i32]
     );
-    assert_eq!(r[2].value, b"1");
+    assert_eq!(r[2].value, &b"1"[..]);
 
     // Interleaved keys (as a client coalescing concurrent operations sends them): each key's
     // operations run in the batch's order, whatever the other keys do.
     let op = |id: u64, o: kv_request::Op| KvRequest { id, op: Some(o) };
-    let get = |k: &[u8]| kv_request::Op::Get(GetRequest { key: k.to_vec() });
+    let get = |k: &[u8]| {
+        kv_request::Op::Get(GetRequest {
+            key: k.to_vec().into(),
+        })
+    };
     let upsert = |k: &[u8], v: &[u8]| kv_request::Op::Put(put(k, v, PutMode::Upsert));
     let reqs = vec![
         op(10, upsert(b"ia", b"1")),
@@ -187,7 +201,7 @@ async fn crud_modes_and_bad_input() {
         op(
             18,
             kv_request::Op::Delete(DeleteRequest {
-                key: b"ia".to_vec(),
+                key: b"ia".to_vec().into(),
             }),
         ),
         op(19, get(b"ia")),
@@ -249,7 +263,7 @@ async fn crud_modes_and_bad_input() {
     for i in (0..200).step_by(37) {
         let v = c
             .get(GetRequest {
-                key: format!("p{i}").into_bytes(),
+                key: format!("p{i}").into_bytes().into(),
             })
             .await
             .unwrap()
@@ -305,10 +319,12 @@ async fn wrong_owner_carries_the_map_version() {
     assert!(!mine.is_empty() && !theirs.is_empty());
     let probe = theirs[0].clone().into_bytes();
     eventually("the KN to load the published map", async || {
-        c.get(GetRequest { key: probe.clone() })
-            .await
-            .err()
-            .is_some_and(|e| e.code() == Code::FailedPrecondition)
+        c.get(GetRequest {
+            key: probe.clone().into(),
+        })
+        .await
+        .err()
+        .is_some_and(|e| e.code() == Code::FailedPrecondition)
     })
     .await;
     for k in &theirs {

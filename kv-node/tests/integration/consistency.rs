@@ -336,8 +336,8 @@ async fn clean_stop_seals_every_log_before_exit() {
         let mut c = kn.client().await;
         for i in 0..64 {
             c.put(PutRequest {
-                key: format!("stop-{i}").into_bytes(),
-                value: vec![b'x'; 100],
+                key: format!("stop-{i}").into_bytes().into(),
+                value: vec![b'x'; 100].into(),
                 mode: PbPutMode::Upsert as i32,
             })
             .await

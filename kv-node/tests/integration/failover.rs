@@ -41,7 +41,7 @@ async fn killed_kn_writes_survive_through_merge_all_and_takeover() {
         .unwrap();
     eventually("kn1 to load the map", async || {
         c1.get(GetRequest {
-            key: k1.clone().into_bytes(),
+            key: k1.clone().into_bytes().into(),
         })
         .await
         .err()
@@ -58,15 +58,15 @@ async fn killed_kn_writes_survive_through_merge_all_and_takeover() {
         let c = if owner == 1 { &mut c1 } else { &mut c2 };
         if i % 17 == 0 && truth.get(&key).is_some_and(|v| v.is_some()) {
             c.delete(DeleteRequest {
-                key: key.clone().into_bytes(),
+                key: key.clone().into_bytes().into(),
             })
             .await
             .unwrap();
             truth.insert(key, None);
         } else {
             c.put(PutRequest {
-                key: key.clone().into_bytes(),
-                value: value.clone().into_bytes(),
+                key: key.clone().into_bytes().into(),
+                value: value.clone().into_bytes().into(),
                 mode: PutMode::Upsert as i32,
             })
             .await
@@ -107,13 +107,13 @@ async fn killed_kn_writes_survive_through_merge_all_and_takeover() {
         .clone();
     eventually("kn2 to take over", async || {
         c2.get(GetRequest {
-            key: probe.clone().into_bytes(),
+            key: probe.clone().into_bytes().into(),
         })
         .await
         .is_ok()
             || c2
                 .get(GetRequest {
-                    key: probe.clone().into_bytes(),
+                    key: probe.clone().into_bytes().into(),
                 })
                 .await
                 .err()
@@ -123,7 +123,7 @@ async fn killed_kn_writes_survive_through_merge_all_and_takeover() {
     for (k, v) in &truth {
         let r = c2
             .get(GetRequest {
-                key: k.clone().into_bytes(),
+                key: k.clone().into_bytes().into(),
             })
             .await;
         match v {
@@ -143,8 +143,8 @@ async fn restarted_kn_reads_everything_back_with_an_empty_cache() {
     let mut c = kn.client().await;
     for i in 0..500 {
         c.put(PutRequest {
-            key: format!("r{i}").into_bytes(),
-            value: format!("v{i}").into_bytes(),
+            key: format!("r{i}").into_bytes().into(),
+            value: format!("v{i}").into_bytes().into(),
             mode: 0,
         })
         .await
@@ -156,7 +156,7 @@ async fn restarted_kn_reads_everything_back_with_an_empty_cache() {
     for i in 0..500 {
         let v = c
             .get(GetRequest {
-                key: format!("r{i}").into_bytes(),
+                key: format!("r{i}").into_bytes().into(),
             })
             .await
             .unwrap()

@@ -14,8 +14,8 @@ const KEYS: u32 = 100;
 
 fn put(key: String, value: String) -> PutRequest {
     PutRequest {
-        key: key.into_bytes(),
-        value: value.into_bytes(),
+        key: key.into_bytes().into(),
+        value: value.into_bytes().into(),
         mode: PutMode::Upsert as i32,
     }
 }
@@ -72,7 +72,7 @@ async fn a_fenced_live_kn_registers_again_and_keeps_its_acknowledged_writes() {
     for i in 0..KEYS {
         let v = c
             .get(GetRequest {
-                key: format!("k{i}").into_bytes(),
+                key: format!("k{i}").into_bytes().into(),
             })
             .await
             .unwrap_or_else(|s| panic!("k{i}: {s}"));
@@ -80,7 +80,7 @@ async fn a_fenced_live_kn_registers_again_and_keeps_its_acknowledged_writes() {
     }
     let v = c
         .get(GetRequest {
-            key: b"after".to_vec(),
+            key: b"after".to_vec().into(),
         })
         .await
         .unwrap();
@@ -152,7 +152,7 @@ async fn a_live_kn_fenced_as_failed_serves_no_stale_value_after_the_new_map() {
     for k in &keys {
         c1.put(put(k.clone(), "old".into())).await.unwrap();
         c1.get(GetRequest {
-            key: k.clone().into_bytes(),
+            key: k.clone().into_bytes().into(),
         })
         .await
         .unwrap();
@@ -173,19 +173,21 @@ async fn a_live_kn_fenced_as_failed_serves_no_stale_value_after_the_new_map() {
     .await;
     let v2 = v1.with_kn_removed(1).unwrap();
     dpm.publish_map(&v2).await;
-    c2.commit_map(MapRequest { map: v2.encode() })
-        .await
-        .unwrap();
+    c2.commit_map(MapRequest {
+        map: v2.encode().into(),
+    })
+    .await
+    .unwrap();
     let mut stale = Vec::new();
     for k in &keys {
         c2.put(put(k.clone(), "new".into())).await.unwrap();
         if let Ok(v) = c1
             .get(GetRequest {
-                key: k.clone().into_bytes(),
+                key: k.clone().into_bytes().into(),
             })
             .await
         {
-            if v.into_inner().value == b"old" {
+            if v.into_inner().value == b"old"[..] {
                 stale.push(k.clone());
             }
         }
