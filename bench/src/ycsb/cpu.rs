@@ -7,8 +7,9 @@
 //! in clock ticks); [`CpuSnapshot::per_op`] turns two snapshots and the operations done between
 //! them into microseconds of CPU per operation for each process seen in both. The resolution is
 //! one clock tick (10 ms at the usual 100 Hz), so a figure is meaningful for runs of a second or
-//! more. Processes of other systems (a Redis peer) are not looked for; on a machine without
-//! /proc (not Linux) the snapshot is empty and nothing is reported.
+//! more. A Redis server on this machine (the peer `dinomo bench` compares against) is reported
+//! too, as "redis-server"; on a machine without /proc (not Linux) the snapshot is empty and
+//! nothing is reported.
 
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -119,12 +120,13 @@ fn order(name: &str) -> u8 {
         Some("routing-node") => 1,
         Some("kv-node") => 2,
         Some("dpm-node") => 3,
-        _ => 4,
+        Some("redis-server") => 4,
+        _ => 5,
     }
 }
 
-/// The name of a Dinomo node process from its NUL-separated command line, `None` for any
-/// other process: `dinomo kv-node --kn-id 2 ...` or `kv-node --kn-id=2` is "kv-node 2",
+/// The name of a Dinomo node process (or of a Redis server) from its NUL-separated command
+/// line, `None` for any other process: `dinomo kv-node --kn-id 2 ...` or `kv-node --kn-id=2` is "kv-node 2",
 /// `dinomo dpm-node ...` or `dpm-node` is "dpm-node"; `dinomo up`, `dinomo bench` and the
 /// like are not nodes.
 pub fn node_name(cmdline: &[u8]) -> Option<String> {
@@ -133,7 +135,13 @@ pub fn node_name(cmdline: &[u8]) -> Option<String> {
         .filter(|a| !a.is_empty())
         .map(|a| std::str::from_utf8(a).unwrap_or(""))
         .collect();
-    let exe = Path::new(args.first()?).file_name()?.to_str()?;
+    let exe = Path::new(args.first()?.split(' ').next()?)
+        .file_name()?
+        .to_str()?;
+    if exe == "redis-server" {
+        // The peer. Redis rewrites its argv[0] to "redis-server *:6379", spaces included.
+        return Some(exe.to_string());
+    }
     let (role, rest) = if exe == "dinomo" {
         (*args.get(1)?, &args[2..])
     } else {
@@ -209,7 +217,10 @@ mod tests {
             (b"dinomo\0routing-node\0", Some("routing-node")),
             (b"dinomo\0up\0--kns\x002\0", None),
             (b"dinomo\0bench\0", None),
-            (b"redis-server\0*:6379\0", None),
+            (
+                b"/usr/bin/redis-server 127.0.0.1:26700\0\0",
+                Some("redis-server"),
+            ),
         ];
         for (cmdline, want) in cases {
             assert_eq!(node_name(cmdline).as_deref(), want, "{cmdline:?}");

@@ -75,9 +75,16 @@ pub struct BenchArgs {
     #[arg(long, value_parser = parse_secs, default_value = "0")]
     pub warmup: f64,
 
-    /// Client tasks, each with its own connection.
+    /// Client tasks (each keeps --outstanding requests in flight).
     #[arg(long, default_value_t = 4)]
     pub clients: usize,
+
+    /// Connections the client tasks share, round robin: Dinomo SDK clients (each with one
+    /// stream per KV node) or multiplexed Redis connections. Fewer connections carry more
+    /// operations each, which both systems coalesce into fewer frames and system calls.
+    /// Default: one per client task.
+    #[arg(long)]
+    pub connections: Option<usize>,
 
     /// Requests each client keeps in flight.
     #[arg(long, default_value_t = 1)]
@@ -179,6 +186,9 @@ fn plan(args: &BenchArgs) -> anyhow::Result<Plan> {
     if args.clients == 0 || args.outstanding == 0 {
         bail!("--clients and --outstanding must be at least 1");
     }
+    if args.connections == Some(0) {
+        bail!("--connections must be at least 1");
+    }
     if args.records == 0 {
         bail!("--records must be at least 1");
     }
@@ -229,22 +239,26 @@ struct Connections {
 }
 
 async fn connect(plan: &Plan, args: &BenchArgs) -> anyhow::Result<Connections> {
+    let connections = args.connections.unwrap_or(args.clients).min(args.clients);
     let mut targets: Vec<Arc<dyn Target>> = Vec::with_capacity(args.clients);
     let mut dinomo = None;
-    match &plan.target {
-        TargetSpec::Dinomo(routing) => {
-            for _ in 0..args.clients {
+    for _ in 0..connections {
+        match &plan.target {
+            TargetSpec::Dinomo(routing) => {
                 let t = DinomoTarget::connect(routing, args.write_mode, !args.no_latency_reports)
                     .await?;
                 dinomo.get_or_insert_with(|| t.clone());
                 targets.push(Arc::new(t));
             }
-        }
-        TargetSpec::Redis(url) => {
-            for _ in 0..args.clients {
+            TargetSpec::Redis(url) => {
                 targets.push(Arc::new(RedisTarget::connect(url, args.write_mode).await?));
             }
         }
+    }
+    // Client task i uses connection i mod --connections.
+    for i in connections..args.clients {
+        let shared = targets[i % connections].clone();
+        targets.push(shared);
     }
     Ok(Connections { targets, dinomo })
 }
@@ -389,6 +403,7 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
         write_mode: args.write_mode,
         records: args.records,
         clients: args.clients,
+        connections: args.connections.unwrap_or(args.clients).min(args.clients),
         outstanding: args.outstanding,
         key_size: args.key_size,
         value_size: args.value_size,

@@ -183,6 +183,8 @@ pub struct Summary {
     pub write_mode: WriteMode,
     pub records: u64,
     pub clients: usize,
+    /// Connections the clients shared (`--connections`).
+    pub connections: usize,
     pub outstanding: usize,
     pub key_size: usize,
     pub value_size: usize,
@@ -235,12 +237,13 @@ impl Summary {
         };
         let _ = writeln!(
             out,
-            "{dist}; {} records; key {} B, value {} B; {} clients x {} outstanding; {} writes; seed {}; warm-up {} s",
+            "{dist}; {} records; key {} B, value {} B; {} clients x {} outstanding over {} connections; {} writes; seed {}; warm-up {} s",
             thousands(self.records as f64),
             self.key_size,
             self.value_size,
             self.clients,
             self.outstanding,
+            self.connections,
             self.write_mode.name(),
             self.seed,
             self.warmup_s
@@ -448,6 +451,7 @@ mod tests {
             write_mode: WriteMode::Upsert,
             records: 10,
             clients: 1,
+            connections: 1,
             outstanding: 1,
             key_size: 24,
             value_size: 10,
@@ -468,7 +472,10 @@ mod tests {
         };
         let text = s.render();
         assert!(text.contains("READ"), "{text}");
-        assert!(text.contains("kv-node 1") && text.contains("35.2"), "{text}");
+        assert!(
+            text.contains("kv-node 1") && text.contains("35.2"),
+            "{text}"
+        );
         assert!(text.contains("not_found: 1"), "{text}");
         assert!(text.contains("RTs/op"), "{text}");
         let json: serde_json::Value = serde_json::to_value(&s).unwrap();
