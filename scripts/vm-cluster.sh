@@ -124,7 +124,9 @@ if want cluster; then
   mkdir -p $D
   # Membership stays as started: under emulation every latency is far above the default SLOs,
   # and the policy would scale the cluster while it is measured.
-  printf '[policy]\navg_latency_slo_us = 1000000000\ntail_latency_slo_us = 1000000000\nover_utilized = 1.0\nunder_utilized = 0.0\n' >$D/monitor.toml
+  # Failure detection is slow too: under TCG a loaded KN can miss probes for seconds, and a
+  # false failover in the middle of the benchmark would measure recovery, not the fabric.
+  printf '[policy]\navg_latency_slo_us = 1000000000\ntail_latency_slo_us = 1000000000\nover_utilized = 1.0\nunder_utilized = 0.0\n[failure]\nprobe_every_ms = 500\nfailed_after_ms = 30000\n' >$D/monitor.toml
   $DINOMO up --data-dir $D --fabric verbs --rdma-device rxe0 --kns 2 --shards 1 \
     --cache-size 1MiB --pool-size 200MiB --pool $POOL --format-device \
     --monitor-config $D/monitor.toml >$D/up.out 2>$D/up.err &

@@ -211,33 +211,48 @@ where
     Fut: std::future::Future<Output = pb::KvResponse> + Send + 'static,
 {
     let (tx, rx) = tokio::sync::mpsc::channel(PIPELINE_RESPONSE_QUEUE);
-    let slots = Arc::new(tokio::sync::Semaphore::new(max_in_flight));
+    // One task per stream runs its requests as futures of its own (no task per request): it
+    // reads a request whenever fewer than `max_in_flight` run, and sends each answer as it
+    // completes. A full response channel stops it, reading included.
     tokio::spawn(async move {
+        let mut running = futures::stream::FuturesUnordered::new();
+        let mut reading = true;
         loop {
-            let Ok(slot) = slots.clone().acquire_owned().await else {
-                break; // never closed
-            };
-            // The stream ends, fails, or nobody reads the answers any more, or the server is
-            // shutting down: stop reading.
-            let next = tokio::select! {
+            tokio::select! {
                 biased;
-                _ = stopped(&mut stopping) => None,
-                r = incoming.next() => r,
-            };
-            let Some(Ok(r)) = next else {
-                break;
-            };
-            if tx.is_closed() {
-                break;
+                Some(answer) = running.next(), if !running.is_empty() => {
+                    if tx.send(Ok(answer)).await.is_err() {
+                        break; // nobody reads the answers any more
+                    }
+                }
+                next = next_request(&mut incoming, &mut stopping),
+                    if reading && running.len() < max_in_flight =>
+                {
+                    match next {
+                        Some(r) => running.push(run(r)),
+                        None => reading = false,
+                    }
+                }
+                else => break,
             }
-            let (fut, tx) = (run(r), tx.clone());
-            tokio::spawn(async move {
-                let _ = tx.send(Ok(fut.await)).await;
-                drop(slot);
-            });
         }
     });
     rx
+}
+
+/// The next request of a stream; `None` when it ends or fails, or the server is stopping.
+async fn next_request<S>(
+    incoming: &mut S,
+    stopping: &mut Option<tokio::sync::watch::Receiver<bool>>,
+) -> Option<pb::KvRequest>
+where
+    S: Stream<Item = Result<pb::KvRequest, Status>> + Unpin,
+{
+    tokio::select! {
+        biased;
+        _ = stopped(stopping) => None,
+        r = incoming.next() => r.and_then(Result::ok),
+    }
 }
 
 type ResponseStream = Pin<Box<dyn Stream<Item = Result<pb::KvResponse, Status>> + Send>>;
