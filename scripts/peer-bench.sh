@@ -1,0 +1,124 @@
+#!/usr/bin/env bash
+# Dinomo against Redis on this machine, same driver (`dinomo bench`), same workloads, one run:
+# the table of issue 12 ("The request path at Redis speed"). Prints a Markdown table with, per
+# workload, ops/s of both and their ratio, p50/p99 of both, Dinomo's fabric round trips per
+# operation, and CPU microseconds per operation of the bench client and of each KV node
+# (from /proc, as `dinomo bench` reports them).
+#
+#   scripts/peer-bench.sh [options]
+#
+# Options:
+#   --dinomo PATH     the dinomo binary (default target/release/dinomo; build it with
+#                     `cargo build --release -p dinomo-cli`)
+#   --records N       keys loaded (default 50000), values of --value-size bytes (default 1000)
+#   --clients N       bench clients (default 8), each with --outstanding M requests (default 4),
+#                     sharing --connections C connections (default 1: one SDK client, one
+#                     multiplexed Redis connection; the bench's own default is one per client)
+#   --warmup S        seconds of warm-up before each measured run (default 2)
+#   --duration S      seconds measured per workload (default 8)
+#   --workloads LIST  run workloads after the load (default a,b,c)
+#   --kns N           KV nodes of the Dinomo cluster (default 2)
+#   --port-base N     the Dinomo cluster's port base (default 27700); Redis uses BASE-1000
+#   --out DIR         where logs and JSON summaries go (default target/peer-bench)
+#   -h, --help        this text
+#
+# Redis runs with AOF, appendfsync everysec (the durability closest to Dinomo's acknowledged
+# writes on this machine's shared-memory pool). Needs redis-server (apt install redis-server).
+# Figures from a shared 2-core machine are noisy: read the ratios, CPU per operation and
+# RTs/op, not the absolute throughput. Everything it starts is stopped on exit.
+set -euo pipefail
+
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/.." && pwd)
+cd "$root"
+usage() { sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; }
+
+dinomo=target/release/dinomo records=50000 value_size=1000 clients=8 outstanding=4 warmup=2 connections=1
+duration=8 workloads=a,b,c kns=2 base=27700 out=target/peer-bench
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --dinomo) dinomo=$2; shift 2 ;;
+    --records) records=$2; shift 2 ;;
+    --value-size) value_size=$2; shift 2 ;;
+    --clients) clients=$2; shift 2 ;;
+    --outstanding) outstanding=$2; shift 2 ;;
+    --connections) connections=$2; shift 2 ;;
+    --warmup) warmup=$2; shift 2 ;;
+    --duration) duration=$2; shift 2 ;;
+    --workloads) workloads=$2; shift 2 ;;
+    --kns) kns=$2; shift 2 ;;
+    --port-base) base=$2; shift 2 ;;
+    --out) out=$2; shift 2 ;;
+    -h|--help) usage; exit 0 ;;
+    *) echo "unknown option $1 (see --help)" >&2; exit 2 ;;
+  esac
+done
+[ -x "$dinomo" ] || { echo "no $dinomo: cargo build --release -p dinomo-cli" >&2; exit 2; }
+command -v redis-server >/dev/null || { echo "needs redis-server (apt install redis-server)" >&2; exit 2; }
+
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+work=$(mktemp -d)
+redis_port=$((base - 1000))
+up_pid=""
+cleanup() {
+  [ -n "$up_pid" ] && kill "$up_pid" 2>/dev/null && wait "$up_pid" 2>/dev/null || true
+  redis-cli -p "$redis_port" shutdown nosave >/dev/null 2>&1 || true
+  rm -rf "$work"
+}
+trap cleanup EXIT
+
+mkdir -p "$work/redis"
+redis-server --port "$redis_port" --bind 127.0.0.1 --dir "$work/redis" --appendonly yes \
+  --appendfsync everysec --save "" --daemonize yes --logfile "$out/redis.log"
+"$dinomo" up --data-dir "$work/dinomo" --kns "$kns" --port-base "$base" >"$out/up.out" 2>"$out/up.err" &
+up_pid=$!
+routing="127.0.0.1:$((base + 200))"
+for _ in $(seq 1 120); do
+  grep -q "routing node" "$out/up.out" 2>/dev/null && break
+  sleep 0.5
+done
+grep -q "routing node" "$out/up.out" || { echo "dinomo up did not start; see $out/up.err" >&2; exit 1; }
+
+common=(--records "$records" --value-size "$value_size" --clients "$clients" --outstanding "$outstanding"
+  --connections "$connections")
+bench() { # system workload extra...
+  local sys=$1 wl=$2; shift 2
+  local target
+  if [ "$sys" = dinomo ]; then target="dinomo://$routing"; else target="redis://127.0.0.1:$redis_port"; fi
+  echo "== $sys $wl" >&2
+  "$dinomo" bench --target "$target" --workload "$wl" "${common[@]}" "$@" \
+    --json "$out/$sys-$wl.json" >"$out/$sys-$wl.txt" 2>&1
+}
+for sys in dinomo redis; do
+  bench "$sys" load --operations "$records"
+  IFS=, read -ra wls <<<"$workloads"
+  for wl in "${wls[@]}"; do
+    bench "$sys" "$wl" --warmup "$warmup" --duration "$duration"
+  done
+done
+
+python3 - "$out" "load,$workloads" <<'EOF'
+import json, sys
+out, wls = sys.argv[1], sys.argv[2].split(",")
+def load(sys_, wl):
+    with open(f"{out}/{sys_}-{wl}.json") as f:
+        return json.load(f)
+def lat(s):
+    all_ = [l for l in s["run"]["latency"] if l["op"] == "ALL"] or s["run"]["latency"]
+    return all_[0]
+print("| workload | Dinomo ops/s | Redis ops/s | ratio | Dinomo p50 / p99 us | Redis p50 / p99 us | RTs/op | client CPU us/op | KN CPU us/op (sum) | Redis CPU us/op |")
+print("|---|---|---|---|---|---|---|---|---|---|")
+for wl in wls:
+    d, r = load("dinomo", wl), load("redis", wl)
+    dl, rl = lat(d), lat(r)
+    dt, rt = d["run"]["throughput_ops_per_s"], r["run"]["throughput_ops_per_s"]
+    cpu = {c["name"]: c["us_per_op"] for c in d.get("cpu", [])}
+    kn = sum(v for k, v in cpu.items() if k.startswith("kv-node"))
+    rcpu = {c["name"]: c["us_per_op"] for c in r.get("cpu", [])}
+    rts = d["dinomo"]["rts_per_op"] if d.get("dinomo") else float("nan")
+    print(f"| {wl} | {dt:,.0f} | {rt:,.0f} | {dt / rt:.2f} | {dl['p50_us']:.0f} / {dl['p99_us']:.0f} | "
+          f"{rl['p50_us']:.0f} / {rl['p99_us']:.0f} | {rts:.2f} | {cpu.get('client', float('nan')):.1f} | "
+          f"{kn:.1f} | {rcpu.get('redis-server', float('nan')):.1f} |")
+EOF
+echo "logs, texts and JSON summaries: $out" >&2
