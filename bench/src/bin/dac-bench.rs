@@ -1,11 +1,22 @@
 //! dac-bench: the DAC experiment of DINOMO Figure 3, scaled to this machine.
 //!
-//! Loads N keys (8-byte keys, 64-byte values) through a KV node into an in-process dpm-node
-//! (shm fabric), then, for each cache policy (DAC, shortcut-only, value-only, static-50%) and
-//! cache size (1, 2, 4, 8, 16% of the dataset's key+value bytes), starts a KV node with an empty
-//! cache, warms it up, and runs a read-only workload drawn uniformly from a 5% working set, in
-//! rounds interleaved across the policies (the median round is reported).
+//! Loads N keys (8-byte keys, 64-byte values by default: `--value-bytes` sets another size)
+//! through a KV node into an in-process dpm-node, then, for each cache policy (DAC,
+//! shortcut-only, value-only, static-50%) and cache size (1, 2, 4, 8, 16% of the dataset's
+//! key+value bytes), starts a KV node with an empty cache, warms it up, and runs a read-only
+//! workload drawn uniformly from a 5% working set, in rounds interleaved across the policies
+//! (the median round is reported).
 //! Each cell reports ops/s and round trips per op (counted by the fabric, not timed).
+//!
+//! With the paper's 64-byte values a cached value costs only twice a shortcut (see the entry
+//! overheads in `dinomo_kv_node::cache`), so every policy scores about alike; with
+//! `--value-bytes 1024` a value costs about ten shortcuts and the grid tells the policies apart
+//! (docs/dac-1kb.md).
+//!
+//! `--zipf 0.99 --scan-first` is the setting of issue 12 instead (the `ycsb_*` tables of the
+//! cache simulator): zipfian reads over all keys, scrambled as `dinomo bench` scrambles them,
+//! after each KN has read every key once in key order, which leaves its cache as a load phase
+//! through that KN would (DAC: the first values, then shortcuts).
 //!
 //! This is a program that prints a table, not a test. Absolute ops/s on a small shared machine
 //! are noisy; compare policies within a column of one run, and read RTs/op, which is exact.
@@ -21,7 +32,7 @@ use dinomo_dpm_node::config::DpmConfigFile;
 use dinomo_dpm_node::testkit::InProcessDpm;
 use dinomo_kv_node::config::KnConfigFile;
 use dinomo_kv_node::shard::{PutMode, ShardOp};
-use dinomo_kv_node::KvNode;
+use dinomo_kv_node::{KvError, KvNode};
 use dinomo_node_common::config::ByteSize;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -30,12 +41,26 @@ use serde::Serialize;
 #[derive(Debug, Parser)]
 #[command(about = "DINOMO Figure 3: DAC vs static cache policies across cache sizes")]
 struct Args {
-    /// Keys loaded (8-byte keys, 64-byte values).
+    /// Keys loaded (8-byte keys, `--value-bytes` values).
     #[arg(long, default_value_t = 100_000)]
     keys: u64,
-    /// Share of the keys that the reads touch (uniformly), in percent.
+    /// Bytes of every value (the paper's Fig. 3 uses 64; at least 8: each value starts with its
+    /// key number, which the readers check).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(8..=(1 << 20)))]
+    value_bytes: u32,
+    /// Share of the keys that the reads touch (uniformly), in percent. With `--zipf`, only
+    /// sizes the warm-up.
     #[arg(long, default_value_t = 5.0)]
     working_set_percent: f64,
+    /// Draw the reads from all keys by a zipfian of this skew (0.99 in YCSB), rank r read as
+    /// key `fnv1a64(r) % keys` as `dinomo bench` does, instead of uniformly from the working
+    /// set.
+    #[arg(long)]
+    zipf: Option<f64>,
+    /// Before the warm-up, each measured KN reads every key once, in key order (the cache a
+    /// load phase through that KN would leave).
+    #[arg(long)]
+    scan_first: bool,
     /// Cache sizes, in percent of the dataset's key+value bytes.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4,8,16")]
     cache_percent: Vec<f64>,
@@ -74,6 +99,7 @@ struct Args {
 #[derive(Debug, Serialize)]
 struct CellResult {
     policy: String,
+    value_bytes: u32,
     cache_percent: f64,
     cache_bytes: u64,
     reads: u64,
@@ -85,37 +111,114 @@ struct CellResult {
 }
 
 const KEY_BYTES: usize = 8;
-const VALUE_BYTES: usize = 64;
 
 fn key(i: u64) -> Bytes {
     Bytes::copy_from_slice(&i.to_be_bytes())
 }
 
-fn value(i: u64) -> Bytes {
-    let mut v = vec![0u8; VALUE_BYTES];
+/// Key `i`'s value: its number, then filler, `len` (>= 8) bytes in all.
+fn value(i: u64, len: usize) -> Bytes {
+    let mut v = vec![0u8; len];
     v[..8].copy_from_slice(&i.to_le_bytes());
     Bytes::from(v)
 }
 
-/// Reads `count` keys drawn uniformly from the first `ws` keys, with `clients` concurrent
-/// readers, checking every value.
-async fn read_uniform(
+/// Runs `op`, retrying (with backoff, for up to about 10 s) while the KN answers Unavailable:
+/// a KN that this shared machine starved for a moment lets its map lease lapse, refuses
+/// requests until it confirms the map again, and says so.
+async fn execute(kn: &KvNode, op: ShardOp) -> anyhow::Result<Option<Bytes>> {
+    let mut backoff = Duration::from_millis(2);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match kn.execute(op.clone()).await {
+            Err(KvError::Unavailable(_)) if Instant::now() < deadline => {
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_millis(100));
+            }
+            r => return Ok(r?),
+        }
+    }
+}
+
+/// Which keys the reads draw.
+#[derive(Clone)]
+enum Keys {
+    /// Uniformly from the first `n` keys.
+    Uniform(u64),
+    /// Zipfian ranks (the cumulative distribution over all keys), scrambled by FNV-1a.
+    Zipf(Arc<Vec<f64>>),
+}
+
+impl Keys {
+    fn zipf(theta: f64, keys: u64) -> Self {
+        let mut cdf = Vec::with_capacity(keys as usize);
+        let mut sum = 0.0;
+        for r in 0..keys {
+            sum += 1.0 / ((r + 1) as f64).powf(theta);
+            cdf.push(sum);
+        }
+        for c in &mut cdf {
+            *c /= sum;
+        }
+        Keys::Zipf(Arc::new(cdf))
+    }
+
+    fn draw(&self, rng: &mut StdRng) -> u64 {
+        match self {
+            Keys::Uniform(n) => rng.random_range(0..*n),
+            Keys::Zipf(cdf) => {
+                let u: f64 = rng.random();
+                let n = cdf.len() as u64;
+                let rank = (cdf.partition_point(|&c| c <= u) as u64).min(n - 1);
+                fnv1a64(rank) % n
+            }
+        }
+    }
+}
+
+/// YCSB's rank scrambling, as in `dinomo bench`.
+fn fnv1a64(x: u64) -> u64 {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in x.to_le_bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
+/// Reads every key once, in key order (one reader), checking every value.
+async fn scan(kn: &KvNode, keys: u64, value_len: usize) -> anyhow::Result<()> {
+    for i in 0..keys {
+        let v = execute(kn, ShardOp::Get { key: key(i) }).await?;
+        anyhow::ensure!(
+            v.as_deref() == Some(&value(i, value_len)[..]),
+            "wrong value for key {i}"
+        );
+    }
+    Ok(())
+}
+
+/// Reads `count` keys drawn by `keys`, with `clients` concurrent readers, checking every value
+/// (`value_len` bytes).
+async fn read_keys(
     kn: &Arc<KvNode>,
     count: u64,
     clients: u64,
-    ws: u64,
+    keys: &Keys,
+    value_len: usize,
     seed: u64,
 ) -> anyhow::Result<()> {
     let mut tasks = Vec::new();
     for c in 0..clients {
         let kn = kn.clone();
+        let keys = keys.clone();
         tasks.push(tokio::spawn(async move {
             let mut rng = StdRng::seed_from_u64(seed * 1000 + c);
             for _ in 0..count / clients {
-                let i = rng.random_range(0..ws);
-                let v = kn.execute(ShardOp::Get { key: key(i) }).await?;
+                let i = keys.draw(&mut rng);
+                let v = execute(&kn, ShardOp::Get { key: key(i) }).await?;
                 anyhow::ensure!(
-                    v.as_deref() == Some(&value(i)[..]),
+                    v.as_deref() == Some(&value(i, value_len)[..]),
                     "wrong value for key {i}"
                 );
             }
@@ -149,8 +252,9 @@ async fn start_kn(
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() -> anyhow::Result<()> {
     let args = Args::parse();
+    let value_len = args.value_bytes as usize;
     let dir = tempfile::tempdir()?;
-    let dataset = args.keys * (KEY_BYTES + VALUE_BYTES) as u64;
+    let dataset = args.keys * (KEY_BYTES + value_len) as u64;
     let pool = (dataset * 8).max(256 << 20);
     let cfg = DpmConfigFile {
         pool_size: ByteSize(pool),
@@ -178,11 +282,14 @@ async fn main() -> anyhow::Result<()> {
             tasks.push(tokio::spawn(async move {
                 let mut i = c;
                 while i < n {
-                    kn.execute(ShardOp::Put {
-                        key: key(i),
-                        value: value(i),
-                        mode: PutMode::Upsert,
-                    })
+                    execute(
+                        &kn,
+                        ShardOp::Put {
+                            key: key(i),
+                            value: value(i, value_len),
+                            mode: PutMode::Upsert,
+                        },
+                    )
                     .await?;
                     i += clients;
                 }
@@ -202,15 +309,31 @@ async fn main() -> anyhow::Result<()> {
         })
         .await?;
     println!(
-        "loaded {} keys ({} bytes of keys+values) in {:.1}s",
+        "loaded {} keys ({KEY_BYTES}-byte keys, {value_len}-byte values: {} bytes of keys+values) in {:.1}s",
         args.keys,
         dataset,
         t.elapsed().as_secs_f64()
     );
     let ws = ((args.keys as f64 * args.working_set_percent / 100.0) as u64).max(1);
+    let keys = match args.zipf {
+        Some(theta) => Keys::zipf(theta, args.keys),
+        None => Keys::Uniform(ws),
+    };
+    let dist = match args.zipf {
+        Some(theta) => format!("scrambled zipf {theta} over all {} keys", args.keys),
+        None => format!(
+            "uniform over a working set of {ws} keys ({}%)",
+            args.working_set_percent
+        ),
+    };
     println!(
-        "reads: uniform over a working set of {ws} keys ({}%), {} measured per cell after {} warm-up rounds, {} clients, {} shards, {} fabric",
-        args.working_set_percent, args.reads, args.warmup_rounds, args.clients, args.shards, args.fabric
+        "reads: {dist}, {} measured per cell after {}{} warm-up reads, {} clients, {} shards, {} fabric",
+        args.reads,
+        if args.scan_first { "a scan of every key and " } else { "" },
+        ws * args.warmup_rounds,
+        args.clients,
+        args.shards,
+        args.fabric
     );
     println!("NOTE: ops/s on this small shared machine is noisy; compare within a column. RTs/op is counted, not timed.\n");
 
@@ -223,7 +346,18 @@ async fn main() -> anyhow::Result<()> {
         let mut kns = Vec::new();
         for (i, policy) in args.policies.iter().enumerate() {
             let kn = start_kn(&dpm, i as u32 + 1, policy, cache_bytes, args.shards).await?;
-            read_uniform(&kn, ws * args.warmup_rounds, args.clients, ws, 1).await?;
+            if args.scan_first {
+                scan(&kn, args.keys, value_len).await?;
+            }
+            read_keys(
+                &kn,
+                ws * args.warmup_rounds,
+                args.clients,
+                &keys,
+                value_len,
+                1,
+            )
+            .await?;
             kns.push(kn);
         }
         let mut rounds: Vec<
@@ -237,7 +371,7 @@ async fn main() -> anyhow::Result<()> {
             for (i, kn) in kns.iter().enumerate() {
                 let before = kn.stats(0);
                 let t = Instant::now();
-                read_uniform(kn, args.reads, args.clients, ws, 2 + round).await?;
+                read_keys(kn, args.reads, args.clients, &keys, value_len, 2 + round).await?;
                 let secs = t.elapsed().as_secs_f64();
                 rounds[i].push((secs, before, kn.stats(0)));
             }
@@ -250,6 +384,7 @@ async fn main() -> anyhow::Result<()> {
             let d = |a: u64, b: u64| (a - b) as f64 / reads as f64;
             results.push(CellResult {
                 policy: policy.clone(),
+                value_bytes: args.value_bytes,
                 cache_percent: pct,
                 cache_bytes,
                 reads,

@@ -17,8 +17,9 @@
 //!   shortcut are O(1) list operations plus at most two O(log #distinct counts) map
 //!   operations. Nothing scans.
 //! * `value_bytes` / `shortcut_bytes` are always the sum of [`value_cost`] / [`shortcut_cost`]
-//!   over the slots of each kind; every mutation goes through [`Store::link`]/[`Store::unlink`]
-//!   which keep them exact.
+//!   over the slots of each kind, and `values_as_shortcuts_bytes` the sum of [`shortcut_cost`]
+//!   over the value slots; every mutation goes through [`Store::link`]/[`Store::unlink`] which
+//!   keep them exact.
 //!
 //! This module does not know about budgets or policies: [`super::Cache`] decides what to
 //! insert, demote, promote and evict; the store only does it.
@@ -117,6 +118,9 @@ pub(crate) struct Store {
     pub shortcuts: usize,
     pub value_bytes: usize,
     pub shortcut_bytes: usize,
+    /// What the values would cost as shortcuts: the sum of [`shortcut_cost`] over the value
+    /// slots (the floor of `value_bytes` under demotion).
+    pub values_as_shortcuts_bytes: usize,
 }
 
 impl Store {
@@ -184,6 +188,14 @@ impl Store {
     /// The least frequently used shortcut (ties: the one that reached its count first).
     pub fn lfu_shortcut(&self) -> Option<u32> {
         self.buckets.values().next().map(|b| b.head)
+    }
+
+    /// Values from least to most recently used.
+    pub fn lru_iter(&self) -> LruIter<'_> {
+        LruIter {
+            store: self,
+            cur: self.lru_head,
+        }
     }
 
     /// Shortcuts from least to most frequently used.
@@ -307,6 +319,7 @@ impl Store {
         let tail = if self.slots[idx as usize].is_value() {
             self.values += 1;
             self.value_bytes += cost;
+            self.values_as_shortcuts_bytes += shortcut_cost(self.slots[idx as usize].key.len());
             let tail = self.lru_tail;
             self.lru_tail = idx;
             if tail == NIL {
@@ -348,6 +361,7 @@ impl Store {
         if is_value {
             self.values -= 1;
             self.value_bytes -= cost;
+            self.values_as_shortcuts_bytes -= shortcut_cost(self.slots[idx as usize].key.len());
             if self.lru_head == idx {
                 self.lru_head = next;
             }
@@ -383,13 +397,14 @@ impl Store {
         assert_eq!(live.len(), self.values + self.shortcuts);
         assert_eq!(live.len() + self.free.len(), self.slots.len());
         assert_eq!(self.values + self.vals_free.len(), self.vals.len());
-        let (mut vb, mut sb, mut nv, mut ns) = (0, 0, 0, 0);
+        let (mut vb, mut sb, mut nv, mut ns, mut vsb) = (0, 0, 0, 0, 0);
         for &i in &live {
             let s = self.slot(i);
             assert_eq!(self.find(&s.key), Some(i));
             if s.is_value() {
                 nv += 1;
                 vb += self.cost(i);
+                vsb += shortcut_cost(s.key.len());
             } else {
                 ns += 1;
                 sb += self.cost(i);
@@ -404,6 +419,7 @@ impl Store {
                 self.shortcut_bytes
             )
         );
+        assert_eq!(vsb, self.values_as_shortcuts_bytes);
         // The LRU list holds exactly the values, linked both ways.
         let mut n = 0;
         let mut prev = NIL;
@@ -453,6 +469,26 @@ impl Iterator for LfuIter<'_> {
     fn next(&mut self) -> Option<u32> {
         if self.cur == NIL {
             self.cur = self.buckets.next()?.head;
+        }
+        let idx = self.cur;
+        self.cur = self.store.slot(idx).next;
+        Some(idx)
+    }
+}
+
+/// Value slot indices from least to most recently used.
+#[derive(Debug)]
+pub(crate) struct LruIter<'a> {
+    store: &'a Store,
+    cur: u32,
+}
+
+impl Iterator for LruIter<'_> {
+    type Item = u32;
+
+    fn next(&mut self) -> Option<u32> {
+        if self.cur == NIL {
+            return None;
         }
         let idx = self.cur;
         self.cur = self.store.slot(idx).next;

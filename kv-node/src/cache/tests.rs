@@ -327,25 +327,95 @@ fn dac_promotes_into_free_space_without_evicting() {
 #[test]
 fn dac_does_not_promote_what_cannot_fit_even_after_evicting_every_shortcut() {
     // V is a value; P and Q are shortcuts. P's 400-byte value needs vc(400) bytes; with V
-    // kept only 2 SC (free space + P's own shortcut + Q) can be had.
+    // demoted (its shortcut stays) only 4 SC (free space + V's value bytes beyond its
+    // shortcut + P's own shortcut + Q) can be had.
     let budget = vc(V2) + 2 * SC;
     let mut c = cache(Policy::Dac, budget);
     c.on_write(&key(0), sc(0, 1), val(V2, 0));
     c.on_write(&key(1), sc(1, 1), val(400, 1));
     c.on_write(&key(2), sc(2, 1), val(V2, 2));
     assert!(is_value(&c, 0) && is_shortcut(&c, 1) && is_shortcut(&c, 2));
+    assert!(vc(400) > budget - SC);
     shortcut_hits(&mut c, 1, 100, &val(400, 1));
     assert!(
-        is_shortcut(&c, 1) && is_shortcut(&c, 2),
-        "nothing evicted in vain"
+        is_value(&c, 0) && is_shortcut(&c, 1) && is_shortcut(&c, 2),
+        "nothing demoted or evicted in vain"
     );
-    assert_eq!(c.stats().promotions, 0);
-    assert_eq!(c.stats().evictions, 0);
+    let s = c.stats();
+    assert_eq!((s.promotions, s.evictions, s.demotions), (0, 0, 0));
     // A value larger than the whole budget is never promoted either.
     let mut c = dac_four_shortcuts([1; 4]);
     shortcut_hits(&mut c, 0, 100, &val(4 * SC, 0));
     assert!(is_shortcut(&c, 0));
     assert_eq!(c.stats().shortcuts, 4);
+    c.check();
+}
+
+/// Four shortcuts (keys 0..4, counts `counts`) and one value, key 9, written last (count 1,
+/// the initial count), in a full cache: budget 4 SC + vc(V2) = 7 SC.
+fn dac_four_shortcuts_and_a_value(counts: [u64; 4]) -> Cache {
+    let mut c = dac_four_shortcuts(counts);
+    c.set_budget(4 * SC + vc(V2));
+    c.on_write(&key(9), sc(9, 1), val(V2, 9));
+    assert!(is_value(&c, 9));
+    assert_eq!(c.hits(&key(9)), Some(1));
+    assert_eq!(
+        c.stats().value_bytes + c.stats().shortcut_bytes,
+        4 * SC + vc(V2)
+    );
+    c
+}
+
+#[test]
+fn dac_promotion_demotes_a_colder_lru_value_rather_than_evicting_shortcuts() {
+    // P = key 3 (count 1). Making room for P's value (3 SC; P's own shortcut gives 1 SC)
+    // takes evicting two of keys 0..2 (count 5 each: penalty 2 * 5 * avg_miss_rts 2.0 = 20)
+    // or demoting V = key 9 (count 1, frees 2 SC: penalty 1 * avg_shortcut_hit_rts 1.0 = 1).
+    let mut c = dac_four_shortcuts_and_a_value([5, 5, 5, 1]);
+    shortcut_hits(&mut c, 3, 1, &val(V2, 3));
+    assert!(is_value(&c, 3), "hits(P) = 2 >= 1");
+    assert!(is_shortcut(&c, 9), "V is demoted, not dropped");
+    assert!((0..3).all(|k| is_shortcut(&c, k)), "no shortcut evicted");
+    let s = c.stats();
+    assert_eq!(
+        (
+            s.promotions,
+            s.demotions,
+            s.evictions,
+            s.values,
+            s.shortcuts
+        ),
+        (1, 4 + 1, 0, 1, 4)
+    );
+    assert_eq!(c.hits(&key(9)), Some(1), "the count survives demotion");
+    c.check();
+
+    // As published (Table 3), promotion only evicts shortcuts: P needs 20 hits.
+    let mut c = dac_four_shortcuts_and_a_value([5, 5, 5, 1]);
+    c.set_demote_to_promote(false);
+    shortcut_hits(&mut c, 3, 18, &val(V2, 3));
+    assert!(is_shortcut(&c, 3) && is_value(&c, 9));
+    shortcut_hits(&mut c, 3, 1, &val(V2, 3));
+    assert!(is_value(&c, 3) && is_value(&c, 9));
+    assert!(!cached(&c, 0) && !cached(&c, 1) && is_shortcut(&c, 2));
+    c.check();
+}
+
+#[test]
+fn dac_promotion_keeps_a_value_hit_more_often_than_the_candidate() {
+    let mut c = dac_four_shortcuts_and_a_value([9, 9, 9, 1]);
+    // V = key 9 reaches count 4: demoting it costs 4 (per byte the cheapest candidate:
+    // 4 / 2 SC against 9 * 2.0 / SC for a shortcut).
+    for _ in 0..3 {
+        assert!(matches!(c.lookup(&key(9)), Lookup::Value { .. }));
+    }
+    assert_eq!(c.hits(&key(9)), Some(4));
+    shortcut_hits(&mut c, 3, 2, &val(V2, 3));
+    assert!(is_shortcut(&c, 3) && is_value(&c, 9), "hits(P) = 3 < 4");
+    assert_eq!(c.stats().promotions, 0);
+    shortcut_hits(&mut c, 3, 1, &val(V2, 3));
+    assert!(is_value(&c, 3) && is_shortcut(&c, 9), "hits(P) = 4 >= 4");
+    assert_eq!(c.stats().evictions, 0);
     c.check();
 }
 
