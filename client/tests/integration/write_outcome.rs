@@ -153,10 +153,12 @@ impl KvService for LostAnswers {
         Err(lost())
     }
     type PipelineStream = KvStream;
+    /// The SDK's path: its stream "reaches the KN" and the answer is lost the same way.
     async fn pipeline(
         &self,
         _: Request<tonic::Streaming<kv::KvRequest>>,
     ) -> Result<Response<KvStream>, Status> {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         Err(lost())
     }
     async fn stats(
