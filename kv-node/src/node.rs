@@ -26,13 +26,16 @@ use bytes::Bytes;
 use dinomo_fabric::Fabric;
 use dinomo_placement::{ClusterMap, KnInfo};
 use parking_lot::RwLock;
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc, oneshot};
 
 use crate::cache::CacheConfig;
 use crate::config::KnConfig;
 use crate::dpm_link::DpmLink;
 use crate::error::{KvError, KvResult};
-use crate::shard::{self, Control, ShardConfig, ShardHandle, ShardMsg, ShardOp, ShardRequest};
+use crate::shard::{
+    self, AnswerSink, Control, OpKind, Reply, ShardConfig, ShardHandle, ShardMsg, ShardOp,
+    ShardRequest, Tag,
+};
 
 /// The map a KN uses until one is published: itself alone, version 0.
 fn bootstrap_map(kn: u32, endpoint: &str) -> ClusterMap {
@@ -383,10 +386,9 @@ impl KvNode {
         }
     }
 
-    fn shard_of(&self, key: &[u8]) -> usize {
+    fn shard_of_hash(&self, key_hash: u64) -> usize {
         // The local ring (salted, so one KN's keys spread evenly over its shards).
-        dinomo_placement::shard_of_hash(dinomo_layout::key_hash(key), self.shards.len() as u32)
-            as usize
+        dinomo_placement::shard_of_hash(key_hash, self.shards.len() as u32) as usize
     }
 
     fn validate_key(&self, key: &[u8]) -> KvResult<()> {
@@ -403,44 +405,23 @@ impl KvNode {
         Ok(())
     }
 
-    /// Validates, checks ownership and runs one operation on its shard.
-    pub async fn execute(&self, op: ShardOp) -> KvResult<Option<Bytes>> {
-        let (kind, series) = match &op {
-            ShardOp::Get { .. } => ("get", 0),
-            ShardOp::Put { .. } => ("put", 1),
-            ShardOp::Delete { .. } => ("delete", 2),
-        };
-        let start = Instant::now();
-        let r = self.execute_inner(op).await;
-        self.request_seconds[series].record(start.elapsed().as_secs_f64());
-        if let Err(e) = &r {
-            metrics::counter!("dinomo_kn_request_errors_total", "op" => kind, "code" => format!("{:?}", e.code())).increment(1);
-        }
-        r
-    }
-
-    async fn execute_inner(&self, op: ShardOp) -> KvResult<Option<Bytes>> {
-        let key = match &op {
-            ShardOp::Get { key } | ShardOp::Delete { key } => key,
-            ShardOp::Put { key, value, .. } => {
-                if value.len() > self.config.max_value_bytes {
-                    return Err(KvError::InvalidArgument(format!(
-                        "the value is {} bytes; the limit is {} (max_value_bytes)",
-                        value.len(),
-                        self.config.max_value_bytes
-                    )));
-                }
-                key
+    /// Checks one operation against `map` (and the map being moved to, if any): sizes, a key
+    /// moving between KNs, ownership. Returns the key's hash (computed once, for the ring and
+    /// the shard).
+    fn admit(&self, map: &ClusterMap, next: Option<&ClusterMap>, op: &ShardOp) -> KvResult<u64> {
+        let key = op.key();
+        if let ShardOp::Put { value, .. } = op {
+            if value.len() > self.config.max_value_bytes {
+                return Err(KvError::InvalidArgument(format!(
+                    "the value is {} bytes; the limit is {} (max_value_bytes)",
+                    value.len(),
+                    self.config.max_value_bytes
+                )));
             }
-        };
-        self.validate_key(key)?;
-        let _admitted = self.gate.read().await;
-        if self.stopping.load(Ordering::Acquire) {
-            return Err(KvError::Unavailable("the KN is stopping".into()));
         }
-        let map = self.map();
+        self.validate_key(key)?;
         let me = self.link.kn_id;
-        if let Some(next) = self.transition.read().clone() {
+        if let Some(next) = next {
             if next.version > map.version
                 && map.owners(key) != next.owners(key)
                 && (map.is_owner(me, key) || next.is_owner(me, key))
@@ -451,28 +432,128 @@ impl KvNode {
                 )));
             }
         }
-        if !map.is_owner(self.link.kn_id, key) {
+        let hash = dinomo_layout::key_hash(key);
+        let mine = match map.replicated.get(&key[..]) {
+            Some(owners) => owners.contains(&me),
+            None => map.owner_by_hash(hash) == Some(me),
+        };
+        if !mine {
             self.wrong_owner.fetch_add(1, Ordering::Relaxed);
             return Err(KvError::WrongOwner {
-                kn: self.link.kn_id,
+                kn: me,
                 map_version: map.version,
             });
         }
-        // A replicated key is read and written through its indirect cell (DINOMO 3.4).
-        let cell = if map.replicated.contains_key(&key[..]) {
-            Some(self.cell_of(key, map.version).await?)
-        } else {
-            None
-        };
+        Ok(hash)
+    }
+
+    /// The key's indirect cell if `map` replicates it (DINOMO 3.4: a replicated key is read
+    /// and written through its cell).
+    async fn cell_if_replicated(&self, map: &ClusterMap, key: &Bytes) -> KvResult<Option<u64>> {
+        if map.replicated.is_empty() || !map.replicated.contains_key(&key[..]) {
+            return Ok(None);
+        }
+        self.cell_of(key, map.version).await.map(Some)
+    }
+
+    /// Records a request answered at `answered` in `dinomo_kn_request_seconds` (and the error
+    /// counter).
+    pub fn record(
+        &self,
+        kind: OpKind,
+        started: Instant,
+        answered: Instant,
+        result: &KvResult<Option<Bytes>>,
+    ) {
+        self.request_seconds[kind as usize]
+            .record(answered.saturating_duration_since(started).as_secs_f64());
+        if let Err(e) = result {
+            metrics::counter!("dinomo_kn_request_errors_total", "op" => kind.as_str(), "code" => format!("{:?}", e.code())).increment(1);
+        }
+    }
+
+    /// Validates, checks ownership and runs one operation on its shard.
+    pub async fn execute(&self, op: ShardOp) -> KvResult<Option<Bytes>> {
+        let kind = op.kind();
+        let start = Instant::now();
+        let r = self.execute_inner(op).await;
+        self.record(kind, start, Instant::now(), &r);
+        r
+    }
+
+    async fn execute_inner(&self, op: ShardOp) -> KvResult<Option<Bytes>> {
+        let _admitted = self.gate.read().await;
+        if self.stopping.load(Ordering::Acquire) {
+            return Err(KvError::Unavailable("the KN is stopping".into()));
+        }
+        let map = self.map();
+        let next = self.transition.read().clone();
+        let hash = self.admit(&map, next.as_deref(), &op)?;
+        let cell = self.cell_if_replicated(&map, op.key()).await?;
         let (reply, rx) = oneshot::channel();
-        let shard = &self.shards[self.shard_of(key)];
+        let shard = &self.shards[self.shard_of_hash(hash)];
         shard
             .tx
-            .send(ShardMsg::Op(ShardRequest { op, reply, cell }))
+            .send(ShardMsg::Op(ShardRequest {
+                op,
+                reply: Reply::Once(reply),
+                cell,
+            }))
             .await
             .map_err(|_| KvError::Unavailable("the KN is stopping".into()))?;
         rx.await
             .map_err(|_| KvError::Unavailable("the KN is stopping".into()))?
+    }
+
+    /// Runs the requests a Pipeline stream read together; their answers go to `to`, each as
+    /// soon as its shard has it. The gate, the stop flag and the maps are consulted once for
+    /// all of them, and each shard gets one message with its requests in the order given.
+    pub async fn submit(&self, reqs: Vec<(Tag, ShardOp)>, to: &AnswerSink) {
+        let _admitted = self.gate.read().await;
+        if self.stopping.load(Ordering::Acquire) {
+            for (tag, _) in reqs {
+                let _ = Reply::stream(tag, to.clone())
+                    .send(Err(KvError::Unavailable("the KN is stopping".into())));
+            }
+            return;
+        }
+        let map = self.map();
+        let next = self.transition.read().clone();
+        let mut by_shard: Vec<Vec<ShardRequest>> = Vec::new();
+        by_shard.resize_with(self.shards.len(), Vec::new);
+        for (tag, op) in reqs {
+            let reply = Reply::stream(tag, to.clone());
+            let admitted = match self.admit(&map, next.as_deref(), &op) {
+                Ok(hash) => match self.cell_if_replicated(&map, op.key()).await {
+                    Ok(cell) => Ok((hash, cell)),
+                    Err(e) => Err(e),
+                },
+                Err(e) => Err(e),
+            };
+            match admitted {
+                Ok((hash, cell)) => {
+                    by_shard[self.shard_of_hash(hash)].push(ShardRequest { op, reply, cell })
+                }
+                Err(e) => {
+                    let _ = reply.send(Err(e));
+                }
+            }
+        }
+        for (shard, reqs) in self.shards.iter().zip(by_shard) {
+            if reqs.is_empty() {
+                continue;
+            }
+            if let Err(mpsc::error::SendError(msg)) = shard.tx.send(ShardMsg::Batch(reqs)).await {
+                let ShardMsg::Batch(reqs) = msg else {
+                    unreachable!("the message sent was a batch")
+                };
+                for r in reqs {
+                    let _ = r
+                        .reply
+                        .send(Err(KvError::Unavailable("the KN is stopping".into())));
+                }
+            }
+        }
     }
 
     async fn cell_of(&self, key: &Bytes, map_version: u64) -> KvResult<u64> {
@@ -539,7 +620,8 @@ impl KvNode {
     pub async fn shutdown(&self) -> bool {
         self.stopping.store(true, Ordering::Release);
         let all = async {
-            // Wait out the admitted requests (a request holds the gate until it is answered).
+            // Wait out the admitted requests: each holds the gate until it is queued at its
+            // shard, and a shard handles its queue in order, so the Stop comes after them.
             drop(self.gate.write().await);
             let mut acks = Vec::new();
             for sh in &self.shards {

@@ -3,16 +3,18 @@
 use std::collections::HashMap;
 use std::pin::Pin;
 use std::sync::Arc;
+use std::time::Instant;
 
 use bytes::Bytes;
 use dinomo_proto::kv as pb;
 use dinomo_proto::kv::kv_service_server::KvService;
+use futures::FutureExt;
 use tokio_stream::{Stream, StreamExt};
 use tonic::{Request, Response, Status, Streaming};
 
 use crate::error::{KvError, KvResult};
 use crate::node::KvNode;
-use crate::shard::{PutMode, ShardOp};
+use crate::shard::{Answer, AnswerSink, PutMode, ShardOp, Tag};
 
 #[derive(Debug, Clone)]
 pub struct KvGrpc {
@@ -182,62 +184,112 @@ async fn run_batch(node: &KvNode, reqs: Vec<pb::KvRequest>) -> Vec<pb::KvRespons
 }
 
 /// Most requests of one Pipeline stream that the KN works on at once (running, or answered and
-/// waiting for room in the response channel). Without a bound, a client that streams faster
-/// than the shards answer makes the KN accept and hold every request it sends. With it, a
-/// stream holds at most this many requests plus [`PIPELINE_RESPONSE_QUEUE`] answers, each at
-/// most `max_key_bytes + max_value_bytes`. 1024 keeps the concurrency the unbounded version
-/// had for any client with fewer than 1024 requests outstanding; no benchmark has tuned it.
+/// not yet taken by the response encoder). Without a bound, a client that streams faster than
+/// the shards answer makes the KN accept and hold every request it sends. With it, a stream
+/// holds at most this many requests and answers, each at most `max_key_bytes +
+/// max_value_bytes`. 1024 keeps the concurrency the unbounded version had for any client with
+/// fewer than 1024 requests outstanding; no benchmark has tuned it.
 const PIPELINE_MAX_IN_FLIGHT: usize = 1024;
 
-/// Answers of one Pipeline stream queued for the client before the KN stops working for it.
-const PIPELINE_RESPONSE_QUEUE: usize = 1024;
+/// Most requests handed to the node as one submission: those already received when the first
+/// is read. Bounds how long one stream's submission holds the gate and the shards' queues.
+const PIPELINE_MAX_SUBMIT: usize = 256;
 
-/// Runs the requests of one Pipeline stream concurrently, at most `max_in_flight` at a time,
-/// and sends their responses, in completion order, to the returned channel.
+/// Reads the requests of one Pipeline stream and hands them to `submit` in groups (every
+/// request already received when the first of a group arrives), at most `max_in_flight` not
+/// yet answered; the answers come out of the returned stream in completion order, each passed
+/// to `on_answer` first.
 ///
-/// Backpressure, not buffering: a slot is taken before the next request is read, so at the
-/// bound the stream is left unread and HTTP/2 flow control stops the client. A request's slot
-/// is given back only once its response is in the channel, so a client that does not read its
-/// answers is stopped the same way.
-fn drive_pipeline<S, F, Fut>(
+/// Backpressure, not buffering: a slot is taken before a request is read, so at the bound the
+/// stream is left unread and HTTP/2 flow control stops the client. A slot is given back only
+/// when the response encoder takes its answer, so a client that does not read its answers is
+/// stopped the same way.
+fn drive_pipeline<S, F, Fut, A>(
     mut incoming: S,
     max_in_flight: usize,
     mut stopping: Option<tokio::sync::watch::Receiver<bool>>,
-    run: F,
-) -> tokio::sync::mpsc::Receiver<Result<pb::KvResponse, Status>>
+    submit: F,
+    on_answer: A,
+) -> impl Stream<Item = Result<pb::KvResponse, Status>> + Send + 'static
 where
     S: Stream<Item = Result<pb::KvRequest, Status>> + Send + Unpin + 'static,
-    F: Fn(pb::KvRequest) -> Fut + Send + 'static,
-    Fut: std::future::Future<Output = pb::KvResponse> + Send + 'static,
+    F: Fn(Vec<(Tag, ShardOp)>, AnswerSink) -> Fut + Send + 'static,
+    Fut: std::future::Future<Output = ()> + Send,
+    A: Fn(&Answer) + Send + 'static,
 {
-    let (tx, rx) = tokio::sync::mpsc::channel(PIPELINE_RESPONSE_QUEUE);
-    // One task per stream runs its requests as futures of its own (no task per request): it
-    // reads a request whenever fewer than `max_in_flight` run, and sends each answer as it
-    // completes. A full response channel stops it, reading included.
+    let slots = Arc::new(tokio::sync::Semaphore::new(max_in_flight));
+    let (to, answers) = tokio::sync::mpsc::unbounded_channel::<Answer>();
+    let reader_slots = slots.clone();
+    // The reader: its own task, so that reading goes on while the encoder writes answers.
     tokio::spawn(async move {
-        let mut running = futures::stream::FuturesUnordered::new();
-        let mut reading = true;
-        loop {
-            tokio::select! {
+        let slots = reader_slots;
+        let mut more = true;
+        while more {
+            // A slot first; but not forever: when the client is gone (tonic dropped the
+            // answer stream) or the server stops, nobody will give slots back.
+            let first_slot = tokio::select! {
                 biased;
-                Some(answer) = running.next(), if !running.is_empty() => {
-                    if tx.send(Ok(answer)).await.is_err() {
-                        break; // nobody reads the answers any more
+                _ = to.closed() => break,
+                _ = stopped(&mut stopping) => break,
+                slot = slots.acquire() => match slot {
+                    Ok(slot) => slot,
+                    Err(_) => break, // never closed
+                },
+            };
+            let Some(first) = next_request(&mut incoming, &mut stopping).await else {
+                break;
+            };
+            first_slot.forget();
+            let started = Instant::now();
+            let mut group = Vec::with_capacity(8);
+            let mut take = |r: pb::KvRequest| {
+                let id = r.id;
+                match op_of(r) {
+                    Ok(op) => {
+                        let kind = Some(op.kind());
+                        group.push((Tag { id, kind, started }, op));
+                    }
+                    Err(e) => {
+                        let tag = Tag {
+                            id,
+                            kind: None,
+                            started,
+                        };
+                        let _ = to.send(Answer {
+                            tag,
+                            answered: started,
+                            result: Err(e),
+                        });
                     }
                 }
-                next = next_request(&mut incoming, &mut stopping),
-                    if reading && running.len() < max_in_flight =>
-                {
-                    match next {
-                        Some(r) => running.push(run(r)),
-                        None => reading = false,
+            };
+            take(first);
+            for _ in 1..PIPELINE_MAX_SUBMIT {
+                let Ok(slot) = slots.try_acquire() else {
+                    break;
+                };
+                match incoming.next().now_or_never() {
+                    Some(Some(Ok(r))) => {
+                        slot.forget();
+                        take(r);
                     }
+                    Some(_) => {
+                        more = false; // the stream ended or failed
+                        break;
+                    }
+                    None => break, // nothing more received yet
                 }
-                else => break,
+            }
+            if !group.is_empty() {
+                submit(group, to.clone()).await;
             }
         }
     });
-    rx
+    tokio_stream::wrappers::UnboundedReceiverStream::new(answers).map(move |a| {
+        slots.add_permits(1);
+        on_answer(&a);
+        Ok(response(a.tag.id, a.result))
+    })
 }
 
 /// The next request of a stream; `None` when it ends or fails, or the server is stopping.
@@ -306,18 +358,22 @@ impl KvService for KvGrpc {
         req: Request<Streaming<pb::KvRequest>>,
     ) -> Result<Response<Self::PipelineStream>, Status> {
         let node = self.node.clone();
-        let rx = drive_pipeline(
+        let recorder = self.node.clone();
+        let answers = drive_pipeline(
             req.into_inner(),
             PIPELINE_MAX_IN_FLIGHT,
             self.stopping.clone(),
-            move |r: pb::KvRequest| {
+            move |reqs, to| {
                 let node = node.clone();
-                async move { run_one(&node, r).await }
+                async move { node.submit(reqs, &to).await }
+            },
+            move |a: &Answer| {
+                if let Some(kind) = a.tag.kind {
+                    recorder.record(kind, a.tag.started, a.answered, &a.result);
+                }
             },
         );
-        Ok(Response::new(Box::pin(
-            tokio_stream::wrappers::ReceiverStream::new(rx),
-        )))
+        Ok(Response::new(Box::pin(answers)))
     }
 
     async fn prepare_map(
@@ -397,6 +453,14 @@ mod tests {
         })
     }
 
+    fn answer(tag: Tag) -> Answer {
+        Answer {
+            tag,
+            answered: Instant::now(),
+            result: Ok(None),
+        }
+    }
+
     /// A client streams far more requests than a stuck shard can answer: the KN must work on
     /// at most `max_in_flight` of them and leave the rest unread in the stream (HTTP/2 flow
     /// control then pushes back on the client), not accept and buffer them all.
@@ -416,16 +480,26 @@ mod tests {
             r
         });
         let (inf, max, g) = (in_flight.clone(), max_seen.clone(), gate.clone());
-        let mut rx = drive_pipeline(Box::pin(incoming), LIMIT, None, move |r: pb::KvRequest| {
-            let (inf, max, g) = (inf.clone(), max.clone(), g.clone());
-            async move {
-                let now = inf.fetch_add(1, Ordering::SeqCst) + 1;
-                max.fetch_max(now, Ordering::SeqCst);
-                g.acquire().await.unwrap().forget();
-                inf.fetch_sub(1, Ordering::SeqCst);
-                response(r.id, Ok(None))
-            }
-        });
+        let answers = drive_pipeline(
+            Box::pin(incoming),
+            LIMIT,
+            None,
+            move |reqs: Vec<(Tag, ShardOp)>, to: AnswerSink| {
+                for (tag, _) in reqs {
+                    let now = inf.fetch_add(1, Ordering::SeqCst) + 1;
+                    max.fetch_max(now, Ordering::SeqCst);
+                    let (inf, g, to) = (inf.clone(), g.clone(), to.clone());
+                    tokio::spawn(async move {
+                        g.acquire().await.unwrap().forget();
+                        inf.fetch_sub(1, Ordering::SeqCst);
+                        let _ = to.send(answer(tag));
+                    });
+                }
+                async {}
+            },
+            |_: &Answer| {},
+        );
+        let mut answers = Box::pin(answers);
 
         // Let the driver read as far as it will.
         tokio::time::sleep(Duration::from_millis(200)).await;
@@ -439,15 +513,15 @@ mod tests {
         // Unstick the shard: every request is still answered, once.
         gate.add_permits(SENT as usize);
         let mut ids = std::collections::HashSet::new();
-        while let Some(resp) = rx.recv().await {
+        while let Some(resp) = answers.next().await {
             assert!(ids.insert(resp.unwrap().id));
         }
         assert_eq!(ids.len(), SENT as usize);
         assert!(max_seen.load(Ordering::SeqCst) <= LIMIT);
     }
 
-    /// A client that streams requests but never reads the answers is stopped too: once the
-    /// response channel is full, the slots stay taken and the stream is left unread.
+    /// A client that streams requests but never reads the answers is stopped too: the slots
+    /// stay taken until the encoder takes the answers, and the stream is left unread.
     #[tokio::test]
     async fn pipeline_stops_reading_when_answers_are_not_read() {
         const SENT: u64 = 10_000;
@@ -458,19 +532,66 @@ mod tests {
             counted.fetch_add(1, Ordering::SeqCst);
             r
         });
-        let rx = drive_pipeline(
+        let answers = drive_pipeline(
             Box::pin(incoming),
             LIMIT,
             None,
-            |r: pb::KvRequest| async move { response(r.id, Ok(None)) },
+            |reqs: Vec<(Tag, ShardOp)>, to: AnswerSink| {
+                for (tag, _) in reqs {
+                    let _ = to.send(answer(tag));
+                }
+                async {}
+            },
+            |_: &Answer| {},
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
         let r = read.load(Ordering::SeqCst);
         assert!(
-            r <= rx.max_capacity() + LIMIT + 1,
-            "the KN read {r} of {SENT} requests while its {} answers went unread",
-            rx.max_capacity()
+            r <= LIMIT + 1,
+            "the KN read {r} of {SENT} requests while its answers went unread (bound {LIMIT})"
         );
-        drop(rx);
+
+        // The client goes away with every slot taken: the reader must end (dropping the
+        // request stream) instead of waiting for slots nobody will give back.
+        drop(answers);
+        for _ in 0..100 {
+            if Arc::strong_count(&read) == 1 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("the stream's reader still runs after its client went away");
+    }
+
+    /// Requests received together reach the node as one submission, in the order sent, and a
+    /// request without an operation is answered without reaching it.
+    #[tokio::test]
+    async fn pipeline_submits_what_arrived_together_as_one_group() {
+        let mut reqs: Vec<Result<pb::KvRequest, Status>> = (0..5).map(get).collect();
+        reqs.push(Ok(pb::KvRequest { id: 99, op: None }));
+        let groups = Arc::new(parking_lot::Mutex::new(Vec::new()));
+        let seen = groups.clone();
+        let answers = drive_pipeline(
+            Box::pin(tokio_stream::iter(reqs)),
+            64,
+            None,
+            move |reqs: Vec<(Tag, ShardOp)>, to: AnswerSink| {
+                seen.lock()
+                    .push(reqs.iter().map(|(t, _)| t.id).collect::<Vec<_>>());
+                for (tag, _) in reqs {
+                    let _ = to.send(answer(tag));
+                }
+                async {}
+            },
+            |_: &Answer| {},
+        );
+        let answers: Vec<_> = answers.collect().await;
+        assert_eq!(*groups.lock(), vec![vec![0, 1, 2, 3, 4]]);
+        assert_eq!(answers.len(), 6);
+        let invalid = answers.iter().find(|a| a.as_ref().unwrap().id == 99).unwrap();
+        assert_eq!(
+            invalid.as_ref().unwrap().code,
+            KvError::InvalidArgument(String::new()).code() as i32
+        );
     }
 }

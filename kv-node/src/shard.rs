@@ -80,7 +80,121 @@ pub enum ShardOp {
     },
 }
 
-pub type Reply = oneshot::Sender<KvResult<Option<Bytes>>>;
+impl ShardOp {
+    pub fn key(&self) -> &Bytes {
+        match self {
+            ShardOp::Get { key } | ShardOp::Delete { key } | ShardOp::Put { key, .. } => key,
+        }
+    }
+
+    pub fn kind(&self) -> OpKind {
+        match self {
+            ShardOp::Get { .. } => OpKind::Get,
+            ShardOp::Put { .. } => OpKind::Put,
+            ShardOp::Delete { .. } => OpKind::Delete,
+        }
+    }
+}
+
+/// An operation's kind, for metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum OpKind {
+    Get = 0,
+    Put = 1,
+    Delete = 2,
+}
+
+impl OpKind {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OpKind::Get => "get",
+            OpKind::Put => "put",
+            OpKind::Delete => "delete",
+        }
+    }
+}
+
+/// A Pipeline request's identity, carried to its answer: the client's request id, the
+/// operation's kind (`None`: the request named no valid operation) and when the KN read it.
+#[derive(Debug, Clone, Copy)]
+pub struct Tag {
+    pub id: u64,
+    pub kind: Option<OpKind>,
+    pub started: Instant,
+}
+
+/// One answer of a Pipeline stream.
+#[derive(Debug)]
+pub struct Answer {
+    pub tag: Tag,
+    /// When the shard answered (the request's latency ends here, not when the answer is sent
+    /// to the client, which also waits for the connection).
+    pub answered: Instant,
+    pub result: KvResult<Option<Bytes>>,
+}
+
+/// Where a stream's answers go. Unbounded because the stream bounds its requests in flight
+/// (service.rs): it never holds more answers than that bound.
+pub type AnswerSink = mpsc::UnboundedSender<Answer>;
+
+/// Where a request's answer goes.
+#[derive(Debug)]
+pub enum Reply {
+    /// One caller waits for this one answer (unary RPCs, the Batch RPC). Dropped unanswered,
+    /// the caller sees the channel closed.
+    Once(oneshot::Sender<KvResult<Option<Bytes>>>),
+    /// A Pipeline stream: the answer joins the stream's answers, straight from the shard (no
+    /// task or channel of its own per request).
+    Stream(StreamReply),
+}
+
+impl Reply {
+    pub fn stream(tag: Tag, to: AnswerSink) -> Self {
+        Reply::Stream(StreamReply { tag, to: Some(to) })
+    }
+
+    /// Sends the answer; false when nobody waits for it any more (the caller is gone).
+    pub fn send(self, result: KvResult<Option<Bytes>>) -> bool {
+        match self {
+            Reply::Once(tx) => tx.send(result).is_ok(),
+            Reply::Stream(mut r) => r.answer(result),
+        }
+    }
+}
+
+/// A Pipeline request's way back. Every request of a stream must be answered, or its client
+/// waits until its timeout and the stream's slot is never given back: dropped unanswered (a
+/// shard that ended, a runtime shutting down), it answers UNAVAILABLE itself.
+#[derive(Debug)]
+pub struct StreamReply {
+    tag: Tag,
+    /// `None` once answered.
+    to: Option<AnswerSink>,
+}
+
+impl StreamReply {
+    fn answer(&mut self, result: KvResult<Option<Bytes>>) -> bool {
+        let Some(to) = self.to.take() else {
+            return false;
+        };
+        to.send(Answer {
+            tag: self.tag,
+            answered: Instant::now(),
+            result,
+        })
+        .is_ok()
+    }
+}
+
+impl Drop for StreamReply {
+    fn drop(&mut self) {
+        if self.to.is_some() {
+            self.answer(Err(KvError::Unavailable(
+                "the KN dropped the request (stopping?); retry".into(),
+            )));
+        }
+    }
+}
 
 #[derive(Debug)]
 pub struct ShardRequest {
@@ -96,6 +210,8 @@ pub struct ShardRequest {
 #[derive(Debug)]
 pub enum ShardMsg {
     Op(ShardRequest),
+    /// Requests of one Pipeline read, handled in order (one message and one wakeup for all).
+    Batch(Vec<ShardRequest>),
     Control(Control, oneshot::Sender<()>),
     /// Finish every queued and deferred request, write out and seal the log, answer, and end
     /// the task (a clean stop).
@@ -227,6 +343,9 @@ struct Shard {
     inflight: bool,
     /// Latest unacknowledged write per key (None = delete) and its write number.
     pending: HashMap<Bytes, (Option<Bytes>, u64)>,
+    /// Requests received and not handled yet, in arrival order: a `Batch` message lands here
+    /// and is handled while the log accepts writes ([`Shard::accepting`]).
+    backlog: VecDeque<ShardRequest>,
     /// Requests waiting for an earlier write of their key to be resolved, in arrival order.
     deferred: VecDeque<ShardRequest>,
     /// How many of `deferred` each key has.
@@ -276,6 +395,7 @@ pub async fn spawn(
         batch: None,
         inflight: false,
         pending: HashMap::new(),
+        backlog: VecDeque::new(),
         deferred: VecDeque::new(),
         deferred_keys: HashMap::new(),
         recheck: false,
@@ -306,6 +426,12 @@ impl Shard {
         (self.cfg.batch_bytes * 4).min(self.link.segment_size as usize / 2)
     }
 
+    /// May another request be handled now? Not while the open batch is at its hard cap and a
+    /// WRITE is in flight: it could not be written before that WRITE completes anyway.
+    fn accepting(&self) -> bool {
+        !(self.inflight && self.batch_len() >= self.hard_cap())
+    }
+
     async fn run(mut self, mut rx: mpsc::Receiver<ShardMsg>) {
         let (done_tx, mut done_rx) = mpsc::unbounded_channel::<Done>();
         let mut tick = tokio::time::interval(Duration::from_millis(50));
@@ -316,7 +442,9 @@ impl Shard {
                 .batch
                 .as_ref()
                 .map(|b| b.started + self.cfg.batch_delay);
-            let accept = !(self.inflight && self.batch_len() >= self.hard_cap());
+            // The next message is read only once the backlog is handled: a control message
+            // (SealLog) must come after every request queued before it.
+            let accept = self.accepting() && self.backlog.is_empty();
             tokio::select! {
                 biased;
                 Some(done) = done_rx.recv() => {
@@ -335,11 +463,8 @@ impl Shard {
                             self.control(ctl, &done_tx, &mut done_rx).await;
                             let _ = ack.send(());
                         }
-                        Some(ShardMsg::Op(req)) => {
-                            let t = Instant::now();
-                            self.handle(req).await;
-                            ShardStats::add(&self.stats.busy_ns, t.elapsed().as_nanos() as u64);
-                        }
+                        Some(ShardMsg::Op(req)) => self.backlog.push_back(req),
+                        Some(ShardMsg::Batch(reqs)) => self.backlog.extend(reqs),
                     }
                 }
                 _ = sleep_until(deadline), if deadline.is_some() && !self.inflight => {}
@@ -357,12 +482,35 @@ impl Shard {
                     }
                 }
             }
+            if !self.backlog.is_empty() && self.accepting() {
+                let t = Instant::now();
+                loop {
+                    // Between requests, as between messages: a completed WRITE is taken in
+                    // (acknowledging its writes), and a full batch goes out at once, so a batch
+                    // never grows past the hard cap by more than one entry.
+                    while let Ok(done) = done_rx.try_recv() {
+                        self.complete(done);
+                    }
+                    if !self.inflight && self.batch_len() >= self.cfg.batch_bytes {
+                        self.flush(&done_tx).await;
+                    }
+                    if !self.accepting() {
+                        break;
+                    }
+                    let Some(req) = self.backlog.pop_front() else {
+                        break;
+                    };
+                    self.handle(req).await;
+                }
+                ShardStats::add(&self.stats.busy_ns, t.elapsed().as_nanos() as u64);
+            }
             self.run_deferred().await;
             if !self.inflight {
                 if let Some(b) = &self.batch {
                     let full = b.builder.encoded_len() >= self.cfg.batch_bytes;
                     let late = b.started.elapsed() >= self.cfg.batch_delay;
-                    if rx.is_empty() || full || late {
+                    let idle = rx.is_empty() && self.backlog.is_empty();
+                    if idle || full || late {
                         self.flush(&done_tx).await;
                     }
                 }
