@@ -9,7 +9,9 @@
 //! Clones share the map and the connection pool: one HTTP/2 channel per node, and on it one
 //! long-lived `Pipeline` stream (`stream`) that carries every operation of this client to that
 //! node, so that operations in flight together share frames and system calls instead of each
-//! paying for an RPC of its own.
+//! paying for an RPC of its own. What an operation does besides that is kept small: it reads
+//! its owner and that KN's stream under one read lock (no copy of the map, no lookup by
+//! endpoint, no allocation), and records its latency into a per-thread shard of the recorder.
 //!
 //! Every client reports its latencies to the cluster's monitor (the SLO policy's input) unless
 //! [`ClientConfig::report_latency`] is false: to [`ClientConfig::monitor`] when set, else to
@@ -139,13 +141,24 @@ impl Op {
 /// (whether it existed) as `Some(empty)`/`None`, and `None` for writes.
 pub type OpResult = Result<Option<Bytes>>;
 
+/// The map in use and the stream to each of its KNs: what every operation reads, under one
+/// read lock, without a lookup by endpoint or a clone of the map.
+#[derive(Debug)]
+struct Route {
+    map: Arc<ClusterMap>,
+    /// `nodes[i]` is the stream to `map.kns[i]`, or why there is none (an endpoint that is not
+    /// an address: the operations routed to it fail with that error).
+    nodes: Vec<Result<stream::NodeStream>>,
+}
+
 #[derive(Debug)]
 struct Shared {
     cfg: ClientConfig,
     /// None only until `connect` has fetched the first map.
-    map: RwLock<Option<Arc<ClusterMap>>>,
+    route: RwLock<Option<Route>>,
     routing: Mutex<(usize, HashMap<String, RoutingServiceClient<Channel>>)>,
-    /// One Pipeline stream per KV node endpoint ([`stream`]).
+    /// One Pipeline stream per KV node endpoint ([`stream`]), kept across maps so that a new
+    /// map reuses the streams of the KNs it keeps.
     nodes: Mutex<HashMap<String, stream::NodeStream>>,
     latency: Arc<latency::Recorder>,
     /// Where latencies go now: `cfg.monitor`, else the monitor the routing nodes named last.
@@ -217,7 +230,7 @@ impl Client {
         }
         let client = Client {
             shared: Arc::new(Shared {
-                map: RwLock::new(None),
+                route: RwLock::new(None),
                 routing: Mutex::new((0, routing)),
                 nodes: Mutex::new(HashMap::new()),
                 latency: Arc::new(latency::Recorder::new()),
@@ -248,10 +261,12 @@ impl Client {
     /// The cluster map in use.
     pub fn map(&self) -> Arc<ClusterMap> {
         self.shared
-            .map
+            .route
             .read()
-            .clone()
+            .as_ref()
             .expect("connect fetched a map")
+            .map
+            .clone()
     }
 
     /// Fetches the map from a routing node (waiting briefly for one newer than `newer_than`).
@@ -274,9 +289,13 @@ impl Client {
                     let map = ClusterMap::decode(&r.map)
                         .map_err(|e| ClientError::NoMap(format!("{name}: {e}")))?;
                     self.learn_monitor(r.monitor);
-                    let mut cur = self.shared.map.write();
-                    if cur.as_ref().is_none_or(|c| map.version > c.version) {
-                        *cur = Some(Arc::new(map));
+                    let mut cur = self.shared.route.write();
+                    if cur.as_ref().is_none_or(|c| map.version > c.map.version) {
+                        let nodes = map.kns.iter().map(|k| self.node(&k.endpoint)).collect();
+                        *cur = Some(Route {
+                            map: Arc::new(map),
+                            nodes,
+                        });
                     }
                     return Ok(());
                 }
@@ -307,6 +326,7 @@ impl Client {
         self.shared.monitor.read().clone()
     }
 
+    /// The stream to `endpoint`, from the pool or new (it opens on its first operation).
     fn node(&self, endpoint: &str) -> Result<stream::NodeStream> {
         let mut nodes = self.shared.nodes.lock();
         if let Some(c) = nodes.get(endpoint) {
@@ -315,6 +335,7 @@ impl Client {
         let c = stream::NodeStream::new(
             KvServiceClient::new(channel(endpoint, self.shared.cfg.rpc_timeout)?)
                 .max_decoding_message_size(64 << 20),
+            endpoint,
             self.shared.cfg.rpc_timeout,
         );
         nodes.insert(endpoint.to_string(), c.clone());
@@ -326,8 +347,9 @@ impl Client {
     async fn execute(&self, op: Op) -> OpResult {
         let start = Instant::now();
         let mut last_kn = None;
-        let r = self.execute_at_owner(op, &mut last_kn).await;
-        if !matches!(r, Err(ClientError::InvalidArgument(_))) {
+        let r = self.execute_at_owner(op, start, &mut last_kn).await;
+        // Without reporting nothing ever reads the recorder, so nothing is recorded.
+        if self.shared.cfg.report_latency && !matches!(r, Err(ClientError::InvalidArgument(_))) {
             self.shared.latency.record(last_kn, start.elapsed());
         }
         r
@@ -335,35 +357,63 @@ impl Client {
 
     /// The KN to send `key` to: its owner, or for a replicated (hot) key one of its owners at
     /// random, which spreads the key's load over them (DINOMO 3.4).
+    ///
+    /// The same choice as picking from [`ClusterMap::owners`], which allocates a `Vec` per
+    /// call (placement has no borrowing variant), so this applies its rule itself: the key's
+    /// list if it is replicated, otherwise its ring owner.
     fn pick_owner(map: &ClusterMap, key: &[u8]) -> Option<dinomo_placement::KnId> {
-        let owners = map.owners(key);
-        match owners.len() {
-            0 => None,
-            1 => Some(owners[0]),
-            n => Some(owners[rand::random_range(0..n)]),
+        match map.replicated.get(key) {
+            None => map.owner(key),
+            Some(owners) => match owners.len() {
+                0 => None,
+                1 => Some(owners[0]),
+                n => Some(owners[rand::random_range(0..n)]),
+            },
         }
     }
 
+    /// The KN to send `key` to (see [`Self::pick_owner`]), the version of the map that chose
+    /// it, and its stream if the map names it. Holds the read lock only for this, and clones
+    /// one `Arc` (the stream's); nothing is allocated.
+    fn route(
+        &self,
+        key: &[u8],
+    ) -> (
+        Option<dinomo_placement::KnId>,
+        u64,
+        Option<Result<stream::NodeStream>>,
+    ) {
+        let g = self.shared.route.read();
+        let route = g.as_ref().expect("connect fetched a map");
+        let owner = Self::pick_owner(&route.map, key);
+        let node = owner
+            .and_then(|kn| route.map.kns.iter().position(|k| k.id == kn))
+            .map(|i| route.nodes[i].clone());
+        (owner, route.map.version, node)
+    }
+
+    /// `start` is when the operation began: its deadline counts from there.
     async fn execute_at_owner(
         &self,
         op: Op,
+        start: Instant,
         last_kn: &mut Option<dinomo_placement::KnId>,
     ) -> OpResult {
         let cfg = &self.shared.cfg;
-        let start = Instant::now();
         let mut backoff = cfg.min_backoff;
         let mut attempts = 0u32;
         loop {
             attempts += 1;
-            let map = self.map();
-            let owner = Self::pick_owner(&map, op.key());
+            let (owner, version, node) = self.route(op.key());
             *last_kn = owner;
-            let last = match owner.and_then(|kn| map.endpoint(kn)) {
-                None => format!("no KV node owns the key under map version {}", map.version),
-                Some(endpoint) => {
+            let last = match node {
+                None => format!("no KV node owns the key under map version {version}"),
+                Some(node) => {
+                    let node = node?;
+                    let endpoint = node.endpoint();
                     // Sent on the node's stream, in the same frames as whatever else this client
                     // has queued for the node.
-                    let r = self.node(endpoint)?.call(op.to_request(0)).await;
+                    let r = node.call(op.to_request(0)).await;
                     match r {
                         Ok(x) => {
                             match Code::from_i32(x.code) {
@@ -392,7 +442,7 @@ impl Client {
                                     return Err(ClientError::OutcomeUnknown(x.message))
                                 }
                                 Code::FailedPrecondition => {
-                                    let _ = self.refresh_map(Some(map.version)).await;
+                                    let _ = self.refresh_map(Some(version)).await;
                                     x.message
                                 }
                                 _ => x.message,
@@ -488,6 +538,37 @@ impl Client {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `pick_owner` applies `ClusterMap::owners`' rule without its `Vec`: the ring owner for a
+    /// plain key, any of a replicated key's owners (each of them, over enough picks).
+    #[test]
+    fn pick_owner_chooses_among_the_maps_owners() {
+        let kns = (1..=3)
+            .map(|id| dinomo_placement::KnInfo {
+                id,
+                endpoint: format!("127.0.0.1:{}", 7000 + id),
+            })
+            .collect();
+        let map = ClusterMap::new(kns, 64, 2)
+            .unwrap()
+            .with_replicated(b"hot".to_vec(), vec![3, 1])
+            .unwrap();
+        for i in 0..200 {
+            let key = format!("key-{i}");
+            assert_eq!(
+                Client::pick_owner(&map, key.as_bytes()),
+                Some(map.owners(key.as_bytes())[0]),
+                "{key}"
+            );
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for _ in 0..200 {
+            seen.insert(Client::pick_owner(&map, b"hot").unwrap());
+        }
+        assert_eq!(seen.into_iter().collect::<Vec<_>>(), vec![1, 3]);
+        let empty = ClusterMap::new(Vec::new(), 64, 2).unwrap();
+        assert_eq!(Client::pick_owner(&empty, b"k"), None);
+    }
 
     /// A status whose message (and Debug) contains the words the old substring check looked
     /// for, but which is not a connect failure: the request may have been applied.

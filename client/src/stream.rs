@@ -22,7 +22,7 @@
 //!   a stream's requests concurrently).
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -36,97 +36,121 @@ use tonic::Status;
 /// What a caller of [`NodeStream::call`] gets: the KV node's response, or why there is none.
 pub type Answer = Result<pb::KvResponse, Status>;
 
-/// The operations waiting on one stream, and whether the stream is still usable.
+/// Hashes an operation id with one multiplication. The ids are a counter, so they need no
+/// protection against chosen keys, and SipHash would be most of the cost of a map probe; the
+/// Fibonacci multiplier spreads consecutive ids over both the low bits (the bucket) and the
+/// high bits (hashbrown's tag).
+#[derive(Debug, Default, Clone, Copy)]
+struct IdHasher(u64);
+
+impl Hasher for IdHasher {
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = n.wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+    fn finish(&self) -> u64 {
+        self.0
+    }
+}
+
+type Waiters = HashMap<u64, oneshot::Sender<Answer>, BuildHasherDefault<IdHasher>>;
+
+/// The node's stream and the operations waiting on it, under one lock: an operation takes it
+/// once to get an id, register and queue its request, and the reader once per answer.
 #[derive(Debug, Default)]
-struct Waiting {
-    /// `None` once the stream failed or ended: nothing more may be registered.
-    open: Option<HashMap<u64, oneshot::Sender<Answer>>>,
+struct State {
+    /// The open stream's request queue; `None` before the first call, after the stream failed
+    /// or ended (the next call opens a new one), and once the last [`NodeStream`] is dropped.
+    requests: Option<mpsc::UnboundedSender<pb::KvRequest>>,
+    /// The operations waiting on the open stream (only one stream is open at a time: a new
+    /// one opens only after the last one's reader took the waiters it failed).
+    waiting: Waiters,
+    /// Ids are never reused on this node, not even across streams, so the answer or the
+    /// timeout of an earlier operation can never reach a later one.
+    next_id: u64,
 }
 
-/// One open stream: its request queue and its waiting operations.
 #[derive(Debug)]
-struct Open {
-    requests: mpsc::UnboundedSender<pb::KvRequest>,
-    waiting: Arc<Mutex<Waiting>>,
-    next_id: AtomicU64,
-}
-
-/// The Pipeline stream to one KV node, (re)opened on demand. Cheap to clone.
-#[derive(Debug, Clone)]
-pub struct NodeStream {
+struct Node {
     client: KvServiceClient<Channel>,
+    endpoint: String,
     /// How long one operation waits for its answer.
     timeout: Duration,
-    current: Arc<Mutex<Option<Arc<Open>>>>,
+    /// Shared with the stream's reader task. The reader holds no reference to `Node`, so that
+    /// dropping the last [`NodeStream`] closes the request queue (see `Drop`).
+    state: Arc<Mutex<State>>,
 }
 
+impl Drop for Node {
+    /// Closes the request queue: the KV node then finishes the stream, and its reader ends.
+    fn drop(&mut self) {
+        self.state.lock().requests = None;
+    }
+}
+
+/// The Pipeline stream to one KV node, (re)opened on demand. Cheap to clone (one `Arc`).
+#[derive(Debug, Clone)]
+pub struct NodeStream(Arc<Node>);
+
 impl NodeStream {
-    pub fn new(client: KvServiceClient<Channel>, timeout: Duration) -> Self {
-        NodeStream {
+    pub fn new(client: KvServiceClient<Channel>, endpoint: &str, timeout: Duration) -> Self {
+        NodeStream(Arc::new(Node {
             client,
+            endpoint: endpoint.to_string(),
             timeout,
-            current: Arc::default(),
-        }
+            state: Arc::default(),
+        }))
+    }
+
+    /// The node's address, as the cluster map gives it.
+    pub fn endpoint(&self) -> &str {
+        &self.0.endpoint
     }
 
     /// Sends `request` on the node's stream and waits for its answer (at most the timeout).
-    pub async fn call(&self, mut request: pb::KvRequest) -> Answer {
+    pub async fn call(&self, request: pb::KvRequest) -> Answer {
         let (answer, rx) = oneshot::channel();
-        let (open, id) = self.register(answer);
-        request.id = id;
-        // The reader may already have failed the stream, and with it this operation: its
-        // answer is then waiting in `rx` and the request goes nowhere.
-        let _ = open.requests.send(request);
-        match tokio::time::timeout(self.timeout, rx).await {
+        let id = self.send(request, answer);
+        match tokio::time::timeout(self.0.timeout, rx).await {
             Ok(Ok(answer)) => answer,
             Ok(Err(_)) => Err(Status::unknown("the KV node stream dropped the operation")),
             Err(_) => {
-                if let Some(w) = open.waiting.lock().open.as_mut() {
-                    w.remove(&id);
-                }
+                self.0.state.lock().waiting.remove(&id);
                 Err(Status::deadline_exceeded(format!(
                     "no answer from the KV node within {:?}",
-                    self.timeout
+                    self.0.timeout
                 )))
             }
         }
     }
 
-    /// Registers an operation on the open stream, opening one if there is none (or the last
-    /// one failed), and returns the stream and the operation's id.
-    fn register(&self, answer: oneshot::Sender<Answer>) -> (Arc<Open>, u64) {
-        let mut current = self.current.lock();
-        if let Some(open) = current.as_ref() {
-            let id = open.next_id.fetch_add(1, Ordering::Relaxed);
-            if let Some(w) = open.waiting.lock().open.as_mut() {
-                w.insert(id, answer);
-                return (open.clone(), id);
-            }
-        }
-        let open = self.open();
-        let id = open.next_id.fetch_add(1, Ordering::Relaxed);
-        open.waiting
-            .lock()
-            .open
-            .as_mut()
-            .expect("a new stream is open")
-            .insert(id, answer);
-        *current = Some(open.clone());
-        (open, id)
-    }
-
-    /// Opens a stream: its reader task starts the RPC and answers the waiting operations.
-    fn open(&self) -> Arc<Open> {
-        let (requests, outbound) = mpsc::unbounded_channel();
-        let waiting = Arc::new(Mutex::new(Waiting {
-            open: Some(HashMap::new()),
-        }));
-        tokio::spawn(read_answers(self.client.clone(), outbound, waiting.clone()));
-        Arc::new(Open {
-            requests,
-            waiting,
-            next_id: AtomicU64::new(0),
-        })
+    /// Registers an operation and queues its request on the open stream, opening one if there
+    /// is none (or the last one failed); returns the operation's id.
+    fn send(&self, mut request: pb::KvRequest, answer: oneshot::Sender<Answer>) -> u64 {
+        let mut state = self.0.state.lock();
+        let id = state.next_id;
+        state.next_id += 1;
+        request.id = id;
+        state.waiting.insert(id, answer);
+        let requests = state.requests.get_or_insert_with(|| {
+            let (requests, outbound) = mpsc::unbounded_channel();
+            tokio::spawn(read_answers(
+                self.0.client.clone(),
+                outbound,
+                self.0.state.clone(),
+            ));
+            requests
+        });
+        // Queued under the lock the reader takes to fail the stream: a request is only queued
+        // on a stream that has not failed yet. If tonic has already dropped the queue, the
+        // request goes nowhere and the reader, which is about to see the stream end, answers
+        // the operation.
+        let _ = requests.send(request);
+        id
     }
 }
 
@@ -137,7 +161,7 @@ impl NodeStream {
 async fn read_answers(
     mut client: KvServiceClient<Channel>,
     outbound: mpsc::UnboundedReceiver<pb::KvRequest>,
-    waiting: Arc<Mutex<Waiting>>,
+    state: Arc<Mutex<State>>,
 ) {
     let outbound = tokio_stream::wrappers::UnboundedReceiverStream::new(outbound);
     let failure = match client.pipeline(outbound).await {
@@ -147,7 +171,7 @@ async fn read_answers(
             loop {
                 match answers.message().await {
                     Ok(Some(r)) => {
-                        let to = waiting.lock().open.as_mut().and_then(|w| w.remove(&r.id));
+                        let to = state.lock().waiting.remove(&r.id);
                         if let Some(to) = to {
                             let _ = to.send(Ok(r));
                         }
@@ -158,7 +182,11 @@ async fn read_answers(
             }
         }
     };
-    let failed = waiting.lock().open.take().unwrap_or_default();
+    let failed = {
+        let mut state = state.lock();
+        state.requests = None;
+        std::mem::take(&mut state.waiting)
+    };
     for (_, to) in failed {
         let _ = to.send(Err(failure.clone()));
     }

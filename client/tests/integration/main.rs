@@ -1,4 +1,5 @@
 //! The client against fake nodes on loopback: what it does with each kind of failure.
 
 mod latency_reports;
+mod pipeline;
 mod write_outcome;

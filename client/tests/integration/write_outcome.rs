@@ -15,7 +15,7 @@ use tokio::io::AsyncReadExt;
 use tonic::{Request, Response, Status};
 
 /// A routing node that always serves one map.
-struct FixedMap(Vec<u8>);
+pub(crate) struct FixedMap(pub(crate) Vec<u8>);
 
 type MapStream = Pin<Box<dyn futures::Stream<Item = Result<pb::ClusterMapReply, Status>> + Send>>;
 
