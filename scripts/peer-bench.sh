@@ -14,6 +14,9 @@
 #   --clients N       bench clients (default 8), each with --outstanding M requests (default 4),
 #                     sharing --connections C connections (default 1: one SDK client, one
 #                     multiplexed Redis connection; the bench's own default is one per client)
+#   --threads N       runtime threads of the bench process, for both targets (default: the
+#                     bench's own default, one per core)
+#   --kn-threads N    runtime threads per KV node (default: `dinomo up`'s, cores / KNs)
 #   --warmup S        seconds of warm-up before each measured run (default 2)
 #   --duration S      seconds measured per workload (default 8)
 #   --workloads LIST  run workloads after the load (default a,b,c)
@@ -34,7 +37,7 @@ cd "$root"
 usage() { sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; }
 
 dinomo=target/release/dinomo records=50000 value_size=1000 clients=8 outstanding=4 warmup=2 connections=1
-duration=8 workloads=a,b,c kns=2 base=27700 out=target/peer-bench
+duration=8 workloads=a,b,c kns=2 base=27700 out=target/peer-bench threads="" kn_threads=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --dinomo) dinomo=$2; shift 2 ;;
@@ -43,6 +46,8 @@ while [ $# -gt 0 ]; do
     --clients) clients=$2; shift 2 ;;
     --outstanding) outstanding=$2; shift 2 ;;
     --connections) connections=$2; shift 2 ;;
+    --threads) threads=$2; shift 2 ;;
+    --kn-threads) kn_threads=$2; shift 2 ;;
     --warmup) warmup=$2; shift 2 ;;
     --duration) duration=$2; shift 2 ;;
     --workloads) workloads=$2; shift 2 ;;
@@ -71,7 +76,10 @@ trap cleanup EXIT
 mkdir -p "$work/redis"
 redis-server --port "$redis_port" --bind 127.0.0.1 --dir "$work/redis" --appendonly yes \
   --appendfsync everysec --save "" --daemonize yes --logfile "$out/redis.log"
-"$dinomo" up --data-dir "$work/dinomo" --kns "$kns" --port-base "$base" >"$out/up.out" 2>"$out/up.err" &
+up_extra=()
+[ -n "$kn_threads" ] && up_extra=(--kn-threads "$kn_threads")
+"$dinomo" up --data-dir "$work/dinomo" --kns "$kns" --port-base "$base" "${up_extra[@]}" \
+  >"$out/up.out" 2>"$out/up.err" &
 up_pid=$!
 routing="127.0.0.1:$((base + 200))"
 for _ in $(seq 1 120); do
@@ -82,6 +90,7 @@ grep -q "routing node" "$out/up.out" || { echo "dinomo up did not start; see $ou
 
 common=(--records "$records" --value-size "$value_size" --clients "$clients" --outstanding "$outstanding"
   --connections "$connections")
+[ -n "$threads" ] && common+=(--threads "$threads")
 bench() { # system workload extra...
   local sys=$1 wl=$2; shift 2
   local target

@@ -12,6 +12,12 @@ mod up;
 
 use clap::{Parser, Subcommand};
 
+/// mimalloc instead of glibc's malloc for every process of this binary (all nodes of `dinomo
+/// up`, the bench): glibc's malloc/free (`malloc_consolidate`, `unlink_chunk`) were 6 to 12 %
+/// of a KV node's and a client's CPU on the request path (docs/perf/request-path-profile.md).
+#[global_allocator]
+static ALLOCATOR: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// Dinomo: a key-value store for disaggregated persistent memory.
 #[derive(Debug, Parser)]
 #[command(version, about, long_about = None, propagate_version = true)]
@@ -47,17 +53,35 @@ enum Command {
     Admin(admin::AdminArgs),
 }
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
+fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
+    let runtime = match &cli.command {
+        // A KV node may run on fewer threads than cores (`--worker-threads`).
+        Command::KvNode(a) => a.runtime()?,
+        Command::Bench(a) => a.runtime()?,
+        _ => dinomo_node_common::runtime(None)?,
+    };
+    runtime.block_on(run(cli))
+}
+
+async fn run(cli: Cli) -> anyhow::Result<()> {
     match cli.command {
         Command::Up(a) => {
             dinomo_dpm_node::cli::init_tracing();
             up::run(a).await
         }
-        Command::Kv(a) => kv::run(a).await,
-        Command::Status(a) => status::run(a).await,
-        Command::Bench(a) => dinomo_bench::ycsb::run(a).await.map(|_| ()),
+        Command::Kv(a) => {
+            dinomo_node_common::init_tracing_or("warn");
+            kv::run(a).await
+        }
+        Command::Status(a) => {
+            dinomo_node_common::init_tracing_or("warn");
+            status::run(a).await
+        }
+        Command::Bench(a) => {
+            dinomo_node_common::init_tracing_or("warn");
+            dinomo_bench::ycsb::run(a).await.map(|_| ())
+        }
         Command::DpmNode(a) => {
             dinomo_dpm_node::cli::init_tracing();
             dinomo_dpm_node::cli::run(a).await
@@ -74,7 +98,10 @@ async fn main() -> anyhow::Result<()> {
             dinomo_monitor::cli::init_tracing();
             dinomo_monitor::cli::run(a).await
         }
-        Command::Admin(a) => admin::run(a).await,
+        Command::Admin(a) => {
+            dinomo_node_common::init_tracing_or("warn");
+            admin::run(a).await
+        }
         Command::Scenario(a) => {
             dinomo_node_common::init_tracing();
             scenario::run(a).await

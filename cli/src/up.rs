@@ -55,6 +55,11 @@ pub struct UpArgs {
     /// dac | shortcut-only | value-only | static-N.
     #[arg(long, default_value = "dac")]
     pub cache_policy: String,
+    /// Runtime threads per KV node (default: this machine's cores divided among the KV
+    /// nodes, at least 1). The KNs share one machine here, and a KN with as many threads as
+    /// cores spends more CPU per request on cross-thread wakeups.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub kn_threads: Option<u16>,
     /// How KV nodes write their log segments into the pool: shm (mapped shared memory, the
     /// fastest on one machine), tcp (the dpm-node's software NIC on BASE+1, as KNs on other
     /// hosts without RDMA would) or verbs (one-sided RDMA, the side channel on BASE+1; needs a
@@ -318,10 +323,15 @@ pub async fn run(a: UpArgs) -> anyhow::Result<()> {
             a.vnodes.to_string(),
         ];
         let rdma = a.rdma_device.iter().map(|d| ("--rdma-device", d.clone()));
+        let kn_threads = a.kn_threads.unwrap_or_else(|| {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            (cores / a.kns.max(1) as usize).clamp(1, 1024) as u16
+        });
         for (flag, v) in [
             ("--shards", a.shards.to_string()),
             ("--cache-size", a.cache_size.clone()),
             ("--cache-policy", a.cache_policy.clone()),
+            ("--worker-threads", kn_threads.to_string()),
         ]
         .into_iter()
         .chain(rdma)

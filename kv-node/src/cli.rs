@@ -52,9 +52,22 @@ pub struct Args {
     /// $DINOMO_RDMA_DEVICE, else the first device). Used only when the dpm-node offers verbs.
     #[arg(long, env = "DINOMO_KN_RDMA_DEVICE")]
     pub rdma_device: Option<String>,
+    /// Threads of the node's async runtime (default: one per core). Several KNs sharing a
+    /// machine (`dinomo up`) do better with a share of the cores each: every thread more is
+    /// more cross-thread wakeups per request. A process setting, so not in the config file
+    /// (the runtime exists before the file is read).
+    #[arg(long, env = "DINOMO_KN_WORKER_THREADS", value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub worker_threads: Option<u16>,
     /// Print "READY addr=<addr> kn=<id>" on stdout once serving (for harnesses).
     #[arg(long)]
     pub print_ready: bool,
+}
+
+impl Args {
+    /// The runtime this node runs on (see `--worker-threads`).
+    pub fn runtime(&self) -> std::io::Result<tokio::runtime::Runtime> {
+        dinomo_node_common::runtime(self.worker_threads)
+    }
 }
 
 /// The KN id of this StatefulSet pod: its ordinal + 1 (see `--id-from-ordinal`).

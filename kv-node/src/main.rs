@@ -2,8 +2,11 @@
 
 use clap::Parser;
 
-#[tokio::main]
-async fn main() -> anyhow::Result<()> {
-    dinomo_kv_node::cli::init_tracing();
-    dinomo_kv_node::cli::run(dinomo_kv_node::cli::Args::parse()).await
+fn main() -> anyhow::Result<()> {
+    let args = dinomo_kv_node::cli::Args::parse();
+    let runtime = args.runtime()?;
+    runtime.block_on(async {
+        dinomo_kv_node::cli::init_tracing();
+        dinomo_kv_node::cli::run(args).await
+    })
 }

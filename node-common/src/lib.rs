@@ -19,14 +19,33 @@ pub use spawn::{
 /// Logs to stderr, filtered by `DINOMO_LOG` (an EnvFilter string, default `info`). Calling it
 /// twice is harmless (the `dinomo` binary may run a node after initialising).
 pub fn init_tracing() {
+    init_tracing_or("info")
+}
+
+/// [`init_tracing`] with another default filter (`warn` for the client commands). Every
+/// command installs one: without a subscriber, the `log` feature of `tracing` (turned on by
+/// kube-client) sends each of h2's spans through `log`, measured at 12 % of a benchmark
+/// client's instructions (docs/perf/request-path-profile.md).
+pub fn init_tracing_or(default_filter: &str) {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("DINOMO_LOG")
-                .unwrap_or_else(|_| "info".into()),
+                .unwrap_or_else(|_| default_filter.into()),
         )
         .with_writer(std::io::stderr)
         .try_init()
         .ok();
+}
+
+/// A multi-thread tokio runtime with `worker_threads` threads (`None`: one per core), for
+/// the processes whose thread count is a flag (`kv-node --worker-threads`, `bench --threads`).
+pub fn runtime(worker_threads: Option<u16>) -> std::io::Result<tokio::runtime::Runtime> {
+    let mut b = tokio::runtime::Builder::new_multi_thread();
+    b.enable_all();
+    if let Some(n) = worker_threads {
+        b.worker_threads(n.into());
+    }
+    b.build()
 }
 
 /// Serves Prometheus metrics at `http://addr/metrics` (nothing when `addr` is `None`).

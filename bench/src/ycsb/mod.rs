@@ -86,6 +86,12 @@ pub struct BenchArgs {
     #[arg(long)]
     pub connections: Option<usize>,
 
+    /// Runtime threads of the bench process (default: one per core). The same for every
+    /// target, so that a comparison runs both systems' clients alike; on a small machine
+    /// shared with the servers, fewer threads spend less CPU per operation on wakeups.
+    #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub threads: Option<u16>,
+
     /// Requests each client keeps in flight.
     #[arg(long, default_value_t = 1)]
     pub outstanding: usize,
@@ -230,6 +236,13 @@ fn plan(args: &BenchArgs) -> anyhow::Result<Plan> {
         op_limit,
         time_limit,
     })
+}
+
+impl BenchArgs {
+    /// The runtime the bench runs on (see `--threads`).
+    pub fn runtime(&self) -> std::io::Result<tokio::runtime::Runtime> {
+        dinomo_node_common::runtime(self.threads)
+    }
 }
 
 /// The connections of a run: one target per client, plus a Dinomo handle for KN counters.
@@ -404,6 +417,10 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
         records: args.records,
         clients: args.clients,
         connections: args.connections.unwrap_or(args.clients).min(args.clients),
+        threads: args.threads.map_or_else(
+            || std::thread::available_parallelism().map_or(1, |n| n.get()),
+            usize::from,
+        ),
         outstanding: args.outstanding,
         key_size: args.key_size,
         value_size: args.value_size,

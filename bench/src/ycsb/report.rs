@@ -185,6 +185,8 @@ pub struct Summary {
     pub clients: usize,
     /// Connections the clients shared (`--connections`).
     pub connections: usize,
+    /// Runtime threads of the bench process (`--threads`).
+    pub threads: usize,
     pub outstanding: usize,
     pub key_size: usize,
     pub value_size: usize,
@@ -237,13 +239,14 @@ impl Summary {
         };
         let _ = writeln!(
             out,
-            "{dist}; {} records; key {} B, value {} B; {} clients x {} outstanding over {} connections; {} writes; seed {}; warm-up {} s",
+            "{dist}; {} records; key {} B, value {} B; {} clients x {} outstanding over {} connections, {} threads; {} writes; seed {}; warm-up {} s",
             thousands(self.records as f64),
             self.key_size,
             self.value_size,
             self.clients,
             self.outstanding,
             self.connections,
+            self.threads,
             self.write_mode.name(),
             self.seed,
             self.warmup_s
@@ -452,6 +455,7 @@ mod tests {
             records: 10,
             clients: 1,
             connections: 1,
+            threads: 1,
             outstanding: 1,
             key_size: 24,
             value_size: 10,
