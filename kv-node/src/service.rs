@@ -588,7 +588,10 @@ mod tests {
         let answers: Vec<_> = answers.collect().await;
         assert_eq!(*groups.lock(), vec![vec![0, 1, 2, 3, 4]]);
         assert_eq!(answers.len(), 6);
-        let invalid = answers.iter().find(|a| a.as_ref().unwrap().id == 99).unwrap();
+        let invalid = answers
+            .iter()
+            .find(|a| a.as_ref().unwrap().id == 99)
+            .unwrap();
         assert_eq!(
             invalid.as_ref().unwrap().code,
             KvError::InvalidArgument(String::new()).code() as i32
