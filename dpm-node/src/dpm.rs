@@ -479,6 +479,19 @@ impl Dpm {
     /// retires them (Merged, never scanned again) instead of leaving them open and pending for
     /// a later merge to index the late batch over newer writes of the keys' next owner.
     pub fn fence_kn(&self, kn: u32) -> Result<()> {
+        self.fence_kn_locked(&mut self.sessions.lock(), kn, true)
+    }
+
+    /// [`Dpm::fence_kn`] with the sessions already locked by the caller. `under_map`: record
+    /// the map it was fenced under, so that it serves again only under a later one (a fence
+    /// that comes with a reconfiguration); without it, the KN may serve again as soon as it
+    /// registers.
+    fn fence_kn_locked(
+        &self,
+        sessions: &mut HashMap<u32, KnSession>,
+        kn: u32,
+        under_map: bool,
+    ) -> Result<()> {
         let fence = self.fence_word(kn)?;
         let next = self
             .pool
@@ -491,10 +504,12 @@ impl Dpm {
         fence.fetch_max(next, Ordering::AcqRel);
         self.pool.persist_root(Roots::KN_FENCE + 8 * u64::from(kn));
         // Its serving lease is renewed again only under a later map (see confirm_serving).
-        let under = self.meta.get(CLUSTER_MAP_KEY).unwrap_or_default();
-        self.meta
-            .update(&[(&fenced_under_key(kn), Some(under.as_slice()))])?;
-        if let Some(s) = self.sessions.lock().remove(&kn) {
+        if under_map {
+            let under = self.meta.get(CLUSTER_MAP_KEY).unwrap_or_default();
+            self.meta
+                .update(&[(&fenced_under_key(kn), Some(under.as_slice()))])?;
+        }
+        if let Some(s) = sessions.remove(&kn) {
             self.revoke_key(s.key)?;
             if let Some(p) = s.process {
                 self.fenced_procs.watch(kn, p);
@@ -701,14 +716,35 @@ impl Dpm {
     }
 
     /// Merges every pending log entry of `kn` into the index before returning. `seal_open`
-    /// also seals its open segments (the KN is dead or fenced).
+    /// also seals its open segments, which only a KN that can no longer append may have: if
+    /// `kn` is registered and not fenced, its session is ended first (grant revoked, epoch
+    /// refused). Otherwise it would go on appending, and acknowledging writes, into segments
+    /// already merged and retired, which no merge ever scans again (issue 13: 50 acknowledged
+    /// writes gone after a restart). No map change comes with this, so the map it was fenced
+    /// under is not recorded: the KN registers again and serves on. The sessions stay locked
+    /// until the merge is done, as a registration's own merge does, so that no new
+    /// incarnation of `kn` opens a segment this merge would seal.
     pub fn merge_all(&self, kn: u32, seal_open: bool) -> Result<MergeReport> {
         let mode = if seal_open {
             MergeMode::AllAndSeal
         } else {
             MergeMode::All
         };
-        let r = self.merger.merge_all(kn, mode)?;
+        let r = if seal_open {
+            let mut sessions = self.sessions.lock();
+            if sessions.contains_key(&kn) {
+                tracing::warn!(
+                    kn,
+                    "MergeAll with seal_open for a KN that is registered and not fenced: \
+                     ending its session first (it would keep appending to segments sealed \
+                     under it); it registers again"
+                );
+                self.fence_kn_locked(&mut sessions, kn, false)?;
+            }
+            self.merger.merge_all(kn, mode)?
+        } else {
+            self.merger.merge_all(kn, mode)?
+        };
         tracing::info!(
             kn,
             seal_open,

@@ -403,7 +403,9 @@ async fn a_cell_pins_its_segment_and_its_removal_writes_the_value_back() {
     let mut w2 = writer(&dpm, 2);
     w1.append(&[put("hot", "v0", 1)]).await.unwrap();
     w1.seal().await.unwrap();
-    dpm.merge_all(1, true).unwrap();
+    // Sealed by their writers, who write on: a MergeAll that sealed a live KN's open
+    // segments would end its session (`Dpm::merge_all`).
+    dpm.merge_all(1, false).unwrap();
     let cell = dpm.install_cell(b"hot").unwrap();
     assert_eq!(
         dpm.install_cell(b"hot").unwrap(),
@@ -425,11 +427,11 @@ async fn a_cell_pins_its_segment_and_its_removal_writes_the_value_back() {
     let seen = w2.fabric().cas(cell, old, p.to_word()).await.unwrap();
     assert_eq!(seen, old);
     w2.seal().await.unwrap();
-    dpm.merge_all(2, true).unwrap();
+    dpm.merge_all(2, false).unwrap();
     // KN 1's later entry merges after KN 2's: the index now names it, the cell does not.
     w1.append(&[put("hot", "stale", 3)]).await.unwrap();
     w1.seal().await.unwrap();
-    dpm.merge_all(1, true).unwrap();
+    dpm.merge_all(1, false).unwrap();
     assert_eq!(
         value(&dpm, "hot").as_deref(),
         Some("v1"),

@@ -397,8 +397,7 @@ async fn workload(dir: &Path, p: Profile, seed: u64, shared: Arc<Shared>) -> Run
     let mut version = 0u64;
 
     shared.set_phase(Phase::Register);
-    let mut writers: HashMap<u32, Writer> = HashMap::new();
-    for kn in KNS {
+    let register = |kn: u32| {
         let reg = dpm.register_kn(Some(kn), "powerloss").unwrap();
         let fabric = ShmFabric::from_parts(region.clone(), dpm.grants().clone(), reg.key);
         let source = LocalSource {
@@ -406,7 +405,11 @@ async fn workload(dir: &Path, p: Profile, seed: u64, shared: Arc<Shared>) -> Run
             kn,
             epoch: reg.epoch,
         };
-        writers.insert(kn, LogWriter::new(fabric, source));
+        LogWriter::new(fabric, source)
+    };
+    let mut writers: HashMap<u32, Writer> = HashMap::new();
+    for kn in KNS {
+        writers.insert(kn, register(kn));
     }
     // Cells: key -> (cell offset, the entry word it holds).
     let mut cells: BTreeMap<u32, (u64, u64)> = BTreeMap::new();
@@ -519,10 +522,12 @@ async fn workload(dir: &Path, p: Profile, seed: u64, shared: Arc<Shared>) -> Run
             }
             76..=78 => {
                 shared.set_phase(Phase::MergeAllSeal);
-                // Its open segment is sealed even when the merge stops short: the writer
-                // starts a new one.
+                // Its open segment is sealed even when the merge stops short, and its session
+                // ended (a KN may not append to segments sealed under it): the writer
+                // registers again, as a KN does, and starts a new segment.
                 let r = dpm.merge_all(kn, true);
                 writers.get_mut(&kn).unwrap().abandon();
+                writers.insert(kn, register(kn));
                 run.unless_full("MergeAll and seal", r);
             }
             79..=86 if roll - 79 < p.gc_slots => {

@@ -63,6 +63,28 @@ async fn control_calls_and_their_errors() {
     })
     .await
     .unwrap();
+    // Sealing the open segments of a registered KN fenced it first: it cannot append to
+    // segments sealed under it (issue 13), so its epoch is refused from now on.
+    let e = c
+        .allocate_segment(AllocateSegmentRequest {
+            kn_id: r.kn_id,
+            epoch: r.epoch,
+            stream: 0,
+            deletes_only: false,
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::PermissionDenied, "{e:?}");
+    let r = c
+        .register_kn(RegisterKnRequest {
+            pid: 0,
+            pid_namespace: 0,
+            kn_id: Some(r.kn_id),
+            endpoint: "127.0.0.1:1".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
 
     // Unknown KN, wrong owner, nonexistent segment.
     let e = c

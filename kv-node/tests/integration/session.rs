@@ -263,3 +263,107 @@ async fn a_write_that_never_completes_times_out_and_the_kn_carries_on() {
         again.elapsed().as_secs_f64()
     );
 }
+
+/// Issue 13's finding: a MergeAll that seals the open segments of a live, unfenced KN (any
+/// caller can send one) once let the KN go on appending, and acknowledging writes, into
+/// segments the DPM had already merged and retired: after a restart, every write acknowledged
+/// since was gone. The DPM now fences such a KN first; it registers again, and what it
+/// acknowledges after that lands in segments of its new session.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sealing_a_live_kns_segments_loses_no_write_acknowledged_after() {
+    const LATE: u32 = 50;
+    let dir = tempfile::tempdir().unwrap();
+    let dpm = InProcDpm::start(dir.path(), "8MiB").await;
+    let log = dir.path().join("kn1.log");
+    let mut kn = KnProcess::start(&dpm, 1, &log, &[]);
+    let map = ClusterMap::new(
+        vec![KnInfo {
+            id: 1,
+            endpoint: kn.addr.to_string(),
+        }],
+        64,
+        1,
+    )
+    .unwrap();
+    dpm.publish_map(&map).await;
+    let mut c = kn.client().await;
+    for i in 0..KEYS {
+        c.put(put(format!("k{i}"), format!("v{i}"))).await.unwrap();
+    }
+    // A plain MergeAll(seal_open) of the live KN, with no fence before it.
+    super::harness::merge_all(&dpm, 1, true).await;
+    // If that fenced the KN, it serves again under the next map (as after any fence).
+    let mut next = map.clone();
+    next.version += 1;
+    dpm.publish_map(&next).await;
+
+    // Writes acknowledged from now on must survive a restart.
+    let started = std::time::Instant::now();
+    let mut acked = Vec::new();
+    for i in 0..LATE {
+        let key = format!("late{i}");
+        loop {
+            match c.put(put(key.clone(), format!("w{i}"))).await {
+                Ok(_) => {
+                    acked.push(i);
+                    break;
+                }
+                // Not applied (the KN is registering again): try again.
+                Err(s) if s.code() == tonic::Code::Unavailable => {}
+                // Outcome unknown: not counted as acknowledged.
+                Err(_) => break,
+            }
+            assert!(
+                started.elapsed() < Duration::from_secs(30),
+                "the KN did not take writes again within 30 s; log:\n{}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+    assert!(
+        acked.len() >= 45,
+        "only {} of {LATE} writes acknowledged",
+        acked.len()
+    );
+
+    // A crash of the KN, then a restart of the dpm-node and of the KN.
+    kn.kill9();
+    dpm.stop().await;
+    let dpm = InProcDpm::start(dir.path(), "8MiB").await;
+    let kn = KnProcess::start(&dpm, 1, &dir.path().join("kn1-again.log"), &[]);
+    let mut again = next.clone();
+    again.version += 1;
+    again.kns[0].endpoint = kn.addr.to_string();
+    dpm.publish_map(&again).await;
+    let mut c = kn.client().await;
+    let mut lost = Vec::new();
+    for &i in &acked {
+        let key = format!("late{i}");
+        let got = loop {
+            match c
+                .get(GetRequest {
+                    key: key.clone().into_bytes().into(),
+                })
+                .await
+            {
+                Ok(v) => break Some(v.into_inner().value),
+                Err(s) if s.code() == tonic::Code::NotFound => break None,
+                Err(s) => {
+                    assert!(started.elapsed() < Duration::from_secs(90), "{key}: {s}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            }
+        };
+        if got.as_deref() != Some(format!("w{i}").as_bytes()) {
+            lost.push(key);
+        }
+    }
+    assert!(
+        lost.is_empty(),
+        "{} of {} acknowledged writes lost after the restart: {lost:?}",
+        lost.len(),
+        acked.len()
+    );
+    dpm.stop().await;
+}
