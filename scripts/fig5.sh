@@ -96,6 +96,7 @@ for kns in ${kns_list//,/ }; do
       sleep 0.5
     done
     grep -q "routing node" "$out/$run.up.out" || { echo "dinomo up failed: $out/$run.up.err" >&2; exit 1; }
+    export DINOMO_CREDENTIALS="$work/data/credentials" # made by `up` (TLS by default)
     target="dinomo://127.0.0.1:$((base + 200))"
     common=(--target "$target" --records "$records" --value-size "$value_size" --clients "$clients"
       --outstanding "$outstanding")

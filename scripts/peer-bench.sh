@@ -87,6 +87,9 @@ for _ in $(seq 1 120); do
   sleep 0.5
 done
 grep -q "routing node" "$out/up.out" || { echo "dinomo up did not start; see $out/up.err" >&2; exit 1; }
+# `up` made the cluster's TLS credentials under its data directory; the bench uses its client
+# identity: this measures the default, TLS.
+export DINOMO_CREDENTIALS="$work/dinomo/credentials"
 
 common=(--records "$records" --value-size "$value_size" --clients "$clients" --outstanding "$outstanding"
   --connections "$connections")

@@ -155,7 +155,7 @@ if want cluster; then
   end cluster $rc
   if [ $rc = 0 ]; then
     begin bench
-    timeout -k 10 $BENCH_TIMEOUT $DINOMO bench --target dinomo://127.0.0.1:7900 --load \
+    DINOMO_CREDENTIALS=$D/credentials timeout -k 10 $BENCH_TIMEOUT $DINOMO bench --target dinomo://127.0.0.1:7900 --load \
       --records $RECORDS --workload a --operations $OPERATIONS --clients $CLIENTS \
       --value-size 1000 >$D/bench.out 2>&1
     rc=$?

@@ -7,6 +7,8 @@ use dinomo_proto::monitor::{AddKnRequest, KnRequest, PolicyRequest, StatusReques
 
 #[derive(Debug, Args)]
 pub struct AdminArgs {
+    #[command(flatten)]
+    pub security: dinomo_security::SecurityArgs,
     /// The monitor's address (`dinomo up` runs it at port-base - 100: 7600 by default).
     #[arg(long, env = "DINOMO_MONITOR", default_value = "127.0.0.1:7600")]
     pub monitor: String,
@@ -40,13 +42,12 @@ pub enum Action {
 }
 
 pub async fn run(a: AdminArgs) -> anyhow::Result<()> {
-    let url = if a.monitor.starts_with("http") {
-        a.monitor.clone()
-    } else {
-        format!("http://{}", a.monitor)
-    };
-    let mut m = MonitorServiceClient::connect(url)
-        .await
+    let channel = dinomo_security::Security::of_process()
+        .endpoint(&a.monitor, dinomo_security::Service::Monitor)?
+        .connect()
+        .await;
+    let mut m = channel
+        .map(MonitorServiceClient::new)
         .with_context(|| format!("cannot reach the monitor at {}", a.monitor))?;
     let reply = match a.action {
         Action::AddKn => m.add_kn(AddKnRequest {}).await,

@@ -6,6 +6,8 @@ use dinomo_client::{Client, ClientError};
 
 #[derive(Debug, Args)]
 pub struct KvArgs {
+    #[command(flatten)]
+    pub security: dinomo_security::SecurityArgs,
     /// A routing node (host:port).
     #[arg(long, env = "DINOMO_ROUTING", default_value = "127.0.0.1:7900")]
     routing: String,

@@ -5,6 +5,7 @@
 //! binaries).
 
 mod admin;
+mod credentials;
 mod kv;
 mod scenario;
 mod status;
@@ -51,6 +52,9 @@ enum Command {
     Scenario(scenario::ScenarioArgs),
     /// Admin actions through the monitor: add, remove or fail a KV node; its status.
     Admin(admin::AdminArgs),
+    /// Make a cluster CA and certificates (`dinomo up` makes its own under
+    /// <data-dir>/credentials): init a folder, or issue one more identity.
+    Credentials(credentials::CredentialsArgs),
 }
 
 fn main() -> anyhow::Result<()> {
@@ -72,14 +76,19 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Kv(a) => {
             dinomo_node_common::init_tracing_or("warn");
+            a.security.client("client")?.install_for_process();
             kv::run(a).await
         }
         Command::Status(a) => {
             dinomo_node_common::init_tracing_or("warn");
+            a.security.client("admin")?.install_for_process();
             status::run(a).await
         }
         Command::Bench(a) => {
             dinomo_node_common::init_tracing_or("warn");
+            if a.target.starts_with("dinomo://") {
+                a.security.client("client")?.install_for_process();
+            }
             dinomo_bench::ycsb::run(a).await.map(|_| ())
         }
         Command::DpmNode(a) => {
@@ -100,7 +109,12 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
         Command::Admin(a) => {
             dinomo_node_common::init_tracing_or("warn");
+            a.security.client("admin")?.install_for_process();
             admin::run(a).await
+        }
+        Command::Credentials(a) => {
+            dinomo_node_common::init_tracing_or("warn");
+            credentials::run(a)
         }
         Command::Scenario(a) => {
             dinomo_node_common::init_tracing();

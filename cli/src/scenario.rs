@@ -49,6 +49,8 @@ pub enum Scenario {
 
 #[derive(Debug, Args)]
 pub struct ScenarioArgs {
+    #[command(flatten)]
+    pub security: dinomo_security::SecurityArgs,
     /// Which experiment.
     #[arg(value_enum)]
     pub scenario: Scenario,
@@ -225,12 +227,27 @@ struct Cluster {
     nodes: Vec<Node>,
     routing: String,
     monitor: String,
+    /// The identities the scenario's load and its admin calls use.
+    client: dinomo_security::Security,
+    admin: dinomo_security::Security,
     dir: tempfile::TempDir,
 }
 
 impl Cluster {
-    fn start(kns: u32, monitor_config: &str) -> anyhow::Result<Cluster> {
+    fn start(
+        kns: u32,
+        monitor_config: &str,
+        security: &dinomo_security::SecurityArgs,
+    ) -> anyhow::Result<Cluster> {
         let dir = tempfile::tempdir().context("creating a temporary directory")?;
+        let secured =
+            crate::credentials::LocalCluster::prepare(security, &dir.path().join("credentials"))?;
+        secured.admin.install_for_process();
+        let with_security = |args: Vec<String>| -> Vec<String> {
+            args.into_iter()
+                .chain(secured.node_args.iter().cloned())
+                .collect()
+        };
         let logs = dir.path().join("logs");
         std::fs::create_dir_all(&logs)?;
         let port = |n: &str, line: &str| -> anyhow::Result<String> {
@@ -242,7 +259,7 @@ impl Cluster {
         let mut nodes = Vec::new();
         let (n, line) = spawn(
             "dpm-node",
-            &[
+            &with_security(vec![
                 "dpm-node".into(),
                 "--pool".into(),
                 dir.path().join("pool").display().to_string(),
@@ -254,14 +271,14 @@ impl Cluster {
                 "127.0.0.1:0".into(),
                 "--metrics-listen".into(),
                 String::new(),
-            ],
+            ]),
             &logs.join("dpm-node.log"),
         )?;
         nodes.push(n);
         let dpm = port("dpm-node", &line)?;
         let (n, line) = spawn(
             "routing-node",
-            &[
+            &with_security(vec![
                 "routing-node".into(),
                 "--listen".into(),
                 "127.0.0.1:0".into(),
@@ -271,7 +288,7 @@ impl Cluster {
                 String::new(),
                 "--poll-ms".into(),
                 "10".into(),
-            ],
+            ]),
             &logs.join("routing-node.log"),
         )?;
         nodes.push(n);
@@ -281,7 +298,7 @@ impl Cluster {
         let base = 20_000 + rand::random_range(0..30_000u16);
         let (n, line) = spawn(
             "monitor",
-            &[
+            &with_security(vec![
                 "monitor".into(),
                 "--config".into(),
                 cfg.display().to_string(),
@@ -303,7 +320,7 @@ impl Cluster {
                 "--kn-arg=64MiB".into(),
                 "--log-dir".into(),
                 logs.display().to_string(),
-            ],
+            ]),
             &logs.join("monitor.log"),
         )?;
         nodes.push(n);
@@ -312,6 +329,8 @@ impl Cluster {
             nodes,
             routing,
             monitor,
+            client: secured.client,
+            admin: secured.admin,
             dir,
         })
     }
@@ -321,6 +340,7 @@ impl Cluster {
         for _ in 0..n {
             let mut cfg = ClientConfig::new(&[&self.routing]);
             cfg.monitor = Some(self.monitor.clone());
+            cfg.security = self.client.clone();
             cfg.report_every = Duration::from_millis(250);
             v.push(Client::connect_with(cfg).await?);
         }
@@ -328,7 +348,12 @@ impl Cluster {
     }
 
     async fn admin(&self) -> anyhow::Result<MonitorServiceClient<Channel>> {
-        Ok(MonitorServiceClient::connect(format!("http://{}", self.monitor)).await?)
+        let channel = self
+            .admin
+            .endpoint(&self.monitor, dinomo_security::Service::Monitor)?
+            .connect()
+            .await?;
+        Ok(MonitorServiceClient::new(channel))
     }
 }
 
@@ -486,7 +511,7 @@ pub async fn run(a: ScenarioArgs) -> anyhow::Result<()> {
             3,
         ),
     };
-    let mut c = Cluster::start(kns0, &cluster)?;
+    let mut c = Cluster::start(kns0, &cluster, &a.security)?;
     let result = async {
         let rec = Arc::new(Recorder::new());
         let clients = c.clients(16).await?;

@@ -1,5 +1,6 @@
 //! `dinomo status`: the cluster as the routing node and the nodes themselves report it.
 
+use dinomo_security::{Security, Service};
 use std::time::Duration;
 
 use anyhow::Context;
@@ -12,6 +13,8 @@ use dinomo_proto::kv::KnStatsRequest;
 
 #[derive(Debug, Args)]
 pub struct StatusArgs {
+    #[command(flatten)]
+    pub security: dinomo_security::SecurityArgs,
     /// A routing node (host:port).
     #[arg(long, env = "DINOMO_ROUTING", default_value = "127.0.0.1:7900")]
     routing: String,
@@ -78,7 +81,8 @@ pub async fn run(a: StatusArgs) -> anyhow::Result<()> {
             100.0 * *owned.get(&kn.id).unwrap_or(&0) as f64 / samples as f64
         );
         let stats = async {
-            let ch = tonic::transport::Endpoint::from_shared(format!("http://{}", kn.endpoint))?
+            let ch = Security::of_process()
+                .endpoint(&kn.endpoint, Service::Kv)?
                 .connect_timeout(Duration::from_secs(1))
                 .connect()
                 .await?;
@@ -115,12 +119,15 @@ pub async fn run(a: StatusArgs) -> anyhow::Result<()> {
             ),
         }
     }
-    let dpm = if a.dpm.starts_with("http") {
-        a.dpm.clone()
-    } else {
-        format!("http://{}", a.dpm)
+    let dpm = async {
+        anyhow::Ok(DpmServiceClient::new(
+            Security::of_process()
+                .endpoint(&a.dpm, Service::Dpm)?
+                .connect()
+                .await?,
+        ))
     };
-    match DpmServiceClient::connect(dpm).await {
+    match dpm.await {
         Ok(mut d) => {
             let s = d.stats(StatsRequest {}).await?.into_inner();
             println!(

@@ -17,6 +17,8 @@ use dinomo_client::admin;
 
 #[derive(Debug, Args, Clone)]
 pub struct UpArgs {
+    #[command(flatten)]
+    pub security: dinomo_security::SecurityArgs,
     /// Where the pool and the logs live; reused on the next run.
     #[arg(long, default_value = ".dinomo")]
     pub data_dir: PathBuf,
@@ -237,6 +239,10 @@ pub async fn run(a: UpArgs) -> anyhow::Result<()> {
     }
     let logs = a.data_dir.join("logs");
     std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
+    let credentials_dir = a.data_dir.join("credentials");
+    let secured = crate::credentials::LocalCluster::prepare(&a.security, &credentials_dir)?;
+    // `up` itself reads the published map as the admin.
+    secured.admin.install_for_process();
     let b = a.port_base;
     let port = |off: u16| -> anyhow::Result<String> {
         Ok(format!(
@@ -249,7 +255,7 @@ pub async fn run(a: UpArgs) -> anyhow::Result<()> {
         .pool
         .clone()
         .unwrap_or_else(|| a.data_dir.join("dinomo.pool"));
-    let mut dpm_args: Vec<String> = Vec::new();
+    let mut dpm_args: Vec<String> = secured.node_args.clone();
     if a.format_device {
         dpm_args.push("--format-device".into());
     }
@@ -294,7 +300,10 @@ pub async fn run(a: UpArgs) -> anyhow::Result<()> {
                 dpm.clone(),
                 "--metrics-listen".into(),
                 port(2200)?,
-            ],
+            ]
+            .into_iter()
+            .chain(secured.node_args.clone())
+            .collect::<Vec<_>>(),
             &logs.join("routing-node.log"),
         )?;
         nodes.push(n);
@@ -322,6 +331,8 @@ pub async fn run(a: UpArgs) -> anyhow::Result<()> {
             "--vnodes".into(),
             a.vnodes.to_string(),
         ];
+        // The monitor passes its --credentials (or --insecure) on to the KNs it starts.
+        margs.extend(secured.node_args.clone());
         let rdma = a.rdma_device.iter().map(|d| ("--rdma-device", d.clone()));
         let kn_threads = a.kn_threads.unwrap_or_else(|| {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
@@ -362,6 +373,13 @@ pub async fn run(a: UpArgs) -> anyhow::Result<()> {
             println!("  kv-node {}      {}    (metrics http://127.0.0.1:{}/metrics)", k.id, k.endpoint, u32::from(kn_metrics_base) + k.id);
         }
         println!("  logs           {}", logs.display());
+        match secured.admin.identity() {
+            Some(id) => println!(
+                "  credentials    {}    (mutual TLS; commands find them with --credentials or DINOMO_CREDENTIALS, default .dinomo/credentials)",
+                id.dir.display()
+            ),
+            None => println!("  credentials    none: --insecure, no TLS (commands need --insecure too)"),
+        }
         println!("Press Ctrl-C to stop.");
         anyhow::Ok(())
     }

@@ -132,19 +132,22 @@ pub struct ReconfigReport {
     pub commit: Duration,
 }
 
+/// A DpmService client for `dpm`, as this process's identity ([`Security::of_process`]).
+///
+/// [`Security::of_process`]: dinomo_security::Security::of_process
 async fn dpm_client(dpm: &str) -> Result<DpmServiceClient<Channel>> {
-    let url = if dpm.starts_with("http") {
-        dpm.to_string()
-    } else {
-        format!("http://{dpm}")
-    };
-    DpmServiceClient::connect(url)
+    dinomo_security::Security::of_process()
+        .endpoint(dpm, dinomo_security::Service::Dpm)
+        .map_err(|e| ClientError::Other(e.to_string()))?
+        .connect()
         .await
+        .map(DpmServiceClient::new)
         .map_err(|e| ClientError::Other(format!("cannot reach the dpm-node at {dpm}: {e}")))
 }
 
 async fn kn_client(endpoint: &str) -> Option<KvServiceClient<Channel>> {
-    let ep = tonic::transport::Endpoint::from_shared(format!("http://{endpoint}"))
+    let ep = dinomo_security::Security::of_process()
+        .endpoint(endpoint, dinomo_security::Service::Kv)
         .ok()?
         .connect_timeout(Duration::from_millis(500))
         // Prepare waits for the KN's batch WRITE in flight and its seals: seconds at worst. A

@@ -152,13 +152,11 @@ impl Recorder {
 }
 
 /// A MonitorService client for `monitor` (host:port or URL); `None` if it is not an address.
-fn monitor_client(monitor: &str) -> Option<MonitorServiceClient<Channel>> {
-    let url = if monitor.starts_with("http") {
-        monitor.to_string()
-    } else {
-        format!("http://{monitor}")
-    };
-    let Ok(endpoint) = tonic::transport::Endpoint::from_shared(url) else {
+fn monitor_client(
+    security: &dinomo_security::Security,
+    monitor: &str,
+) -> Option<MonitorServiceClient<Channel>> {
+    let Ok(endpoint) = security.endpoint(monitor, dinomo_security::Service::Monitor) else {
         tracing::warn!(%monitor, "bad monitor endpoint; latencies will not be reported to it");
         return None;
     };
@@ -173,6 +171,7 @@ fn monitor_client(monitor: &str) -> Option<MonitorServiceClient<Channel>> {
 /// Sends the recorder's reports every `every` to the monitor `monitor` holds at the time,
 /// until `owner` is dropped.
 pub(crate) async fn report_loop<T: Send + Sync + 'static>(
+    security: dinomo_security::Security,
     monitor: Arc<RwLock<Option<String>>>,
     every: Duration,
     recorder: Arc<Recorder>,
@@ -195,7 +194,7 @@ pub(crate) async fn report_loop<T: Send + Sync + 'static>(
             continue;
         };
         if current.as_ref().is_none_or(|(a, _)| *a != addr) {
-            current = Some((addr.clone(), monitor_client(&addr)));
+            current = Some((addr.clone(), monitor_client(&security, &addr)));
         }
         if let Some((_, Some(client))) = current.as_mut() {
             if let Err(e) = client.report_latency(report).await {

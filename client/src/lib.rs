@@ -50,7 +50,7 @@ use dinomo_proto::kv::kv_service_client::KvServiceClient;
 use dinomo_proto::routing::routing_service_client::RoutingServiceClient;
 use dinomo_proto::routing::GetClusterMapRequest;
 use parking_lot::{Mutex, RwLock};
-use tonic::transport::{Channel, Endpoint};
+use tonic::transport::Channel;
 use tonic::Code;
 
 pub use error::{ClientError, Result};
@@ -75,6 +75,14 @@ pub struct ClientConfig {
     pub report_latency: bool,
     /// How often latencies are reported.
     pub report_every: Duration,
+    /// TLS identity for every channel. [`ClientConfig::new`] finds one as
+    /// [`Security::for_sdk`] says (the process's, else `$DINOMO_INSECURE`, else the `client`
+    /// identity in `$DINOMO_CREDENTIALS` or `.dinomo/credentials`, else plain text);
+    /// [`ClientConfig::with_credentials`] names a folder. A cluster with TLS refuses plain-text
+    /// callers.
+    ///
+    /// [`Security::for_sdk`]: dinomo_security::Security::for_sdk
+    pub security: dinomo_security::Security,
 }
 
 impl ClientConfig {
@@ -88,7 +96,17 @@ impl ClientConfig {
             monitor: None,
             report_latency: true,
             report_every: Duration::from_secs(1),
+            security: dinomo_security::Security::for_sdk(),
         }
+    }
+
+    /// Uses the `client` identity in credentials folder `dir` (as made by `dinomo up` under
+    /// `<data-dir>/credentials`, or a Kubernetes TLS Secret's files).
+    pub fn with_credentials(mut self, dir: impl AsRef<std::path::Path>) -> Result<Self> {
+        let id = dinomo_security::Identity::load(dir.as_ref(), "client")
+            .map_err(|e| ClientError::InvalidArgument(e.to_string()))?;
+        self.security = dinomo_security::Security::Mutual(std::sync::Arc::new(id));
+        Ok(self)
     }
 }
 
@@ -171,13 +189,14 @@ pub struct Client {
     shared: Arc<Shared>,
 }
 
-fn channel(endpoint: &str, timeout: Duration) -> Result<Channel> {
-    let uri = if endpoint.starts_with("http") {
-        endpoint.to_string()
-    } else {
-        format!("http://{endpoint}")
-    };
-    Ok(Endpoint::from_shared(uri)
+fn channel(
+    security: &dinomo_security::Security,
+    endpoint: &str,
+    service: dinomo_security::Service,
+    timeout: Duration,
+) -> Result<Channel> {
+    Ok(security
+        .endpoint(endpoint, service)
         .map_err(|e| ClientError::InvalidArgument(format!("bad endpoint {endpoint:?}: {e}")))?
         .connect_timeout(Duration::from_secs(2))
         .timeout(timeout)
@@ -225,7 +244,12 @@ impl Client {
         for r in &cfg.routing {
             routing.insert(
                 r.clone(),
-                RoutingServiceClient::new(channel(r, cfg.rpc_timeout)?),
+                RoutingServiceClient::new(channel(
+                    &cfg.security,
+                    r,
+                    dinomo_security::Service::Routing,
+                    cfg.rpc_timeout,
+                )?),
             );
         }
         let client = Client {
@@ -240,6 +264,7 @@ impl Client {
         };
         if client.shared.cfg.report_latency {
             tokio::spawn(latency::report_loop(
+                client.shared.cfg.security.clone(),
                 client.shared.monitor.clone(),
                 client.shared.cfg.report_every,
                 client.shared.latency.clone(),
@@ -333,8 +358,13 @@ impl Client {
             return Ok(c.clone());
         }
         let c = stream::NodeStream::new(
-            KvServiceClient::new(channel(endpoint, self.shared.cfg.rpc_timeout)?)
-                .max_decoding_message_size(64 << 20),
+            KvServiceClient::new(channel(
+                &self.shared.cfg.security,
+                endpoint,
+                dinomo_security::Service::Kv,
+                self.shared.cfg.rpc_timeout,
+            )?)
+            .max_decoding_message_size(64 << 20),
             endpoint,
             self.shared.cfg.rpc_timeout,
         );
@@ -597,7 +627,15 @@ mod tests {
     }
 
     fn kv_client(addr: std::net::SocketAddr) -> KvServiceClient<Channel> {
-        KvServiceClient::new(channel(&addr.to_string(), Duration::from_secs(2)).unwrap())
+        KvServiceClient::new(
+            channel(
+                &dinomo_security::Security::Insecure,
+                &addr.to_string(),
+                dinomo_security::Service::Kv,
+                Duration::from_secs(2),
+            )
+            .unwrap(),
+        )
     }
 
     const PROBE_KEY: &str = "never-sent-probe-key";

@@ -58,6 +58,10 @@ pub struct Args {
     /// the endpoint is the tcp NIC's address, shm:<pool> or verbs:<side channel address>).
     #[arg(long)]
     pub print_ready: bool,
+    #[command(flatten)]
+    pub security: dinomo_security::SecurityArgs,
+    #[command(flatten)]
+    pub health: dinomo_node_common::health::HealthArgs,
 }
 
 /// Initialises logging to stderr (see [`dinomo_node_common::init_tracing`]).
@@ -102,7 +106,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     if let Some(v) = args.merge_workers {
         file.merge_workers = v;
     }
-    let config = file.validate().context("invalid configuration")?;
+    let mut config = file.validate().context("invalid configuration")?;
+    config.security = args.security.node("dpm")?;
+    config.security.install_for_process();
+    args.health.install().context("--health-addr")?;
     dinomo_node_common::install_metrics(config.metrics_listen)?;
     let print_ready = args.print_ready;
     let shutdown = dinomo_node_common::shutdown_signal();

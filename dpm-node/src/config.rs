@@ -171,6 +171,10 @@ pub struct DpmConfig {
     pub metrics_listen: Option<SocketAddr>,
     pub max_grants: u32,
     pub verify_accounting: bool,
+    /// TLS and access checks on the gRPC port; from the command line (`--credentials`,
+    /// `--insecure`), never from the file. A config built in process (tests) serves in plain
+    /// text until told otherwise.
+    pub security: dinomo_security::Security,
 }
 
 fn addr(field: &str, s: &str) -> Result<SocketAddr, ConfigError> {
@@ -267,6 +271,7 @@ impl DpmConfigFile {
             },
             max_grants: self.max_grants.max(1),
             verify_accounting: self.verify_accounting,
+            security: dinomo_security::Security::Insecure,
         })
     }
 }

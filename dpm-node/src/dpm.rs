@@ -9,6 +9,14 @@
 //! (enough for shm and tcp), or the verbs NIC the server installs with [`Dpm::set_key_fence`]
 //! (a grant-table revoke alone does not stop RDMA operations under a registered MR).
 //!
+//! Write windows: a KN's grant may write only its open log segments (and CAS the indirect-cell
+//! space, opened at registration). [`Dpm::allocate_segment`] opens the segment in the window
+//! before it answers; [`Dpm::seal_segment`] closes it before marking the segment sealed, and
+//! fencing (FenceKn, MergeAll with `seal_open`, a new registration) revokes the key, which
+//! empties the window, before sealing. Closing and revoking hold the grant slot exclusively,
+//! so every fabric WRITE checked against the old window is in place before the segment is
+//! sealed and merged (see the fabric's grants.rs for shm, where a late WRITE fails instead).
+//!
 //! Monitors are fenced the same way, by term: [`Dpm::new_monitor_term`] starts a newer term
 //! and [`Dpm::with_monitor_term`] refuses an older one, so a deposed monitor can no longer
 //! fence, merge, change cells or publish; the cluster map is published by compare-and-swap
@@ -19,12 +27,13 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use dinomo_fabric::grants::{GrantTable, KeyFence};
+use dinomo_fabric::grants::{GrantTable, KeyFence, WindowRange};
 use dinomo_fabric::AccessKey;
-use dinomo_layout::index::{EntryPtr, IndexArea};
+use dinomo_layout::index::{EntryPtr, IndexArea, CELL_SIZE};
 use dinomo_layout::log::{decode_entry, LogOp};
 use dinomo_layout::meta::Roots;
 use dinomo_layout::segment::SegState;
+use dinomo_placement::ClusterMap;
 use parking_lot::Mutex;
 
 use crate::cells::Cells;
@@ -33,6 +42,7 @@ use crate::error::{DpmError, Result};
 use crate::fenced_procs::{FencedProcs, ProcessRef};
 use crate::gc::Gc;
 use crate::index::{Index, IndexSpace};
+use crate::limits;
 use crate::merge::{MergeMode, MergeReport, Merger};
 use crate::metastore::MetaStore;
 use crate::pool::Pool;
@@ -395,6 +405,16 @@ impl Dpm {
             );
         }
         let key = self.grants.grant()?;
+        // The KN swings the indirect cells of replicated keys with CAS: the cell space is in
+        // every KN's window, for CAS only.
+        let area = IndexArea::of(self.pool.superblock());
+        if area.cells > 0 {
+            let cells = WindowRange::atomic(area.cells_off, area.cells * CELL_SIZE);
+            if let Err(e) = self.grants.open_window(key, cells) {
+                let _ = self.grants.revoke(key);
+                return Err(e.into());
+            }
+        }
         self.meta
             .update(&[(&format!("dpm/kn/{kn}"), Some(endpoint.as_bytes()))])?;
         sessions.insert(
@@ -569,10 +589,20 @@ impl Dpm {
         let grant = self.allocate_segment_checked(kn, stream, epoch, deletes_only)?;
         // A fence or a new registration may have run while this allocation waited (it may
         // wait seconds on a full pool): they sealed every segment of the KN they saw, but not
-        // this one. Left open, it would stop the merge of its log for good.
+        // this one. Left open, it would stop the merge of its log for good. Then the segment
+        // enters the KN's write window, before the KN learns of it (refused past
+        // MAX_WINDOW_RANGES ranges, or if a fence revoked the key meanwhile).
         if let Err(e) = self
             .check_epoch(kn, epoch)
             .and_then(|()| self.check_not_fenced_under_map(kn))
+            .and_then(|()| {
+                let key = self
+                    .session_key(kn, epoch)
+                    .ok_or(DpmError::UnknownKn { kn })?;
+                self.grants
+                    .open_window(key, WindowRange::write(grant.offset, grant.len))
+                    .map_err(DpmError::from)
+            })
         {
             self.segments.seal(kn, grant.segment_id)?;
             self.merger.notify();
@@ -694,11 +724,29 @@ impl Dpm {
 
     /// Marks a segment sealed and wakes the merge workers; returns how many segments of this
     /// KN are still unmerged.
+    ///
+    /// The segment leaves the KN's write window first: when that returns, every WRITE the
+    /// fabric checked against the old window is in place (tcp), or fails (shm), so the merge
+    /// of the sealed segment sees all that was acknowledged.
     pub fn seal_segment(&self, kn: u32, epoch: u64, segment: u64) -> Result<u64> {
         self.check_epoch(kn, epoch)?;
+        self.segments.entry_of(kn, segment)?;
+        if let Some(key) = self.session_key(kn, epoch) {
+            let offset = self.pool.superblock().segment_offset(segment);
+            self.grants.close_window(key, offset)?;
+        }
         self.segments.seal(kn, segment)?;
         self.merger.notify();
         Ok(self.pending_segments(kn))
+    }
+
+    /// The fabric key of `kn`'s session of `epoch`, if that session is the current one.
+    fn session_key(&self, kn: u32, epoch: u64) -> Option<AccessKey> {
+        self.sessions
+            .lock()
+            .get(&kn)
+            .filter(|s| s.epoch == epoch)
+            .map(|s| s.key)
     }
 
     /// Segments of `kn` not yet fully merged (open ones included).
@@ -881,15 +929,30 @@ impl Dpm {
     }
 
     /// Sets (`Some`) or deletes (`None`) a metadata entry, unconditionally (last writer wins).
+    /// Refuses the cluster map, which only [`Dpm::compare_and_put_metadata`] may write.
     pub fn put_metadata(&self, name: &str, value: Option<&[u8]>) -> Result<()> {
         Self::check_metadata_name(name)?;
-        self.meta.update(&[(name, value)])
+        limits::check_metadata_write(name, value, None)?;
+        if name == CLUSTER_MAP_KEY {
+            return Err(DpmError::MapNotByCas(
+                "PutMetadata cannot write or delete it",
+            ));
+        }
+        self.meta.update_if(
+            |map| limits::check_room(map.len(), map.contains_key(name), name, value.is_some()),
+            &[(name, value)],
+        )
     }
 
     /// Compare-and-swap of one metadata entry: sets (or deletes) it only if it holds `expected`
     /// now (`None`: only if it does not exist), atomically with the comparison; otherwise
     /// [`DpmError::MetadataChanged`] and nothing changes. The cluster map is published this
     /// way, so two maps of the same version cannot both become the map of record.
+    ///
+    /// The cluster map ([`CLUSTER_MAP_KEY`]) is checked further: the value must decode as a
+    /// [`ClusterMap`] of exactly the next version after the one it replaces (1 over no map),
+    /// and it cannot be deleted. Both maps are decoded before the lock: once the comparison
+    /// passes, `expected` is the published map, so its version is the published version.
     pub fn compare_and_put_metadata(
         &self,
         name: &str,
@@ -897,6 +960,12 @@ impl Dpm {
         value: Option<&[u8]>,
     ) -> Result<()> {
         Self::check_metadata_name(name)?;
+        limits::check_metadata_write(name, value, expected)?;
+        let map_versions = if name == CLUSTER_MAP_KEY {
+            Some(Self::map_versions(expected, value)?)
+        } else {
+            None
+        };
         let describe = |v: Option<&[u8]>| match v {
             None => "absent".to_string(),
             Some(v) => format!("a value of {} bytes", v.len()),
@@ -904,17 +973,41 @@ impl Dpm {
         self.meta.update_if(
             |map| {
                 let found = map.get(name).map(Vec::as_slice);
-                if found == expected {
-                    return Ok(());
+                if found != expected {
+                    return Err(DpmError::MetadataChanged {
+                        name: name.to_string(),
+                        expected: describe(expected),
+                        found: describe(found),
+                    });
                 }
-                Err(DpmError::MetadataChanged {
-                    name: name.to_string(),
-                    expected: describe(expected),
-                    found: describe(found),
-                })
+                if let Some((published, offered)) = map_versions {
+                    if published.checked_add(1) != Some(offered) {
+                        return Err(DpmError::MapVersion { published, offered });
+                    }
+                }
+                limits::check_room(map.len(), map.contains_key(name), name, value.is_some())
             },
             &[(name, value)],
         )
+    }
+
+    /// The versions of a cluster map publish: (the replaced map's, 0 for none; the new one's).
+    fn map_versions(expected: Option<&[u8]>, value: Option<&[u8]>) -> Result<(u64, u64)> {
+        let Some(value) = value else {
+            return Err(DpmError::MapNotByCas(
+                "CompareAndPutMetadata cannot delete it",
+            ));
+        };
+        let decode = |b: &[u8], what: &str| {
+            ClusterMap::decode(b).map(|m| m.version).map_err(|e| {
+                DpmError::InvalidArgument(format!(
+                    "metadata {CLUSTER_MAP_KEY:?}: the {what} is not a cluster map: {e}"
+                ))
+            })
+        };
+        let offered = decode(value, "value")?;
+        let published = expected.map_or(Ok(0), |e| decode(e, "expected value"))?;
+        Ok((published, offered))
     }
 
     /// Starts a new monitor term (persisted): calls carrying an older one are refused from
@@ -950,6 +1043,17 @@ impl Dpm {
     /// The metadata entries whose names start with `prefix`, in name order.
     pub fn list_metadata(&self, prefix: &str) -> Vec<(String, Vec<u8>)> {
         self.meta.scan(prefix)
+    }
+
+    /// [`Dpm::list_metadata`] up to `max_bytes` of names and values: the entries in name
+    /// order up to the first that would pass the bound, and that entry's name if one was left
+    /// out (everything after it is left out too).
+    pub fn list_metadata_bounded(
+        &self,
+        prefix: &str,
+        max_bytes: usize,
+    ) -> (Vec<(String, Vec<u8>)>, Option<String>) {
+        self.meta.scan_bounded(prefix, max_bytes)
     }
 
     /// Metadata names callers may write: "dpm/" and "cell/" belong to the DPM itself.

@@ -62,6 +62,30 @@ pub enum DpmError {
          leads; this monitor must stop acting and re-check its leadership"
     )]
     StaleMonitorTerm { term: u64, newest: u64 },
+    /// The cluster map may only be published with CompareAndPutMetadata (and never deleted).
+    #[error(
+        "metadata \"cluster/map\" is published only with CompareAndPutMetadata over the map it \
+         replaces, and never deleted; {0}"
+    )]
+    MapNotByCas(&'static str),
+    /// A map published at the DPM must be the next version of the one it replaces.
+    #[error(
+        "cluster map version {offered} does not follow {}: a publish is exactly version {}; \
+         re-read the published map and start over from it",
+        published_map(.published),
+        .published.saturating_add(1)
+    )]
+    MapVersion {
+        /// The published map's version (0: none published).
+        published: u64,
+        offered: u64,
+    },
+    /// A caller would add a metadata entry beyond [`crate::limits::MAX_METADATA_ENTRIES`].
+    #[error(
+        "metadata {name:?} is not added: the DPM holds {entries} metadata entries, the most it \
+         keeps; delete unused ones first"
+    )]
+    MetadataFull { name: String, entries: usize },
     #[error("metadata of {len} bytes does not fit the {cap}-byte metadata area")]
     MetadataTooLarge { len: usize, cap: usize },
     /// The `verify_accounting` debug check found counters that differ from a recount.
@@ -73,6 +97,13 @@ pub enum DpmError {
     Config(String),
     #[error("I/O: {0}")]
     Io(#[from] std::io::Error),
+}
+
+fn published_map(version: &u64) -> String {
+    match version {
+        0 => "an empty DPM (no map published)".to_string(),
+        v => format!("the published version {v}"),
+    }
 }
 
 pub type Result<T, E = DpmError> = std::result::Result<T, E>;

@@ -4,8 +4,9 @@
 //!
 //! Modules: [`pool`] (the file and its areas), [`index`] (P-CLHT-like table), [`segments`]
 //! (allocator, log chains, live bytes), [`cells`] (indirect cells), [`merge`] (log -> index), [`gc`],
-//! [`fenced_procs`] (shm KNs fenced while still running), [`metastore`],
-//! [`dpm`] (the whole node as a library), [`service`] (gRPC), [`config`], [`server`] (runs it).
+//! [`fenced_procs`] (shm KNs fenced while still running), [`metastore`], [`limits`] (what
+//! callers may send), [`dpm`] (the whole node as a library), [`service`] (gRPC), [`config`],
+//! [`server`] (runs it).
 
 pub mod cells;
 pub mod cli;
@@ -15,6 +16,7 @@ pub mod error;
 pub mod fenced_procs;
 pub mod gc;
 pub mod index;
+pub mod limits;
 pub mod merge;
 pub mod metastore;
 pub mod pool;

@@ -128,13 +128,31 @@ impl MetaStore {
 
     /// Entries whose names start with `prefix`.
     pub fn scan(&self, prefix: &str) -> Vec<(String, Vec<u8>)> {
-        self.state
-            .lock()
+        self.scan_bounded(prefix, usize::MAX).0
+    }
+
+    /// Entries whose names start with `prefix`, in name order, until their names and values
+    /// would pass `max_bytes`; the name of the first entry left out, if any.
+    pub fn scan_bounded(
+        &self,
+        prefix: &str,
+        max_bytes: usize,
+    ) -> (Vec<(String, Vec<u8>)>, Option<String>) {
+        let st = self.state.lock();
+        let mut out = Vec::new();
+        let mut bytes = 0usize;
+        for (k, v) in st
             .map
             .range(prefix.to_string()..)
             .take_while(|(k, _)| k.starts_with(prefix))
-            .map(|(k, v)| (k.clone(), v.clone()))
-            .collect()
+        {
+            bytes = bytes.saturating_add(k.len() + v.len());
+            if bytes > max_bytes {
+                return (out, Some(k.clone()));
+            }
+            out.push((k.clone(), v.clone()));
+        }
+        (out, None)
     }
 
     /// Sets (`Some`) or removes (`None`) entries and persists the new map before returning.

@@ -210,7 +210,11 @@ pub async fn run(
         shutdown.await;
         let _ = stopping_tx.send(());
     };
-    let serve = tonic::transport::Server::builder()
+    let security = &dpm.config.security;
+    security.warn_if_insecure("dpm-node", running.grpc);
+    let serve = security
+        .server_builder()
+        .map_err(|e| DpmError::Config(format!("TLS: {e}")))?
         .add_service(health_service)
         .add_service(svc)
         .serve_with_incoming_shutdown(dinomo_proto::nodelay_incoming(listener), signal);
@@ -241,6 +245,7 @@ async fn export_gauges(dpm: Arc<Dpm>, nic: Nic) {
         tick.tick().await;
         if let Nic::Tcp(n) = &nic {
             metrics::counter!("dinomo_fabric_tcp_bad_frames_total").absolute(n.bad_frames());
+            metrics::counter!("dinomo_fabric_tcp_denied_total").absolute(n.denied());
         }
         let s = dpm.stats();
         metrics::gauge!("dinomo_dpm_segments_total").set(s.segments_total as f64);

@@ -1,6 +1,8 @@
 //! DpmService over gRPC: decoding requests, calling [`Dpm`], and the one place where a
 //! [`DpmError`] becomes a `tonic::Status`. Blocking work (merging, allocation, PM persists)
-//! runs on the blocking pool so the runtime keeps serving.
+//! runs on the blocking pool so the runtime keeps serving. Sizes ([`crate::limits`]: metadata
+//! names and values, KN endpoints) are checked on arrival, before any lock; ListMetadata
+//! answers at most [`crate::limits::MAX_LIST_BYTES`].
 //!
 //! The calls a reconfiguration makes (metadata writes, FenceKn, MergeAll, cell changes) run
 //! under the caller's monitor term when the request carries one in the [`MONITOR_TERM_HEADER`]
@@ -17,9 +19,19 @@ use tonic::{Request, Response, Status};
 use crate::config::FabricKind;
 use crate::dpm::Dpm;
 use crate::error::DpmError;
+use crate::limits;
 
 /// The request header carrying the caller's monitor term (ASCII decimal), see dpm.proto.
 pub const MONITOR_TERM_HEADER: &str = "dinomo-monitor-term";
+
+/// The metadata entry a KN may delete, to withdraw a reconfiguration whose prepare bound
+/// passed (`KvNode::settle_transition`); every other write is the monitor's.
+const RECONFIGURATION_RECORD: &str = "cluster/reconfiguration";
+
+/// Whether the caller proved role `node` (never true without TLS: no caller is known then).
+fn is_node<T>(req: &Request<T>) -> bool {
+    dinomo_security::access::caller_of(req).is_some_and(|c| c.role == dinomo_security::Role::Node)
+}
 
 /// The monitor term a request carries, if any.
 fn monitor_term<T>(req: &Request<T>) -> Result<Option<u64>, Status> {
@@ -45,7 +57,9 @@ pub fn to_status(e: DpmError) -> Status {
             Status::permission_denied(format!("{msg}; re-register to get a new epoch"))
         }
         DpmError::StaleMonitorTerm { .. } => Status::permission_denied(msg),
-        DpmError::MetadataChanged { .. } => Status::failed_precondition(msg),
+        DpmError::MetadataChanged { .. } | DpmError::MapNotByCas(_) => {
+            Status::failed_precondition(msg)
+        }
         // Not FAILED_PRECONDITION (a KN reads that as "register again"): it must wait.
         DpmError::FencedUnderMap { .. } => Status::unavailable(msg),
         DpmError::UnknownKn { .. } => {
@@ -53,9 +67,11 @@ pub fn to_status(e: DpmError) -> Status {
         }
         DpmError::KnOutOfRange { .. }
         | DpmError::InvalidArgument(_)
+        | DpmError::MapVersion { .. }
         | DpmError::BadSegment { .. } => Status::invalid_argument(msg),
         DpmError::PoolFull { .. }
         | DpmError::CellsFull { .. }
+        | DpmError::MetadataFull { .. }
         | DpmError::MetadataTooLarge { .. } => Status::resource_exhausted(msg),
         _ => Status::internal(msg),
     }
@@ -97,6 +113,7 @@ impl DpmService for DpmGrpc {
         req: Request<pb::RegisterKnRequest>,
     ) -> Result<Response<pb::RegisterKnResponse>, Status> {
         let r = req.into_inner();
+        limits::check_endpoint(&r.endpoint).map_err(to_status)?;
         let reg = self
             .blocking(move |d| {
                 // A pid means something here only within the dpm-node's own pid namespace.
@@ -126,7 +143,8 @@ impl DpmService for DpmGrpc {
                 kind: kind as i32,
                 address: self.fabric_address.clone(),
                 grant_slot: reg.key.slot,
-                grant_token: reg.key.token,
+                grant_generation: reg.key.generation,
+                grant_secret: reg.key.secret.to_vec(),
             }),
             pool_len: reg.pool_len,
             segment_size: reg.segment_size,
@@ -230,6 +248,12 @@ impl DpmService for DpmGrpc {
         req: Request<pb::IndirectCellRequest>,
     ) -> Result<Response<pb::IndirectCellResponse>, Status> {
         let term = monitor_term(&req)?;
+        if is_node(&req) && !req.get_ref().lookup_only {
+            return Err(Status::permission_denied(
+                "a node may only look indirect cells up (lookup_only = true); installing one \
+                 needs role monitor",
+            ));
+        }
         let req = req.into_inner();
         let key = req.key;
         if key.is_empty() {
@@ -265,6 +289,7 @@ impl DpmService for DpmGrpc {
     ) -> Result<Response<pb::PutMetadataResponse>, Status> {
         let term = monitor_term(&req)?;
         let r = req.into_inner();
+        limits::check_metadata_write(&r.name, r.value.as_deref(), None).map_err(to_status)?;
         self.blocking(move |d| {
             d.with_monitor_term(term, |d| d.put_metadata(&r.name, r.value.as_deref()))
         })
@@ -277,7 +302,19 @@ impl DpmService for DpmGrpc {
         req: Request<pb::CompareAndPutMetadataRequest>,
     ) -> Result<Response<pb::PutMetadataResponse>, Status> {
         let term = monitor_term(&req)?;
+        if is_node(&req) {
+            let r = req.get_ref();
+            if r.name != RECONFIGURATION_RECORD || r.value.is_some() {
+                return Err(Status::permission_denied(format!(
+                    "a node may only withdraw {RECONFIGURATION_RECORD:?} (delete it); writing \
+                     {:?} needs role monitor",
+                    r.name
+                )));
+            }
+        }
         let r = req.into_inner();
+        limits::check_metadata_write(&r.name, r.value.as_deref(), r.expected.as_deref())
+            .map_err(to_status)?;
         self.blocking(move |d| {
             d.with_monitor_term(term, |d| {
                 d.compare_and_put_metadata(&r.name, r.expected.as_deref(), r.value.as_deref())
@@ -310,13 +347,28 @@ impl DpmService for DpmGrpc {
         req: Request<pb::ListMetadataRequest>,
     ) -> Result<Response<pb::ListMetadataResponse>, Status> {
         let prefix = req.into_inner().prefix;
-        let entries = self
+        let (entries, left_out) = self
             .dpm
-            .list_metadata(&prefix)
+            .list_metadata_bounded(&prefix, limits::MAX_LIST_BYTES);
+        let entries = entries
             .into_iter()
             .map(|(name, value)| pb::MetadataEntry { name, value })
             .collect();
-        Ok(Response::new(pb::ListMetadataResponse { entries }))
+        let mut resp = Response::new(pb::ListMetadataResponse { entries });
+        // The proto has no paging: a listing over the bound stops in name order, and says
+        // where (the name is ASCII, see limits; a name a header cannot carry is not named).
+        if let Some(name) = left_out {
+            tracing::warn!(
+                %prefix,
+                first_left_out = %name,
+                max_bytes = limits::MAX_LIST_BYTES,
+                "ListMetadata answer truncated"
+            );
+            let v = tonic::metadata::MetadataValue::try_from(name.as_str())
+                .unwrap_or_else(|_| tonic::metadata::MetadataValue::from_static("?"));
+            resp.metadata_mut().insert(limits::LIST_TRUNCATED_HEADER, v);
+        }
+        Ok(resp)
     }
 
     async fn stats(

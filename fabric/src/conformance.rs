@@ -1,6 +1,6 @@
 //! The one conformance suite that every backend must pass. A backend's test provides a
-//! [`Harness`] (how to connect a caller, revoke it, and look at the memory node's bytes
-//! directly) and calls [`run_all`]. The same suite runs on shm and tcp in `cargo test` and on
+//! [`Harness`] (how to connect a caller with a write window, revoke it or shrink its window,
+//! and look at the memory node's bytes directly) and calls [`run_all`]. The same suite runs on shm and tcp in `cargo test` and on
 //! verbs inside the Soft-RoCE VM (scripts/softroce-vm.sh).
 
 use std::sync::Arc;
@@ -10,6 +10,7 @@ use bytes::Bytes;
 
 use crate::error::FabricError;
 use crate::fault::{FaultPlan, Faulty};
+use crate::grants::WindowRange;
 use crate::op::{AccessKey, Completion, Op};
 use crate::{Fabric, FabricExt};
 
@@ -18,10 +19,26 @@ use crate::{Fabric, FabricExt};
 pub trait Harness: Send + Sync {
     /// Region length in bytes (at least 4 MiB).
     fn region_len(&self) -> u64;
-    /// Grants a fresh key and connects a caller with it.
-    async fn connect(&self) -> crate::Result<(Box<dyn Fabric>, AccessKey)>;
+    /// Grants a fresh key whose write window is `window` and connects a caller with it.
+    async fn connect_with(
+        &self,
+        window: &[WindowRange],
+    ) -> crate::Result<(Box<dyn Fabric>, AccessKey)>;
+    /// Grants a fresh key that may write the whole region and connects a caller with it.
+    async fn connect(&self) -> crate::Result<(Box<dyn Fabric>, AccessKey)> {
+        self.connect_with(&[WindowRange::write(0, self.region_len())])
+            .await
+    }
     /// Revokes a key at the memory node.
     fn revoke(&self, key: AccessKey);
+    /// Removes the window range starting at `offset` from `key`'s window at the memory node
+    /// (a sealed segment); when it returns, no post may be acknowledged under the old window.
+    fn close_window(&self, key: AccessKey, offset: u64);
+    /// Whether the backend enforces write windows. Verbs does not yet (its write MR still
+    /// covers the region), so the window case is skipped there.
+    fn enforces_windows(&self) -> bool {
+        true
+    }
     /// Reads the memory node's bytes directly (not through the fabric).
     fn local_read(&self, offset: u64, len: usize) -> Vec<u8>;
 }
@@ -61,6 +78,9 @@ pub async fn run_all(h: &dyn Harness) -> Result<Vec<&'static str>, Failure> {
     case!("revoked_key_is_fenced", revocation(h));
     case!("pipelined_posts", pipelined(h));
     case!("torn_write_applies_exact_prefix", torn_write(h));
+    if h.enforces_windows() {
+        case!("writes_only_inside_the_window", write_windows(h));
+    }
     Ok(ran)
 }
 
@@ -317,5 +337,147 @@ async fn torn_write(h: &dyn Harness) -> Result<(), Failure> {
         "fail_next must fail the next post"
     );
     f.read(0, 8).await.map_err(|e| e.to_string())?;
+    Ok(())
+}
+
+/// Where the window case puts things (in a region of at least 4 MiB): the caller's open
+/// segment, another caller's segment, the cell space, and bytes that stand for the index.
+const SEG: u64 = 3 << 20;
+const SEG_LEN: u64 = 64 << 10;
+const OTHER_SEG: u64 = SEG + (128 << 10);
+const CELLS: u64 = SEG + (256 << 10);
+const CELLS_LEN: u64 = 4096;
+const INDEX_AREA: u64 = 1 << 20;
+
+fn outside(r: &crate::Result<impl std::fmt::Debug>, what: &str) -> Result<(), Failure> {
+    ensure!(
+        matches!(r, Err(FabricError::OutsideWindow { .. })),
+        "{what} must fail with OutsideWindow, got {r:?}"
+    );
+    Ok(())
+}
+
+async fn write_windows(h: &dyn Harness) -> Result<(), Failure> {
+    let (f, key) = h
+        .connect_with(&[
+            WindowRange::write(SEG, SEG_LEN),
+            WindowRange::atomic(CELLS, CELLS_LEN),
+        ])
+        .await
+        .map_err(|e| e.to_string())?;
+    let (_g, _) = h
+        .connect_with(&[WindowRange::write(OTHER_SEG, SEG_LEN)])
+        .await
+        .map_err(|e| e.to_string())?;
+    // Inside the open segment: applied.
+    let data = pattern(4096, 3);
+    f.write(SEG + 64, data.clone())
+        .await
+        .map_err(|e| e.to_string())?;
+    ensure!(
+        h.local_read(SEG + 64, 4096) == data[..],
+        "a WRITE inside the window must land"
+    );
+    f.write(SEG + SEG_LEN - 8, pattern(8, 4))
+        .await
+        .map_err(|e| format!("a WRITE ending at the window's end: {e}"))?;
+    // Outside: refused, with the bytes unchanged.
+    for (what, at, len) in [
+        ("a WRITE at offset 0 (superblock)", 0, 64),
+        ("a WRITE in the index area", INDEX_AREA, 64),
+        ("a WRITE in another caller's segment", OTHER_SEG, 64),
+        ("a WRITE straddling the window's end", SEG + SEG_LEN - 8, 16),
+        ("a WRITE in the cell space", CELLS, 8),
+    ] {
+        let before = h.local_read(at, len);
+        let r = f.write(at, pattern(len, 5)).await;
+        outside(&r, what)?;
+        ensure!(h.local_read(at, len) == before, "{what} changed bytes");
+    }
+    // A post with one WRITE outside is refused whole.
+    let before = h.local_read(SEG + 8192, 8);
+    let r = f
+        .post(&[
+            Op::Write {
+                offset: SEG + 8192,
+                data: pattern(8, 6),
+            },
+            Op::Write {
+                offset: INDEX_AREA,
+                data: pattern(8, 6),
+            },
+        ])
+        .await;
+    outside(&r, "a post with one WRITE outside")?;
+    ensure!(
+        h.local_read(SEG + 8192, 8) == before,
+        "a refused post must not apply its WRITE inside the window"
+    );
+    // CAS: in the cell space only (and the segment); FAA: never in the cell space.
+    let old = f.cas(CELLS + 64, 0, 42).await.map_err(|e| e.to_string())?;
+    ensure!(old == 0, "CAS on a fresh cell returned {old}");
+    ensure!(
+        h.local_read(CELLS + 64, 8) == 42u64.to_le_bytes(),
+        "a CAS in the cell space must land"
+    );
+    let before = h.local_read(INDEX_AREA, 8);
+    outside(&f.cas(INDEX_AREA, 0, 1).await, "a CAS in the index area")?;
+    outside(
+        &f.cas(CELLS + CELLS_LEN, 0, 1).await,
+        "a CAS past the cell space",
+    )?;
+    outside(&f.faa(CELLS + 64, 1).await, "an FAA in the cell space")?;
+    outside(&f.faa(INDEX_AREA, 1).await, "an FAA in the index area")?;
+    ensure!(
+        h.local_read(INDEX_AREA, 8) == before && h.local_read(CELLS + 64, 8) == 42u64.to_le_bytes(),
+        "refused atomics changed bytes"
+    );
+    // READ reaches everything.
+    for at in [0, INDEX_AREA, OTHER_SEG, CELLS, h.region_len() - 8] {
+        f.read(at, 8)
+            .await
+            .map_err(|e| format!("a READ at {at} must succeed: {e}"))?;
+    }
+    // The segment leaves the window while WRITEs race it: each WRITE acknowledged is in place
+    // when the removal returns; after it, WRITEs there are refused.
+    let f: Arc<dyn Fabric> = Arc::from(f);
+    let writer = {
+        let f = f.clone();
+        tokio::spawn(async move {
+            let mut acked = Vec::new();
+            for i in 0..(SEG_LEN / 8 - 1) {
+                let word = Bytes::copy_from_slice(&(i + 1).to_le_bytes());
+                match f.write(SEG + i * 8, word).await {
+                    Ok(()) => acked.push(i),
+                    Err(_) => break,
+                }
+            }
+            acked
+        })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    h.close_window(key, SEG);
+    let snapshot = h.local_read(SEG, SEG_LEN as usize);
+    let acked = writer.await.map_err(|e| e.to_string())?;
+    for i in acked {
+        let at = (i * 8) as usize;
+        ensure!(
+            snapshot[at..at + 8] == (i + 1).to_le_bytes(),
+            "WRITE {i} was acknowledged but not in place when the window closed"
+        );
+    }
+    let before = h.local_read(SEG, 64);
+    outside(
+        &f.write(SEG, pattern(64, 8)).await,
+        "a WRITE after its segment left the window",
+    )?;
+    ensure!(
+        h.local_read(SEG, 64) == before,
+        "a refused WRITE changed bytes"
+    );
+    // The cell space stays.
+    f.cas(CELLS + 64, 42, 43)
+        .await
+        .map_err(|e| format!("the cell space must stay in the window: {e}"))?;
     Ok(())
 }

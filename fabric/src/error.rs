@@ -20,6 +20,28 @@ pub enum FabricError {
          operations were being applied; they may or may not have taken effect"
     )]
     RevokedDuringPost { slot: u32 },
+    /// A WRITE, CAS or FAA addressed bytes outside the key's write window (its open segments,
+    /// and for CAS the indirect-cell space): nothing of the post was applied.
+    #[error(
+        "outside the write window of grant slot {slot}: {len} bytes at offset {offset} are not \
+         in an open segment of this caller (CAS also reaches the cell space; READ reaches \
+         everything)"
+    )]
+    OutsideWindow { slot: u32, offset: u64, len: u64 },
+    /// shm: a range this post wrote in left the key's window while the post was being applied
+    /// (the segment was sealed under the caller). Like [`FabricError::RevokedDuringPost`], the
+    /// post's outcome is unknown.
+    #[error(
+        "the write window of grant slot {slot} lost the range of {len} bytes at offset {offset} \
+         during the post (the segment was sealed under the caller); the operations may or may \
+         not have taken effect"
+    )]
+    WindowClosedDuringPost { slot: u32, offset: u64, len: u64 },
+    /// A key's write window already has its maximum number of ranges.
+    #[error(
+        "the write window of grant slot {slot} already has {limit} ranges; seal a segment first"
+    )]
+    WindowFull { slot: u32, limit: usize },
     /// An operation addressed bytes outside the registered region.
     #[error("out of bounds: offset {offset} + len {len} exceeds the region of {region_len} bytes")]
     OutOfBounds {
@@ -63,11 +85,14 @@ impl FabricError {
 
     /// True when the error proves the caller's key is no longer valid (it was fenced, or the
     /// memory node restarted), rather than a network problem: the caller must register again.
-    /// A [`FabricError::RevokedDuringPost`] also leaves the post's outcome unknown.
+    /// A [`FabricError::RevokedDuringPost`] or [`FabricError::WindowClosedDuringPost`] also
+    /// leaves the post's outcome unknown.
     pub fn is_revoked(&self) -> bool {
         matches!(
             self,
-            FabricError::AccessDenied { .. } | FabricError::RevokedDuringPost { .. }
+            FabricError::AccessDenied { .. }
+                | FabricError::RevokedDuringPost { .. }
+                | FabricError::WindowClosedDuringPost { .. }
         )
     }
 }

@@ -5,19 +5,39 @@
 
 use bytes::Bytes;
 
-/// What a caller presents to reach a region: the grant slot and its token. The token's high 32
-/// bits are the slot's generation, so a re-granted slot never accepts an old token.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+/// What a caller presents to reach a region: the grant slot, the slot's generation (bumped at
+/// each grant, so a re-granted slot never accepts an old key) and a 128-bit secret drawn from
+/// the OS CSPRNG when the slot was granted. The grant table compares secrets in constant time.
+/// `Debug` does not print the secret.
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
 pub struct AccessKey {
     pub slot: u32,
-    pub token: u64,
+    pub generation: u32,
+    pub secret: [u8; 16],
 }
 
-impl AccessKey {
-    /// The generation part of the token (bumped each time the slot is granted).
-    pub fn generation(&self) -> u32 {
-        (self.token >> 32) as u32
+impl std::fmt::Debug for AccessKey {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AccessKey")
+            .field("slot", &self.slot)
+            .field("generation", &self.generation)
+            .field("secret", &"<redacted>")
+            .finish()
     }
+}
+
+/// Compares two byte strings of equal length in time independent of where they differ (the
+/// length is not secret). The `black_box` keeps the compiler from turning the fold into an
+/// early exit.
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    if a.len() != b.len() {
+        return false;
+    }
+    let diff = a
+        .iter()
+        .zip(b)
+        .fold(0u8, |acc, (x, y)| std::hint::black_box(acc | (x ^ y)));
+    std::hint::black_box(diff) == 0
 }
 
 /// One one-sided operation.

@@ -2,25 +2,44 @@
 //! READ/WRITE/CAS/FAA against the registered region and does nothing else; the client pipelines
 //! posts (many in flight on one connection, matched by request id).
 //!
-//! Wire format (little-endian), every frame `[u32 body length][body]`:
-//! - request body: `u64 id, u32 slot, u64 token, u16 n, n x op`; op = `u8 kind, u64 offset`,
-//!   then READ `u32 len`; WRITE `u32 len, bytes`; CAS `u64 expected, u64 new`; FAA `u64 add`.
-//! - response body: `u64 id, u8 status`; status 0: `u16 n, n x completion` (`u8 kind`, then
-//!   READ `u32 len, bytes`; WRITE nothing; CAS/FAA `u64 old`); otherwise an error:
-//!   `u32 slot_or_zero, u64 a, u64 b, u64 c, u16 len, message`.
+//! Wire format, version 2 (little-endian):
+//! - hello (client to NIC, first thing on a connection, unframed, [`HELLO_LEN`] bytes):
+//!   `u64 magic "DNMFABRC", u16 version, u32 slot, u32 generation, [u8; 16] secret`. The NIC
+//!   answers one byte: [`HELLO_OK`], or [`HELLO_DENIED`] / [`HELLO_UNSUPPORTED`] and closes.
+//! - then every frame `[u32 body length][body]`:
+//!   - request body: `u64 id, u16 n, n x op`; op = `u8 kind, u64 offset`, then READ `u32 len`;
+//!     WRITE `u32 len, bytes`; CAS `u64 expected, u64 new`; FAA `u64 add`.
+//!   - response body: `u64 id, u8 status`; status 0: `u16 n, n x completion` (`u8 kind`, then
+//!     READ `u32 len, bytes`; WRITE nothing; CAS/FAA `u64 old`); otherwise an error:
+//!     `u32 slot_or_zero, u64 a, u64 b, u64 c, u16 len, message`.
 //!
-//! A response is sent only after every WRITE of the post is persisted (see exec.rs).
+//! Version 1 carried a 64-bit token in every request; version 2 checks the key once, in the
+//! hello, and binds the connection to that grant slot. A response is sent only after every
+//! WRITE of the post is persisted (see exec.rs).
 //!
-//! Fencing: the NIC holds the post's grant slot ([`GrantTable::hold`]) from the key check to
-//! the end of the apply, and revoking takes the slot exclusively, so when a revoke on the
-//! memory node's grant table returns, every post that passed the check with the old key is
-//! applied (and persisted), and no later one passes it. A fenced caller's request still in
-//! flight is answered with an access error.
+//! Access: the hello's key is checked once (the secret in constant time). Every post on the
+//! bound connection still takes the slot's hold ([`GrantTable::hold`]), which re-checks the key,
+//! and checks each WRITE/CAS/FAA against the key's write window, from before the apply to its
+//! end. Revoking the key or closing a window range takes the slot exclusively, so when either
+//! returns on the memory node's grant table, every post that passed the check under the old
+//! grant is applied (and persisted), and no later one passes it. A fenced caller's request
+//! still in flight is answered with an access error; a WRITE outside the window with
+//! [`FabricError::OutsideWindow`] (nothing of that post applied).
+//!
+//! Wrong hellos: a peer IP whose hello was refused has its next hello read only after a delay
+//! (from accepting its connection) that doubles per refusal from
+//! [`NicOptions::hello_delay_base`] (100 ms) to [`NicOptions::hello_delay_max`] (10 s), and
+//! a wrong hello is answered only after that delay too. A correct hello resets
+//! it, and so do 10 minutes without a refusal; at most 4096 IPs are remembered (the longest
+//! quiet is forgotten first). Refusals are counted ([`TcpNic::denied`], exported as
+//! `dinomo_fabric_tcp_denied_total`). The hello and the data travel in clear: the tcp fabric
+//! belongs on a trusted network.
 //!
 //! # Limits (the NIC faces untrusted peers)
 //!
-//! The NIC listens on a network port before any access key is checked, so every number in a
-//! frame is peer-supplied and is checked before anything is allocated by it:
+//! The NIC listens on a network port, so every number in a frame is peer-supplied and is
+//! checked before anything is allocated by it (a hello must also arrive within
+//! [`NicOptions::hello_timeout`]):
 //! - [`MAX_FRAME`] (64 MiB): the largest body of either direction. A longer length prefix is
 //!   refused before reading the body, and a body's buffer grows with the bytes that actually
 //!   arrive (never beyond twice what arrived or [`FRAME_ALLOC_STEP`], whichever is larger), so
@@ -36,15 +55,16 @@
 //! oversized post instead of a closed connection. On the NIC, a frame that breaks the framing
 //! or these limits, or does not decode, closes its connection: the NIC logs a warning with the
 //! peer address and the reason and counts it ([`TcpNic::bad_frames`]). Other connections are
-//! not affected. A request that decodes but addresses bytes outside the region (or carries a
-//! revoked key) is not a bad frame: it gets an error response and the connection stays.
-//! [`decode_request`] and [`decode_response`] are pure functions over bytes (fuzzed in
-//! `fuzz/`, target `tcp_frame_decode`).
+//! not affected. A request that decodes but addresses bytes outside the region or the window
+//! (or runs into a revoked key) is not a bad frame: it gets an error response and the
+//! connection stays. [`decode_request`] and [`decode_response`] are pure functions over bytes
+//! (fuzzed in `fuzz/`, target `tcp_frame_decode`).
 
 use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
+use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use bytes::{Buf, BufMut, Bytes, BytesMut};
@@ -72,8 +92,21 @@ pub const MAX_REPLY: usize = MAX_FRAME;
 /// than a KN's log batch (at most 1 MiB by default), so common frames are read without a copy.
 pub const FRAME_ALLOC_STEP: usize = 2 << 20;
 
-/// `u64 id, u32 slot, u64 token, u16 n`.
-const REQUEST_HEADER: usize = 22;
+/// `u64 magic, u16 version, u32 slot, u32 generation, [u8; 16] secret`.
+pub const HELLO_LEN: usize = 34;
+/// The hello's magic, "DNMFABRC".
+const HELLO_MAGIC: u64 = u64::from_le_bytes(*b"DNMFABRC");
+/// The wire version this build speaks (2: key in the hello, none per frame).
+pub const WIRE_VERSION: u16 = 2;
+/// The NIC's answer to a hello it accepts; the connection is bound to the hello's slot.
+pub const HELLO_OK: u8 = 0;
+/// The NIC's answer to a hello whose key it refuses; it closes the connection.
+pub const HELLO_DENIED: u8 = 1;
+/// The NIC's answer to a hello of another magic or version; it closes the connection.
+pub const HELLO_UNSUPPORTED: u8 = 2;
+
+/// `u64 id, u16 n`.
+const REQUEST_HEADER: usize = 10;
 /// `u64 id, u8 status, u16 n`.
 const RESPONSE_HEADER: usize = 11;
 /// The shortest encoded operation (a READ or an empty WRITE: kind, offset, length).
@@ -89,6 +122,7 @@ const S_ACCESS: u8 = 1;
 const S_BOUNDS: u8 = 2;
 const S_ALIGN: u8 = 3;
 const S_OTHER: u8 = 4;
+const S_WINDOW: u8 = 5;
 
 fn proto(msg: impl Into<String>) -> FabricError {
     FabricError::Protocol(msg.into())
@@ -143,7 +177,7 @@ fn reply_too_large(reply: usize) -> FabricError {
 
 /// Encodes a request frame (with its length prefix). Refuses posts that break the limits in
 /// the module doc, so the NIC never has to close a well-behaved caller's connection.
-pub fn encode_request(id: u64, key: AccessKey, ops: &[Op]) -> Result<Bytes> {
+pub fn encode_request(id: u64, ops: &[Op]) -> Result<Bytes> {
     if ops.len() > MAX_OPS {
         return Err(too_many_ops(ops.len()));
     }
@@ -165,8 +199,6 @@ pub fn encode_request(id: u64, key: AccessKey, ops: &[Op]) -> Result<Bytes> {
     let mut b = BytesMut::with_capacity(4 + body);
     b.put_u32_le(0);
     b.put_u64_le(id);
-    b.put_u32_le(key.slot);
-    b.put_u64_le(key.token);
     b.put_u16_le(ops.len() as u16);
     for op in ops {
         match op {
@@ -205,7 +237,7 @@ pub fn encode_request(id: u64, key: AccessKey, ops: &[Op]) -> Result<Bytes> {
 
 /// Decodes a request body (without its length prefix). Pure; every limit of the module doc is
 /// checked before anything is allocated by a number read from `b`.
-pub fn decode_request(mut b: Bytes) -> Result<(u64, AccessKey, Vec<Op>)> {
+pub fn decode_request(mut b: Bytes) -> Result<(u64, Vec<Op>)> {
     if b.len() > MAX_FRAME {
         return Err(proto(format!(
             "request of {} bytes exceeds the {MAX_FRAME}-byte frame limit",
@@ -214,8 +246,6 @@ pub fn decode_request(mut b: Bytes) -> Result<(u64, AccessKey, Vec<Op>)> {
     }
     need(&b, REQUEST_HEADER)?;
     let id = b.get_u64_le();
-    let slot = b.get_u32_le();
-    let token = b.get_u64_le();
     let n = usize::from(b.get_u16_le());
     if n > MAX_OPS {
         return Err(too_many_ops(n));
@@ -278,7 +308,35 @@ pub fn decode_request(mut b: Bytes) -> Result<(u64, AccessKey, Vec<Op>)> {
             b.remaining()
         )));
     }
-    Ok((id, AccessKey { slot, token }, ops))
+    Ok((id, ops))
+}
+
+/// The hello a client sends first on a connection (see the module doc).
+pub fn encode_hello(key: AccessKey) -> [u8; HELLO_LEN] {
+    let mut b = [0u8; HELLO_LEN];
+    b[..8].copy_from_slice(&HELLO_MAGIC.to_le_bytes());
+    b[8..10].copy_from_slice(&WIRE_VERSION.to_le_bytes());
+    b[10..14].copy_from_slice(&key.slot.to_le_bytes());
+    b[14..18].copy_from_slice(&key.generation.to_le_bytes());
+    b[18..].copy_from_slice(&key.secret);
+    b
+}
+
+/// Decodes a hello: the key, or `Err(version)` for another magic (`None`) or version.
+pub fn decode_hello(b: &[u8; HELLO_LEN]) -> std::result::Result<AccessKey, Option<u16>> {
+    let magic = u64::from_le_bytes(b[..8].try_into().expect("8"));
+    if magic != HELLO_MAGIC {
+        return Err(None);
+    }
+    let version = u16::from_le_bytes(b[8..10].try_into().expect("2"));
+    if version != WIRE_VERSION {
+        return Err(Some(version));
+    }
+    Ok(AccessKey {
+        slot: u32::from_le_bytes(b[10..14].try_into().expect("4")),
+        generation: u32::from_le_bytes(b[14..18].try_into().expect("4")),
+        secret: b[18..].try_into().expect("16"),
+    })
 }
 
 /// Encodes a response frame.
@@ -326,6 +384,9 @@ pub fn encode_response(id: u64, result: &Result<Vec<Completion>>) -> Bytes {
                     return finish(b);
                 }
                 FabricError::Misaligned { offset } => (S_ALIGN, 0, *offset, 0),
+                FabricError::OutsideWindow { slot, offset, len } => {
+                    (S_WINDOW, *slot, *offset, *len)
+                }
                 _ => (S_OTHER, 0, 0, 0),
             };
             let msg = e.to_string();
@@ -429,6 +490,11 @@ pub fn decode_response(mut b: Bytes) -> Result<(u64, Result<Vec<Completion>>)> {
             region_len: c,
         },
         S_ALIGN => FabricError::Misaligned { offset: a },
+        S_WINDOW => FabricError::OutsideWindow {
+            slot,
+            offset: a,
+            len: bb,
+        },
         _ => FabricError::Protocol(format!("remote error: {msg}")),
     };
     Ok((id, Err(err)))
@@ -504,13 +570,118 @@ async fn read_frame<R: AsyncRead + Unpin>(
 #[derive(Debug, Default)]
 struct NicCounters {
     bad_frames: AtomicU64,
+    denied: AtomicU64,
+}
+
+/// How the NIC treats hellos (see the module doc). Tests shorten the delays.
+#[derive(Debug, Clone)]
+pub struct NicOptions {
+    /// The delay after a peer IP's first refused hello; it doubles with each further refusal.
+    pub hello_delay_base: Duration,
+    /// The longest delay.
+    pub hello_delay_max: Duration,
+    /// A peer IP without a refusal for this long starts over.
+    pub hello_forget_after: Duration,
+    /// Peer IPs remembered at most (the one refused longest ago is forgotten first).
+    pub hello_max_tracked: usize,
+    /// A connection whose hello has not arrived in this time is closed.
+    pub hello_timeout: Duration,
+}
+
+impl Default for NicOptions {
+    fn default() -> Self {
+        NicOptions {
+            hello_delay_base: Duration::from_millis(100),
+            hello_delay_max: Duration::from_secs(10),
+            hello_forget_after: Duration::from_secs(600),
+            hello_max_tracked: 4096,
+            hello_timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// Refused hellos per peer IP: when its next hello may be read. Pure over the `now` it is
+/// given, so tests drive it with made-up instants.
+#[derive(Debug)]
+pub struct HelloThrottle {
+    opts: NicOptions,
+    /// IP -> (refusals in a row, time of the last refusal).
+    peers: HashMap<IpAddr, (u32, Instant)>,
+}
+
+impl HelloThrottle {
+    pub fn new(opts: NicOptions) -> Self {
+        HelloThrottle {
+            opts,
+            peers: HashMap::new(),
+        }
+    }
+
+    /// How long to wait before reading a hello from `ip` that arrives at `now`: nothing
+    /// before any refusal, else the delay its refusals in a row have earned.
+    pub fn delay(&mut self, ip: IpAddr, now: Instant) -> Duration {
+        let Some(&(fails, last)) = self.peers.get(&ip) else {
+            return Duration::ZERO;
+        };
+        if now.saturating_duration_since(last) >= self.opts.hello_forget_after {
+            self.peers.remove(&ip);
+            return Duration::ZERO;
+        }
+        let shift = fails.saturating_sub(1).min(31);
+        self.opts
+            .hello_delay_base
+            .saturating_mul(1u32 << shift)
+            .min(self.opts.hello_delay_max)
+    }
+
+    /// A hello from `ip` was refused at `now`.
+    pub fn refused(&mut self, ip: IpAddr, now: Instant) {
+        if !self.peers.contains_key(&ip) && self.peers.len() >= self.opts.hello_max_tracked {
+            let forget = self.opts.hello_forget_after;
+            self.peers
+                .retain(|_, (_, last)| now.saturating_duration_since(*last) < forget);
+            if self.peers.len() >= self.opts.hello_max_tracked {
+                if let Some(oldest) = self
+                    .peers
+                    .iter()
+                    .min_by_key(|(_, (_, last))| *last)
+                    .map(|(ip, _)| *ip)
+                {
+                    self.peers.remove(&oldest);
+                }
+            }
+        }
+        let e = self.peers.entry(ip).or_insert((0, now));
+        e.0 = e.0.saturating_add(1);
+        e.1 = now;
+    }
+
+    /// A hello from `ip` was accepted: it starts over.
+    pub fn accepted(&mut self, ip: IpAddr) {
+        self.peers.remove(&ip);
+    }
+
+    /// Peer IPs remembered now.
+    pub fn tracked(&self) -> usize {
+        self.peers.len()
+    }
+}
+
+/// What every connection of one NIC shares.
+#[derive(Debug)]
+struct NicShared {
+    region: Arc<PmRegion>,
+    grants: Arc<GrantTable>,
+    counters: NicCounters,
+    throttle: Mutex<HelloThrottle>,
+    hello_timeout: Duration,
 }
 
 /// The memory node's emulated NIC: serves one region to every connection.
 #[derive(Debug)]
 pub struct TcpNic {
     local_addr: SocketAddr,
-    counters: Arc<NicCounters>,
+    shared: Arc<NicShared>,
     task: tokio::task::JoinHandle<()>,
 }
 
@@ -521,31 +692,47 @@ impl TcpNic {
         region: Arc<PmRegion>,
         grants: Arc<GrantTable>,
     ) -> Result<Self> {
+        Self::start_with(addr, region, grants, NicOptions::default()).await
+    }
+
+    /// [`TcpNic::start`] with other hello delays (tests).
+    pub async fn start_with(
+        addr: SocketAddr,
+        region: Arc<PmRegion>,
+        grants: Arc<GrantTable>,
+        opts: NicOptions,
+    ) -> Result<Self> {
         let listener = TcpListener::bind(addr).await.map_err(|e| {
             FabricError::Transport(format!("binding the fabric NIC to {addr}: {e}"))
         })?;
         let local_addr = listener
             .local_addr()
             .map_err(|e| FabricError::Transport(e.to_string()))?;
-        let counters = Arc::new(NicCounters::default());
-        let c = counters.clone();
+        let shared = Arc::new(NicShared {
+            region,
+            grants,
+            counters: NicCounters::default(),
+            hello_timeout: opts.hello_timeout,
+            throttle: Mutex::new(HelloThrottle::new(opts)),
+        });
+        let sh = shared.clone();
         let task = tokio::spawn(async move {
             loop {
                 let (sock, peer) = match listener.accept().await {
                     Ok(x) => x,
                     Err(e) => {
                         tracing::warn!(error = %e, "fabric NIC accept failed");
-                        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+                        tokio::time::sleep(Duration::from_millis(50)).await;
                         continue;
                     }
                 };
                 let _ = sock.set_nodelay(true);
-                let (region, grants, c) = (region.clone(), grants.clone(), c.clone());
+                let sh = sh.clone();
                 tokio::spawn(async move {
-                    match serve_conn(sock, &region, &grants).await {
+                    match serve_conn(sock, peer, &sh).await {
                         Ok(()) => {}
                         Err(FrameError::Bad(why)) => {
-                            c.bad_frames.fetch_add(1, Ordering::Relaxed);
+                            sh.counters.bad_frames.fetch_add(1, Ordering::Relaxed);
                             tracing::warn!(
                                 %peer,
                                 reason = %why,
@@ -561,7 +748,7 @@ impl TcpNic {
         });
         Ok(TcpNic {
             local_addr,
-            counters,
+            shared,
             task,
         })
     }
@@ -573,7 +760,13 @@ impl TcpNic {
     /// Frames refused since start (each closed its connection): export as the counter
     /// `dinomo_fabric_tcp_bad_frames_total`.
     pub fn bad_frames(&self) -> u64 {
-        self.counters.bad_frames.load(Ordering::Relaxed)
+        self.shared.counters.bad_frames.load(Ordering::Relaxed)
+    }
+
+    /// Hellos refused since start (each closed its connection and delays its IP's next
+    /// hello): export as the counter `dinomo_fabric_tcp_denied_total`.
+    pub fn denied(&self) -> u64 {
+        self.shared.counters.denied.load(Ordering::Relaxed)
     }
 }
 
@@ -583,22 +776,75 @@ impl Drop for TcpNic {
     }
 }
 
+/// Reads and checks a connection's hello, after the delay its peer IP has earned; answers it.
+/// `Ok(None)`: refused (answered and counted) or never sent, the connection ends.
+async fn accept_hello(
+    sock: &mut TcpStream,
+    peer: SocketAddr,
+    sh: &NicShared,
+) -> std::result::Result<Option<AccessKey>, FrameError> {
+    let delay = sh.throttle.lock().delay(peer.ip(), Instant::now());
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
+    }
+    let mut hello = [0u8; HELLO_LEN];
+    match tokio::time::timeout(sh.hello_timeout, sock.read_exact(&mut hello)).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => return Err(FrameError::Io(e)),
+        Err(_) => {
+            tracing::debug!(%peer, "fabric NIC: no hello in time, closing the connection");
+            return Ok(None);
+        }
+    }
+    let (answer, key) = match decode_hello(&hello) {
+        Ok(key) => match sh.grants.check(key) {
+            Ok(()) => (HELLO_OK, Some(key)),
+            Err(_) => (HELLO_DENIED, None),
+        },
+        Err(_) => (HELLO_UNSUPPORTED, None),
+    };
+    {
+        let mut t = sh.throttle.lock();
+        match key {
+            Some(_) => t.accepted(peer.ip()),
+            None => t.refused(peer.ip(), Instant::now()),
+        }
+    }
+    if key.is_none() {
+        sh.counters.denied.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(
+            %peer,
+            answer,
+            "fabric NIC: hello refused (wrong key, magic or version), closing the connection"
+        );
+    }
+    sock.write_all(&[answer]).await.map_err(FrameError::Io)?;
+    Ok(key)
+}
+
 async fn serve_conn(
-    sock: TcpStream,
-    region: &PmRegion,
-    grants: &GrantTable,
+    mut sock: TcpStream,
+    peer: SocketAddr,
+    sh: &NicShared,
 ) -> std::result::Result<(), FrameError> {
+    let Some(key) = accept_hello(&mut sock, peer, sh).await? else {
+        return Ok(());
+    };
+    let (region, grants) = (&*sh.region, &*sh.grants);
     let (r, w) = sock.into_split();
     let mut r = BufReader::with_capacity(256 << 10, r);
     let mut w = BufWriter::with_capacity(256 << 10, w);
     while let Some(frame) = read_frame(&mut r).await? {
-        let (id, key, ops) = decode_request(frame).map_err(|e| match e {
+        let (id, ops) = decode_request(frame).map_err(|e| match e {
             FabricError::Protocol(why) => FrameError::Bad(why),
             other => FrameError::Bad(other.to_string()),
         })?;
-        // The hold spans check and apply, so a revoke (a fence) that returns has seen every
-        // post checked against the old key applied; it is released before answering.
+        // The hold spans the key and window checks and the apply, so a revoke or a window
+        // close (a fence) that returns has seen every post checked against the old grant
+        // applied; it is released before answering.
         let result = grants.hold(key).and_then(|_hold| {
+            exec::validate(region, &ops)?;
+            grants.check_window(key, &ops)?;
             grants.run_post_hook(key);
             exec::apply(region, &ops)
         });
@@ -618,7 +864,6 @@ type Waiter = oneshot::Sender<Result<Vec<Completion>>>;
 /// A caller's tcp handle: one connection, many posts in flight.
 #[derive(Debug)]
 pub struct TcpFabric {
-    key: AccessKey,
     next_id: AtomicU64,
     pending: Arc<Mutex<PendingMap>>,
     outbox: mpsc::UnboundedSender<Bytes>,
@@ -644,11 +889,30 @@ impl PendingMap {
 }
 
 impl TcpFabric {
+    /// Connects to the NIC at `addr` and presents `key` in the hello. Fails with
+    /// [`FabricError::AccessDenied`] if the NIC refuses the key.
     pub async fn connect(addr: SocketAddr, key: AccessKey) -> Result<Self> {
-        let sock = TcpStream::connect(addr).await.map_err(|e| {
+        let mut sock = TcpStream::connect(addr).await.map_err(|e| {
             FabricError::Transport(format!("connecting to the fabric NIC at {addr}: {e}"))
         })?;
         let _ = sock.set_nodelay(true);
+        let io = |e: std::io::Error| {
+            FabricError::Transport(format!("fabric hello to the NIC at {addr}: {e}"))
+        };
+        sock.write_all(&encode_hello(key)).await.map_err(io)?;
+        let mut answer = [0u8; 1];
+        sock.read_exact(&mut answer).await.map_err(io)?;
+        match answer[0] {
+            HELLO_OK => {}
+            HELLO_DENIED => return Err(FabricError::AccessDenied { slot: key.slot }),
+            HELLO_UNSUPPORTED => {
+                return Err(proto(format!(
+                    "the fabric NIC at {addr} does not speak wire version {WIRE_VERSION} \
+                     (run the dpm-node and KNs of one build)"
+                )))
+            }
+            other => return Err(proto(format!("unknown hello answer {other}"))),
+        }
         let (r, w) = sock.into_split();
         let pending = Arc::new(Mutex::new(PendingMap::default()));
         let (outbox, mut rx) = mpsc::unbounded_channel::<Bytes>();
@@ -693,7 +957,6 @@ impl TcpFabric {
         });
 
         Ok(TcpFabric {
-            key,
             next_id: AtomicU64::new(1),
             pending,
             outbox,
@@ -715,7 +978,7 @@ impl Drop for TcpFabric {
 impl Fabric for TcpFabric {
     async fn post(&self, ops: &[Op]) -> Result<Vec<Completion>> {
         let id = self.next_id.fetch_add(1, Ordering::Relaxed);
-        let frame = encode_request(id, self.key, ops)?;
+        let frame = encode_request(id, ops)?;
         let (tx, rx) = oneshot::channel();
         {
             let mut p = self.pending.lock();
@@ -766,10 +1029,9 @@ mod tests {
                 add: 5,
             },
         ];
-        let key = AccessKey { slot: 3, token: 99 };
-        let f = encode_request(7, key, &ops).unwrap();
-        let (id, k, o) = decode_request(f.slice(4..)).unwrap();
-        assert_eq!((id, k, o), (7, key, ops));
+        let f = encode_request(7, &ops).unwrap();
+        let (id, o) = decode_request(f.slice(4..)).unwrap();
+        assert_eq!((id, o), (7, ops));
     }
 
     #[test]
@@ -791,6 +1053,11 @@ mod tests {
                 region_len: 3,
             },
             FabricError::Misaligned { offset: 3 },
+            FabricError::OutsideWindow {
+                slot: 4,
+                offset: 4096,
+                len: 9,
+            },
         ] {
             let want = e.to_string();
             let (_, r) = decode_response(encode_response(1, &Err(e)).slice(4..)).unwrap();
@@ -802,7 +1069,6 @@ mod tests {
     fn truncated_frames_are_errors_not_panics() {
         let f = encode_request(
             1,
-            AccessKey { slot: 0, token: 1 },
             &[Op::Write {
                 offset: 0,
                 data: Bytes::from_static(b"hello"),
@@ -816,8 +1082,6 @@ mod tests {
 
     fn header(n: u16) -> BytesMut {
         let mut b = BytesMut::new();
-        b.put_u64_le(1);
-        b.put_u32_le(0);
         b.put_u64_le(1);
         b.put_u16_le(n);
         b
@@ -866,33 +1130,31 @@ mod tests {
         assert!(decode_request(b.freeze()).is_err());
         // The largest READ that fits is accepted, and encode agrees with decode.
         let max = (MAX_REPLY - RESPONSE_HEADER - 5) as u32;
-        let key = AccessKey { slot: 0, token: 1 };
         let ok = [Op::Read {
             offset: 0,
             len: max,
         }];
-        let f = encode_request(1, key, &ok).unwrap();
+        let f = encode_request(1, &ok).unwrap();
         assert!(decode_request(f.slice(4..)).is_ok());
         let too_big = [Op::Read {
             offset: 0,
             len: max + 1,
         }];
-        assert!(encode_request(1, key, &too_big).is_err());
+        assert!(encode_request(1, &too_big).is_err());
     }
 
     #[test]
     fn encode_refuses_what_decode_would_refuse() {
-        let key = AccessKey { slot: 0, token: 1 };
         let ops = vec![Op::Faa { offset: 0, add: 1 }; MAX_OPS];
-        let f = encode_request(1, key, &ops).unwrap();
-        assert_eq!(decode_request(f.slice(4..)).unwrap().2.len(), MAX_OPS);
+        let f = encode_request(1, &ops).unwrap();
+        assert_eq!(decode_request(f.slice(4..)).unwrap().1.len(), MAX_OPS);
         let ops = vec![Op::Faa { offset: 0, add: 1 }; MAX_OPS + 1];
-        assert!(encode_request(1, key, &ops).is_err());
+        assert!(encode_request(1, &ops).is_err());
         let big = [Op::Write {
             offset: 0,
             data: Bytes::from(vec![0u8; MAX_FRAME]),
         }];
-        assert!(encode_request(1, key, &big).is_err());
+        assert!(encode_request(1, &big).is_err());
     }
 
     #[test]
@@ -906,6 +1168,66 @@ mod tests {
         let mut long = BytesMut::from(&ok[4..]);
         long.put_u8(0);
         assert!(decode_response(long.freeze()).is_err());
+    }
+
+    #[test]
+    fn hello_roundtrip_and_refusals() {
+        let key = AccessKey {
+            slot: 5,
+            generation: 7,
+            secret: [9; 16],
+        };
+        let h = encode_hello(key);
+        assert_eq!(decode_hello(&h), Ok(key));
+        let mut v1 = h;
+        v1[8] = 1;
+        assert_eq!(decode_hello(&v1), Err(Some(1)));
+        let mut other = h;
+        other[0] ^= 0xff;
+        assert_eq!(decode_hello(&other), Err(None));
+    }
+
+    #[test]
+    fn hello_delay_doubles_caps_resets_and_forgets() {
+        let opts = NicOptions {
+            hello_max_tracked: 3,
+            ..NicOptions::default()
+        };
+        let mut t = HelloThrottle::new(opts);
+        let ip: IpAddr = "10.0.0.1".parse().unwrap();
+        let t0 = Instant::now();
+        assert_eq!(
+            t.delay(ip, t0),
+            Duration::ZERO,
+            "no delay before any refusal"
+        );
+        let ms = Duration::from_millis;
+        t.refused(ip, t0);
+        assert_eq!(t.delay(ip, t0), ms(100));
+        t.refused(ip, t0);
+        assert_eq!(t.delay(ip, t0 + ms(50)), ms(200));
+        for _ in 0..20 {
+            t.refused(ip, t0);
+        }
+        assert_eq!(t.delay(ip, t0), Duration::from_secs(10), "capped at 10 s");
+        // Almost ten quiet minutes: still remembered; ten: forgotten.
+        assert_eq!(
+            t.delay(ip, t0 + Duration::from_secs(599)),
+            Duration::from_secs(10)
+        );
+        assert_eq!(t.delay(ip, t0 + Duration::from_secs(600)), Duration::ZERO);
+        assert_eq!(t.tracked(), 0);
+        // A success resets.
+        t.refused(ip, t0);
+        t.accepted(ip);
+        assert_eq!(t.delay(ip, t0), Duration::ZERO);
+        // At most 3 IPs: the one refused longest ago goes first.
+        for (i, d) in [(1u8, 0u64), (2, 1), (3, 2), (4, 3)] {
+            t.refused(IpAddr::from([10, 0, 0, i]), t0 + ms(d));
+        }
+        assert_eq!(t.tracked(), 3);
+        let first = IpAddr::from([10, 0, 0, 1]);
+        assert_eq!(t.delay(first, t0), Duration::ZERO, "evicted");
     }
 
     #[tokio::test]

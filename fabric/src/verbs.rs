@@ -27,11 +27,19 @@
 //!   [`VerbsNic::revoke`], or the same through [`KeyFence`]: the dpm-node installs its NIC as
 //!   the DPM's key fence, so FenceKn and a KN's re-registration deregister the old key's MRs
 //!   before they go on to merge.
+//!
+//!   Write windows (see grants.rs) are not enforced on verbs yet: the MR grants REMOTE_WRITE
+//!   and REMOTE_ATOMIC over the whole region, as before windows existed, so a verbs caller's
+//!   WRITE outside its window lands. The design (docs/decisions/0005-security.md, Decision 5)
+//!   gives each connection a read-only pool MR, an atomic MR over the cell space, and one
+//!   write MR per window segment, registered on request and deregistered when the segment
+//!   leaves the window.
 //! - [`VerbsFabric`], the caller side: one RC QP, a registered local bounce buffer, and the
 //!   still-open side channel (the node sees the caller go away when it closes).
 //!
 //! Side-channel handshake (little-endian, every message `[u32 body length][body]`):
-//! - hello (caller to node): `u64 magic "DNMVERBS", u16 version, u32 slot, u64 token`, endpoint;
+//! - hello (caller to node): `u64 magic "DNMVERBS", u16 version (2), u32 slot, u32 generation,
+//!   [u8; 16] secret`, endpoint (version 1 had a `u64 token` instead of generation and secret);
 //! - reply: `u64 magic, u8 status`; status 0: endpoint, `u32 rkey, u64 remote base, u64 region
 //!   length`; 1 (access denied): `u32 slot`; 2 (node error): `u16 len, message`.
 //! - endpoint: `u32 qpn, u32 psn, u16 lid, [u8; 16] gid, u8 mtu (ibv_mtu), u8 rd_atomic`.
@@ -127,7 +135,7 @@ pub const REVOKE_POLL: Duration = Duration::from_millis(100);
 pub const POST_TIMEOUT: Duration = Duration::from_secs(30);
 
 const MAGIC: u64 = u64::from_le_bytes(*b"DNMVERBS");
-const VERSION: u16 = 1;
+const VERSION: u16 = 2;
 const MAX_MSG: usize = 4096;
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 const PORT: u8 = 1;
@@ -714,7 +722,7 @@ async fn serve_conn(
 ) -> Result<()> {
     let mut hello = read_msg(&mut sock).await?;
     check_magic(&mut hello)?;
-    need(&hello, 2 + 4 + 8)?;
+    need(&hello, 2)?;
     let version = hello.get_u16_le();
     if version != VERSION {
         let msg = format!(
@@ -728,9 +736,15 @@ async fn serve_conn(
         write_msg(&mut sock, &b).await?;
         return Err(proto(msg));
     }
+    need(&hello, 4 + 4 + 16)?;
+    let slot = hello.get_u32_le();
+    let generation = hello.get_u32_le();
+    let mut secret = [0u8; 16];
+    hello.copy_to_slice(&mut secret);
     let key = AccessKey {
-        slot: hello.get_u32_le(),
-        token: hello.get_u64_le(),
+        slot,
+        generation,
+        secret,
     };
     let peer = Endpoint::get(&mut hello)?;
 
@@ -1362,7 +1376,8 @@ impl VerbsFabric {
         hello.put_u64_le(MAGIC);
         hello.put_u16_le(VERSION);
         hello.put_u32_le(key.slot);
-        hello.put_u64_le(key.token);
+        hello.put_u32_le(key.generation);
+        hello.put_slice(&key.secret);
         local.put(&mut hello);
         write_msg(&mut sock, &hello).await?;
 

@@ -5,7 +5,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use dinomo_fabric::conformance::{run_all, Harness};
-use dinomo_fabric::grants::GrantTable;
+use dinomo_fabric::grants::{GrantTable, WindowRange};
 use dinomo_fabric::shm::ShmFabric;
 use dinomo_fabric::tcp::{TcpFabric, TcpNic};
 use dinomo_fabric::{AccessKey, DurabilityRequest, Fabric, PmRegion};
@@ -51,14 +51,20 @@ impl Harness for Shm {
     fn region_len(&self) -> u64 {
         LEN
     }
-    async fn connect(&self) -> dinomo_fabric::Result<(Box<dyn Fabric>, AccessKey)> {
-        let key = self.0.grants.grant()?;
+    async fn connect_with(
+        &self,
+        window: &[WindowRange],
+    ) -> dinomo_fabric::Result<(Box<dyn Fabric>, AccessKey)> {
+        let key = self.0.grants.grant_with_window(window)?;
         // Maps the pool and the grant table anew, as a KN process does.
         let f = ShmFabric::connect(&self.0.pool, key, DurabilityRequest::Auto)?;
         Ok((Box::new(f), key))
     }
     fn revoke(&self, key: AccessKey) {
         self.0.grants.revoke(key).unwrap();
+    }
+    fn close_window(&self, key: AccessKey, offset: u64) {
+        self.0.grants.close_window(key, offset).unwrap();
     }
     fn local_read(&self, offset: u64, len: usize) -> Vec<u8> {
         self.0.local_read(offset, len)
@@ -72,13 +78,19 @@ impl Harness for Tcp {
     fn region_len(&self) -> u64 {
         LEN
     }
-    async fn connect(&self) -> dinomo_fabric::Result<(Box<dyn Fabric>, AccessKey)> {
-        let key = self.0.grants.grant()?;
+    async fn connect_with(
+        &self,
+        window: &[WindowRange],
+    ) -> dinomo_fabric::Result<(Box<dyn Fabric>, AccessKey)> {
+        let key = self.0.grants.grant_with_window(window)?;
         let f = TcpFabric::connect(self.1.local_addr(), key).await?;
         Ok((Box::new(f), key))
     }
     fn revoke(&self, key: AccessKey) {
         self.0.grants.revoke(key).unwrap();
+    }
+    fn close_window(&self, key: AccessKey, offset: u64) {
+        self.0.grants.close_window(key, offset).unwrap();
     }
     fn local_read(&self, offset: u64, len: usize) -> Vec<u8> {
         self.0.local_read(offset, len)
@@ -90,7 +102,7 @@ async fn conformance_shm() {
     let ran = run_all(&Shm(Node::new()))
         .await
         .unwrap_or_else(|e| panic!("shm: {e}"));
-    assert_eq!(ran.len(), 8);
+    assert_eq!(ran.len(), 9);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -106,7 +118,7 @@ async fn conformance_tcp() {
     let ran = run_all(&Tcp(node, nic))
         .await
         .unwrap_or_else(|e| panic!("tcp: {e}"));
-    assert_eq!(ran.len(), 8);
+    assert_eq!(ran.len(), 9);
 }
 
 /// The tcp NIC over a region that records persisted lines: the suite passes, and afterwards
@@ -126,7 +138,7 @@ async fn conformance_tcp_leaves_nothing_unpersisted() {
     let ran = run_all(&Tcp(node, nic))
         .await
         .unwrap_or_else(|e| panic!("tcp over simulated power loss: {e}"));
-    assert_eq!(ran.len(), 8);
+    assert_eq!(ran.len(), 9);
     assert!(region.persist_count() > 0);
     for seed in 0..4 {
         let image = region.power_loss_image(seed).unwrap();

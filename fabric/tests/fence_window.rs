@@ -16,7 +16,7 @@ use std::sync::{mpsc, Arc, Mutex};
 use std::time::Duration;
 
 use bytes::Bytes;
-use dinomo_fabric::grants::GrantTable;
+use dinomo_fabric::grants::{GrantTable, WindowRange};
 use dinomo_fabric::shm::ShmFabric;
 use dinomo_fabric::tcp::{TcpFabric, TcpNic};
 use dinomo_fabric::{AccessKey, DurabilityRequest, FabricError, FabricExt, PmRegion};
@@ -115,7 +115,10 @@ async fn tcp_fence_waits_for_a_post_between_check_and_apply() {
     )
     .await
     .unwrap();
-    let key = n.grants.grant().unwrap();
+    let key = n
+        .grants
+        .grant_with_window(&[WindowRange::write(0, LEN)])
+        .unwrap();
     let kn = TcpFabric::connect(nic.local_addr(), key).await.unwrap();
     let pause = pause_first_post(&n.grants);
     let post = tokio::spawn(async move {
@@ -151,7 +154,10 @@ async fn tcp_fence_waits_for_a_post_between_check_and_apply() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shm_post_revoked_between_check_and_apply_is_not_acknowledged() {
     let n = node();
-    let key = n.grants.grant().unwrap();
+    let key = n
+        .grants
+        .grant_with_window(&[WindowRange::write(0, LEN)])
+        .unwrap();
     // The KN maps the pool and the grant table itself, as in its own process.
     let kn = ShmFabric::connect(&n.pool, key, DurabilityRequest::Auto).unwrap();
     let pause = pause_first_post(kn.grants());
@@ -199,7 +205,10 @@ async fn acknowledged_writes_are_in_place_when_revoke_returns(
     const PER_WRITER: u64 = 2000;
     for round in 0..10u64 {
         let n = node();
-        let key = n.grants.grant().unwrap();
+        let key = n
+            .grants
+            .grant_with_window(&[WindowRange::write(0, LEN)])
+            .unwrap();
         let (fabric, _nic) = connect(&n, key).await;
         let mut writers = Vec::new();
         for w in 0..WRITERS {

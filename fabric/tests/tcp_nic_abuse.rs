@@ -1,5 +1,5 @@
-//! The tcp NIC against hostile or broken peers, over raw sockets: every bad frame closes its
-//! own connection without a response, without a panic and without the NIC allocating what the
+//! The tcp NIC against hostile or broken peers, over raw sockets: every bad frame (sent after a
+//! correct hello, so it reaches the frame decoder) closes its own connection without a response, without a panic and without the NIC allocating what the
 //! frame declares; well-behaved connections (already open or new) keep working.
 //!
 //! A counting global allocator records the largest single allocation of the process, so "did
@@ -12,8 +12,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use dinomo_fabric::grants::GrantTable;
-use dinomo_fabric::tcp::{encode_request, TcpFabric, TcpNic, MAX_FRAME};
+use dinomo_fabric::grants::{GrantTable, WindowRange};
+use dinomo_fabric::tcp::{encode_hello, encode_request, TcpFabric, TcpNic, HELLO_OK, MAX_FRAME};
 use dinomo_fabric::{AccessKey, DurabilityRequest, FabricExt, Op, PmRegion};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
@@ -53,14 +53,22 @@ const REGION: u64 = 8 << 20;
 /// buffer of at most 2 MiB), far below any size a hostile frame declares (64 MiB and up).
 const ALLOC_BOUND: usize = 16 << 20;
 
-/// A request body header: id, slot, token, op count.
-fn header(key: AccessKey, n: u16) -> Vec<u8> {
+/// A request body header: id, op count.
+fn header(n: u16) -> Vec<u8> {
     let mut b = Vec::new();
     b.extend_from_slice(&7u64.to_le_bytes());
-    b.extend_from_slice(&key.slot.to_le_bytes());
-    b.extend_from_slice(&key.token.to_le_bytes());
     b.extend_from_slice(&n.to_le_bytes());
     b
+}
+
+/// A connection past a correct hello.
+async fn bound(nic: &TcpNic, key: AccessKey) -> TcpStream {
+    let mut s = TcpStream::connect(nic.local_addr()).await.unwrap();
+    s.write_all(&encode_hello(key)).await.unwrap();
+    let mut answer = [0u8; 1];
+    s.read_exact(&mut answer).await.unwrap();
+    assert_eq!(answer[0], HELLO_OK);
+    s
 }
 
 fn framed(body: &[u8]) -> Vec<u8> {
@@ -77,8 +85,8 @@ fn read_op(b: &mut Vec<u8>, len: u32) {
 
 /// Sends `bytes` (then half-closes if `eof`) and expects the NIC to close the connection
 /// without answering.
-async fn expect_closed(nic: &TcpNic, name: &str, bytes: &[u8], eof: bool) {
-    let mut s = TcpStream::connect(nic.local_addr()).await.unwrap();
+async fn expect_closed(nic: &TcpNic, key: AccessKey, name: &str, bytes: &[u8], eof: bool) {
+    let mut s = bound(nic, key).await;
     // The NIC may close before it has read everything we send; that is fine.
     let _ = s.write_all(bytes).await;
     if eof {
@@ -107,7 +115,9 @@ async fn bad_frames_close_only_their_connection() {
     let nic = TcpNic::start("127.0.0.1:0".parse().unwrap(), region, grants.clone())
         .await
         .unwrap();
-    let key = grants.grant().unwrap();
+    let key = grants
+        .grant_with_window(&[WindowRange::write(0, REGION)])
+        .unwrap();
     let good = TcpFabric::connect(nic.local_addr(), key).await.unwrap();
     good.write(64, Bytes::from_static(b"before")).await.unwrap();
     PEAK.store(0, Ordering::Relaxed);
@@ -115,19 +125,19 @@ async fn bad_frames_close_only_their_connection() {
     let mut cases: Vec<(&str, Vec<u8>, bool)> = Vec::new();
     // The op count is 16 bits on the wire: 65535 is the most a frame can declare, and
     // `ff ff ff ff` where the count starts is what a 2^32-1 count looks like.
-    let mut b = header(key, u16::MAX);
+    let mut b = header(u16::MAX);
     read_op(&mut b, 8);
     cases.push(("65535 ops declared, one sent", framed(&b), false));
-    let mut b = header(key, 0);
+    let mut b = header(0);
     b.truncate(b.len() - 2);
     b.extend_from_slice(&[0xff; 4]);
     cases.push(("2^32-1 ops declared", framed(&b), false));
     // A READ of 4 GiB - 1 (the most the u32 length holds), by a granted key.
-    let mut b = header(key, 1);
+    let mut b = header(1);
     read_op(&mut b, u32::MAX);
     cases.push(("READ of 4 GiB", framed(&b), false));
     // Two READs whose reply together exceeds the frame limit.
-    let mut b = header(key, 2);
+    let mut b = header(2);
     read_op(&mut b, (MAX_FRAME / 2) as u32);
     read_op(&mut b, (MAX_FRAME / 2) as u32);
     cases.push(("READs adding up to more than a frame", framed(&b), false));
@@ -141,8 +151,8 @@ async fn bad_frames_close_only_their_connection() {
         (MAX_FRAME as u32 + 1).to_le_bytes().to_vec(),
         false,
     ));
-    let mut b = framed(&header(key, 1));
-    b[0] = 100; // announces 100 bytes, 22 follow, then end of stream
+    let mut b = framed(&header(1));
+    b[0] = 100; // announces 100 bytes, 10 follow, then end of stream
     cases.push(("truncated frame", b, true));
     cases.push(("two of four length bytes", vec![9, 0], true));
     cases.push((
@@ -152,20 +162,20 @@ async fn bad_frames_close_only_their_connection() {
     ));
     let garbage: Vec<u8> = (0..64u32).map(|i| (i * 97 + 13) as u8).collect();
     cases.push(("garbage with a plausible length", framed(&garbage), false));
-    let mut b = header(key, 1);
+    let mut b = header(1);
     b.extend_from_slice(&[9; 13]);
     cases.push(("unknown operation kind", framed(&b), false));
-    let mut b = header(key, 0);
+    let mut b = header(0);
     b.push(0);
     cases.push(("trailing byte", framed(&b), false));
 
     for (name, bytes, eof) in &cases {
-        expect_closed(&nic, name, bytes, *eof).await;
+        expect_closed(&nic, key, name, bytes, *eof).await;
     }
 
     // A peer that announces the largest legal frame and then stalls: the NIC must not have
     // allocated the announced 64 MiB while it waits for the rest.
-    let mut stall = TcpStream::connect(nic.local_addr()).await.unwrap();
+    let mut stall = bound(&nic, key).await;
     let mut start = (MAX_FRAME as u32).to_le_bytes().to_vec();
     start.extend_from_slice(&[0u8; 4096]);
     stall.write_all(&start).await.unwrap();
@@ -197,7 +207,6 @@ async fn bad_frames_close_only_their_connection() {
     // An honest oversized post is refused by the client before it is sent.
     assert!(encode_request(
         1,
-        key,
         &[Op::Read {
             offset: 0,
             len: u32::MAX

@@ -15,7 +15,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use bytes::Bytes;
 use dinomo_fabric::conformance::{run_all, Harness};
-use dinomo_fabric::grants::GrantTable;
+use dinomo_fabric::grants::{GrantTable, WindowRange};
 use dinomo_fabric::shm::ShmFabric;
 use dinomo_fabric::verbs::{self, VerbsFabric, VerbsNic};
 use dinomo_fabric::{
@@ -91,13 +91,23 @@ impl Harness for Verbs {
     fn region_len(&self) -> u64 {
         LEN
     }
-    async fn connect(&self) -> dinomo_fabric::Result<(Box<dyn Fabric>, AccessKey)> {
-        let key = self.0.grants.grant()?;
+    async fn connect_with(
+        &self,
+        window: &[WindowRange],
+    ) -> dinomo_fabric::Result<(Box<dyn Fabric>, AccessKey)> {
+        let key = self.0.grants.grant_with_window(window)?;
         let f = VerbsFabric::connect(self.1.local_addr(), key).await?;
         Ok((Box::new(f), key))
     }
     fn revoke(&self, key: AccessKey) {
         self.1.revoke(key);
+    }
+    fn close_window(&self, key: AccessKey, offset: u64) {
+        self.0.grants.close_window(key, offset).unwrap();
+    }
+    /// The verbs write MR still covers the whole region (per-segment MRs are a later step).
+    fn enforces_windows(&self) -> bool {
+        false
     }
     fn local_read(&self, offset: u64, len: usize) -> Vec<u8> {
         self.0.local_read(offset, len)
@@ -111,8 +121,11 @@ impl Harness for Shm {
     fn region_len(&self) -> u64 {
         LEN
     }
-    async fn connect(&self) -> dinomo_fabric::Result<(Box<dyn Fabric>, AccessKey)> {
-        let key = self.0.grants.grant()?;
+    async fn connect_with(
+        &self,
+        window: &[WindowRange],
+    ) -> dinomo_fabric::Result<(Box<dyn Fabric>, AccessKey)> {
+        let key = self.0.grants.grant_with_window(window)?;
         // A KN maps the pool anew; on a DAX mount this is MAP_SYNC + cache-line write-back.
         let f = ShmFabric::connect(&self.0.pool, key, DurabilityRequest::Dax)?;
         assert!(
@@ -123,6 +136,9 @@ impl Harness for Shm {
     }
     fn revoke(&self, key: AccessKey) {
         self.0.grants.revoke(key).unwrap();
+    }
+    fn close_window(&self, key: AccessKey, offset: u64) {
+        self.0.grants.close_window(key, offset).unwrap();
     }
     fn local_read(&self, offset: u64, len: usize) -> Vec<u8> {
         self.0.local_read(offset, len)
@@ -174,7 +190,8 @@ async fn verbs_handshake_and_table_revocation() {
     .unwrap();
     let bogus = AccessKey {
         slot: 1,
-        token: 12345,
+        generation: 1,
+        secret: [7; 16],
     };
     let r = VerbsFabric::connect(nic.local_addr(), bogus).await;
     assert!(
@@ -269,7 +286,7 @@ async fn conformance_shm_on_dax() {
         .await
         .unwrap_or_else(|e| panic!("shm on DAX: {e}"));
     println!("shm conformance on DAX passed: {ran:?}");
-    assert_eq!(ran.len(), 8);
+    assert_eq!(ran.len(), 9);
 }
 
 /// Whether the verbs backend can serve a region that lives on DAX: registering a file mapping

@@ -3,7 +3,8 @@
 
 use bytes::Bytes;
 use dinomo_fabric::tcp::{
-    decode_request, decode_response, encode_request, encode_response, MAX_REPLY,
+    decode_hello, decode_request, decode_response, encode_hello, encode_request, encode_response,
+    MAX_REPLY,
 };
 use dinomo_fabric::{AccessKey, Completion, FabricError, Op};
 use proptest::prelude::*;
@@ -41,14 +42,18 @@ proptest! {
     #![proptest_config(ProptestConfig::with_cases(256))]
 
     #[test]
-    fn requests_roundtrip(id in any::<u64>(), slot in any::<u32>(), token in any::<u64>(),
-                          ops in proptest::collection::vec(op(), 0..20)) {
-        let key = AccessKey { slot, token };
-        let frame = encode_request(id, key, &ops).unwrap();
+    fn requests_roundtrip(id in any::<u64>(), ops in proptest::collection::vec(op(), 0..20)) {
+        let frame = encode_request(id, &ops).unwrap();
         let len = u32::from_le_bytes(frame[..4].try_into().unwrap()) as usize;
         prop_assert_eq!(len, frame.len() - 4);
-        let (id2, key2, ops2) = decode_request(frame.slice(4..)).unwrap();
-        prop_assert_eq!((id2, key2, ops2), (id, key, ops));
+        let (id2, ops2) = decode_request(frame.slice(4..)).unwrap();
+        prop_assert_eq!((id2, ops2), (id, ops));
+    }
+
+    #[test]
+    fn hellos_roundtrip(slot in any::<u32>(), generation in any::<u32>(), secret in any::<[u8; 16]>()) {
+        let key = AccessKey { slot, generation, secret };
+        prop_assert_eq!(decode_hello(&encode_hello(key)), Ok(key));
     }
 
     #[test]
@@ -74,7 +79,7 @@ proptest! {
 
     #[test]
     fn truncated_requests_are_errors(ops in proptest::collection::vec(op(), 1..8), cut in any::<prop::sample::Index>()) {
-        let frame = encode_request(1, AccessKey { slot: 0, token: 1 }, &ops).unwrap();
+        let frame = encode_request(1, &ops).unwrap();
         let body = frame.slice(4..);
         let at = cut.index(body.len());
         prop_assert!(decode_request(body.slice(..at)).is_err());
@@ -87,10 +92,10 @@ proptest! {
         let ops: Vec<Op> = lens.iter().map(|&len| Op::Read { offset: 0, len }).collect();
         // Response: id, status, count, then per READ its kind, length and data.
         let reply: u64 = 11 + lens.iter().map(|&l| 5 + u64::from(l)).sum::<u64>();
-        match encode_request(1, AccessKey { slot: 0, token: 1 }, &ops) {
+        match encode_request(1, &ops) {
             Ok(frame) => {
                 prop_assert!(reply <= MAX_REPLY as u64);
-                prop_assert_eq!(decode_request(frame.slice(4..)).unwrap().2, ops);
+                prop_assert_eq!(decode_request(frame.slice(4..)).unwrap().1, ops);
             }
             Err(_) => prop_assert!(reply > MAX_REPLY as u64),
         }

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 
 use bytes::Bytes;
 use dinomo_fabric::tcp::{encode_request, encode_response};
-use dinomo_fabric::{AccessKey, Completion, FabricError, Op};
+use dinomo_fabric::{Completion, FabricError, Op};
 use dinomo_layout::index::{depth_word, Bucket, EntryPtr, BUCKET_SIZE};
 use dinomo_layout::log::{encode_entry, BatchBuilder, LogOp};
 use dinomo_layout::segment::{SegmentHeader, HEADER_SIZE};
@@ -228,12 +228,9 @@ fn cluster_map_decode(root: &Path) {
 
 fn tcp_frame_decode(root: &Path) {
     let mut c = Corpus::new(root, "tcp_frame_decode");
-    let key = AccessKey {
-        slot: 3,
-        token: (5 << 32) | 77,
-    };
     let body = |f: Bytes| f.slice(4..).to_vec();
-    let req = |ops: &[Op]| body(encode_request(9, key, ops).unwrap());
+    // Wire version 2: the key travels once, in the connection's hello, not in each frame.
+    let req = |ops: &[Op]| body(encode_request(9, ops).unwrap());
     c.add(
         "read",
         &req(&[Op::Read {

@@ -61,6 +61,10 @@ pub struct Args {
     /// Print "READY addr=<addr> kn=<id>" on stdout once serving (for harnesses).
     #[arg(long)]
     pub print_ready: bool,
+    #[command(flatten)]
+    pub security: dinomo_security::SecurityArgs,
+    #[command(flatten)]
+    pub health: dinomo_node_common::health::HealthArgs,
 }
 
 impl Args {
@@ -130,7 +134,10 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     if let Some(v) = args.rdma_device {
         file.rdma_device = v;
     }
-    let config = file.validate().context("invalid configuration")?;
+    let mut config = file.validate().context("invalid configuration")?;
+    config.security = args.security.node("kn")?;
+    config.security.install_for_process();
+    args.health.install().context("--health-addr")?;
     dinomo_node_common::install_metrics(config.metrics_listen)?;
     let print_ready = args.print_ready;
     let shutdown = dinomo_node_common::shutdown_signal();

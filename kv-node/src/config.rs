@@ -110,6 +110,10 @@ pub struct KnConfig {
     pub metrics_listen: Option<SocketAddr>,
     /// The verbs fabric's local RDMA device; `None`: `DINOMO_RDMA_DEVICE`, else the first.
     pub rdma_device: Option<String>,
+    /// TLS and access checks for the KvService and for the channels to the dpm-node; from the
+    /// command line (`--credentials`, `--insecure`), never from the file. Plain text when built
+    /// in process (tests) until told otherwise.
+    pub security: dinomo_security::Security,
 }
 
 impl KnConfigFile {
@@ -137,10 +141,19 @@ impl KnConfigFile {
                 format!("{:?} is not a socket address ({e})", self.listen),
             )
         })?;
-        if self.shards == 0 || self.shards > 256 {
+        // Each shard keeps one segment open in the KN's fabric write window, which holds
+        // `MAX_WINDOW_RANGES` ranges: one is the cell space, and the rest leave room for the
+        // segments of seals that failed and wait to be retried.
+        let max_shards = (dinomo_fabric::grants::MAX_WINDOW_RANGES / 2) as u32;
+        if self.shards == 0 || self.shards > max_shards {
             return Err(invalid(
                 "shards",
-                format!("{}: must be 1..=256", self.shards),
+                format!(
+                    "{}: must be 1..={max_shards} (each shard's open log segment takes a range \
+                     of the KN's fabric write window, which holds {})",
+                    self.shards,
+                    dinomo_fabric::grants::MAX_WINDOW_RANGES
+                ),
             ));
         }
         if self.max_key_bytes == 0 || self.max_key_bytes > dinomo_layout::log::MAX_KEY {
@@ -234,6 +247,7 @@ impl KnConfigFile {
                 })?)
             },
             rdma_device: Some(self.rdma_device).filter(|d| !d.trim().is_empty()),
+            security: dinomo_security::Security::Insecure,
         })
     }
 }

@@ -10,6 +10,12 @@
 //! logs) when it changed. Every call to the DPM has a deadline, so a DPM that hangs is an
 //! error, not a stuck shard.
 //!
+//! Write windows: the grant lets the KN write only its open log segments (the DPM adds one to
+//! the window before AllocateSegment answers and removes it on SealSegment) and CAS the
+//! indirect-cell space; READ reaches the whole pool. A log WRITE outside fails with
+//! `FabricError::OutsideWindow`, which the shard treats like any failed log WRITE (outcome
+//! unknown, session lost, register again).
+//!
 //! Fabrics: the DPM says which one in its registration answer: shm (map the pool file), tcp
 //! (its software NIC) or verbs (one-sided RDMA: an RC queue pair per shard, set up through the
 //! DPM's side channel; only in a build with the `rdma` feature, else refused with an error
@@ -58,11 +64,22 @@ pub struct Session {
 }
 
 impl Session {
-    pub fn access_key(&self) -> AccessKey {
-        AccessKey {
+    /// The fabric access key of this session. A secret that is not 16 bytes (a dpm-node of
+    /// another build) is an error here, not a key that can never match.
+    pub fn access_key(&self) -> KvResult<AccessKey> {
+        let secret = &self.fabric.grant_secret;
+        let secret: [u8; 16] = secret.as_slice().try_into().map_err(|_| {
+            KvError::Internal(format!(
+                "the DPM granted a fabric secret of {} bytes, not 16: the dpm-node runs \
+                 another build (fabric grant format 2 is needed)",
+                secret.len()
+            ))
+        })?;
+        Ok(AccessKey {
             slot: self.fabric.grant_slot,
-            token: self.fabric.grant_token,
-        }
+            generation: self.fabric.grant_generation,
+            secret,
+        })
     }
 }
 
@@ -138,8 +155,14 @@ async fn register_once(
 
 impl DpmLink {
     /// Connects to the dpm-node at `url` and registers (a new incarnation of) the KN.
-    pub async fn register(url: &str, kn_id: Option<u32>, endpoint: &str) -> KvResult<Self> {
-        let channel = tonic::transport::Endpoint::from_shared(url.to_string())
+    pub async fn register(
+        security: &dinomo_security::Security,
+        url: &str,
+        kn_id: Option<u32>,
+        endpoint: &str,
+    ) -> KvResult<Self> {
+        let channel = security
+            .endpoint(url, dinomo_security::Service::Dpm)
             .map_err(|e| KvError::InvalidArgument(format!("bad dpm-node address {url:?}: {e}")))?
             .connect_timeout(Duration::from_secs(2))
             .connect()
@@ -260,7 +283,7 @@ impl DpmLink {
     /// per shard), and that session's generation.
     pub async fn connect_fabric(&self) -> KvResult<(Arc<dyn Fabric>, u64)> {
         let session = self.session();
-        let key = session.access_key();
+        let key = session.access_key()?;
         let fabric = &session.fabric;
         // A grant refused at connect means the session is dead (the DPM restarted or fenced
         // this KN): mark it, so it is registered again.

@@ -15,6 +15,19 @@ pub enum KvError {
     AlreadyExists,
     #[error("wrong owner: KN {kn} does not own this key under cluster map version {map_version}; refresh the map and retry at the owner")]
     WrongOwner { kn: u32, map_version: u64 },
+    /// A PrepareMap or CommitMap whose map is not the next version after this KN's (checked
+    /// after taking the published map).
+    #[error(
+        "{rpc} of cluster map version {offered} refused: this KN has map version {kn} \
+         (after taking the published map if it was behind), and a map change moves exactly \
+         one version on, to {}",
+        .kn.saturating_add(1)
+    )]
+    MapVersion {
+        rpc: &'static str,
+        kn: u64,
+        offered: u64,
+    },
     #[error("unavailable: {0}; retry after a backoff")]
     Unavailable(String),
     /// The DPM's pool is full; the message says what is full and what to do.
@@ -32,7 +45,7 @@ impl KvError {
             KvError::InvalidArgument(_) => Code::InvalidArgument,
             KvError::NotFound | KvError::UpdateMissing => Code::NotFound,
             KvError::AlreadyExists => Code::AlreadyExists,
-            KvError::WrongOwner { .. } => Code::FailedPrecondition,
+            KvError::WrongOwner { .. } | KvError::MapVersion { .. } => Code::FailedPrecondition,
             KvError::Unavailable(_) => Code::Unavailable,
             KvError::ResourceExhausted(_) => Code::ResourceExhausted,
             KvError::OutcomeUnknown(_) => Code::Unknown,

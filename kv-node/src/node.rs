@@ -13,7 +13,10 @@
 //! DPM's record of the change ([`KvNode::settle_transition`]): withdrawn if it had not passed
 //! its point of no return, waited for if it had; when it ends, the KN takes the published map
 //! through [`KvNode::install_map`], so it never serves a key the map of record does not give
-//! it, nor a value cached under an ownership it lost.
+//! it, nor a value cached under an ownership it lost. PrepareMap and CommitMap take only the
+//! next version after the KN's map (after catching up with the published map if the KN is
+//! behind): whoever sends them, a map far ahead can neither pause keys nor become a map that
+//! no later one can replace.
 //!
 //! Stopping: [`KvNode::shutdown`] refuses new requests, lets every admitted one reach its shard,
 //! and waits (bounded) for each shard to write out and seal its log.
@@ -122,9 +125,14 @@ impl KvNode {
     /// [`KvNode::start`], with each shard's fabric handle passed through `hook` (tests).
     pub async fn start_with(config: KnConfig, hook: Option<FabricHook>) -> KvResult<Arc<Self>> {
         let link = Arc::new(
-            DpmLink::register(&config.dpm, config.kn_id, &config.advertise)
-                .await?
-                .with_rdma_device(config.rdma_device.clone()),
+            DpmLink::register(
+                &config.security,
+                &config.dpm,
+                config.kn_id,
+                &config.advertise,
+            )
+            .await?
+            .with_rdma_device(config.rdma_device.clone()),
         );
         let largest = config.max_key_bytes + config.max_value_bytes + 64;
         if largest as u64 > link.segment_size / 4 {
@@ -251,11 +259,12 @@ impl KvNode {
     /// Reconfiguration step 1 (DINOMO 3.5): stop serving every key whose owner changes under
     /// `next` and this KN is part of, and write out and seal the logs, so that a MergeAll at the
     /// DPM covers every write this KN acknowledged.
+    ///
+    /// `next` must be the next version after this KN's map (refused otherwise, see
+    /// [`KvNode::check_next_version`]): a change moves the map of record one version on, and
+    /// a map far ahead would pause keys for a change that cannot be published.
     pub async fn prepare_map(&self, next: ClusterMap) -> KvResult<u64> {
-        let cur = self.map();
-        if next.version <= cur.version {
-            return Ok(cur.version);
-        }
+        let cur = self.check_next_version("PrepareMap", next.version).await?;
         let v = next.version;
         {
             let mut t = self.transition.write();
@@ -278,9 +287,25 @@ impl KvNode {
     /// ([`KvNode::settle_transition`], without withdrawing anything) and resumes if the change
     /// is no longer recorded. The hint is checked, never trusted: a late commit of an earlier
     /// change must not end the pause of the current one.
+    ///
+    /// Only the next version after this KN's map is installed. A KN further behind takes the
+    /// published map first; a map still further ahead is refused (FAILED_PRECONDITION), so a
+    /// forged `u64::MAX` map cannot stop the KN from ever installing the real next one. A map
+    /// of the KN's version or older installs nothing and stays a hint (the rollback's
+    /// `admin::nudge` sends the published map, and a commit can race the KN's own poll).
     pub async fn commit_map(&self, next: ClusterMap) -> KvResult<u64> {
         let v = next.version;
-        self.install_map(next).await;
+        if v > self.map().version {
+            let cur = self.catch_up(v).await?;
+            if v > cur.version.saturating_add(1) {
+                return Err(KvError::MapVersion {
+                    rpc: "CommitMap",
+                    kn: cur.version,
+                    offered: v,
+                });
+            }
+            self.install_map(next).await;
+        }
         let pending = {
             let mut t = self.transition.write();
             if t.as_ref().is_some_and(|m| m.version <= v) {
@@ -315,7 +340,8 @@ impl KvNode {
             let unavailable = |what: &str, s: tonic::Status| {
                 KvError::Unavailable(format!("{what}: {}", s.message()))
             };
-            let ep = tonic::transport::Endpoint::from_shared(self.config.dpm.clone())
+            let ep = (self.config.security)
+                .endpoint(&self.config.dpm, dinomo_security::Service::Dpm)
                 .map_err(|e| KvError::Internal(format!("dpm address: {e}")))?
                 .connect_timeout(Duration::from_secs(1))
                 .timeout(Duration::from_secs(2));
@@ -355,11 +381,7 @@ impl KvNode {
                     Some(_) => {}
                 }
             }
-            if let Some(b) = self.link.cluster_map().await? {
-                let m = ClusterMap::decode(&b)
-                    .map_err(|e| KvError::Internal(format!("cluster map in the DPM: {e}")))?;
-                self.install_map(m).await;
-            }
+            self.refresh_map().await?;
         }
         let mut cur = self.transition.write();
         if cur.as_ref().is_some_and(|c| Arc::ptr_eq(c, &t)) {
@@ -371,6 +393,43 @@ impl KvNode {
             );
         }
         Ok(true)
+    }
+
+    /// Installs the published map (the map of record in the DPM's metadata), if there is one.
+    async fn refresh_map(&self) -> KvResult<()> {
+        if let Some(b) = self.link.cluster_map().await? {
+            let m = ClusterMap::decode(&b)
+                .map_err(|e| KvError::Internal(format!("cluster map in the DPM: {e}")))?;
+            self.install_map(m).await;
+        }
+        Ok(())
+    }
+
+    /// This KN's map, after taking the published one if `version` is further ahead than the
+    /// next version (the KN is behind: it polls, or missed a commit).
+    async fn catch_up(&self, version: u64) -> KvResult<Arc<ClusterMap>> {
+        if version > self.map().version.saturating_add(1) {
+            self.refresh_map().await?;
+        }
+        Ok(self.map())
+    }
+
+    /// This KN's map, if `version` is the next version after it ([`KvNode::catch_up`] first);
+    /// otherwise [`KvError::MapVersion`] names both versions.
+    async fn check_next_version(
+        &self,
+        rpc: &'static str,
+        version: u64,
+    ) -> KvResult<Arc<ClusterMap>> {
+        let cur = self.catch_up(version).await?;
+        if cur.version.checked_add(1) != Some(version) {
+            return Err(KvError::MapVersion {
+                rpc,
+                kn: cur.version,
+                offered: version,
+            });
+        }
+        Ok(cur)
     }
 
     async fn control_all(&self, ctl: Control) {

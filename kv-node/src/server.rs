@@ -60,7 +60,11 @@ pub async fn run(
     let health_task = health.follow("kv-node", move || {
         probed.session_healthy() && probed.map().version > 0
     });
-    let serve = tonic::transport::Server::builder()
+    let security = node.config.security.clone();
+    security.warn_if_insecure("kv-node", addr);
+    let serve = security
+        .server_builder()
+        .map_err(|e| KvError::Internal(format!("TLS: {e}")))?
         .add_service(health_service)
         .add_service(
             KvServiceServer::new(KvGrpc::with_shutdown(node.clone(), streams_stopping))

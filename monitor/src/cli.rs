@@ -89,6 +89,12 @@ pub struct Args {
     /// Print "READY addr=<addr>" on stdout once serving (for harnesses).
     #[arg(long)]
     pub print_ready: bool,
+    /// The monitor's credentials; KV nodes the local orchestrator starts get the same folder
+    /// (their identity is `kn`), or `--insecure` when the monitor runs without TLS.
+    #[command(flatten)]
+    pub security: dinomo_security::SecurityArgs,
+    #[command(flatten)]
+    pub health: dinomo_node_common::health::HealthArgs,
 }
 
 /// Initialises logging to stderr.
@@ -140,6 +146,9 @@ pub fn load_config(args: &Args) -> anyhow::Result<MonitorConfig> {
 /// Runs the monitor until SIGINT or SIGTERM.
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let cfg = load_config(&args)?;
+    let security = args.security.node("monitor")?;
+    security.install_for_process();
+    args.health.install().context("--health-addr")?;
     dinomo_node_common::install_metrics(cfg.server.metrics_addr())?;
     let listener = tokio::net::TcpListener::bind(cfg.server.listen)
         .await
@@ -163,7 +172,16 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 metrics_port_base: (args.kn_metrics_port_base != 0)
                     .then_some(args.kn_metrics_port_base),
                 log_dir: args.log_dir.clone(),
-                extra_args: args.kn_arg.clone(),
+                extra_args: {
+                    let mut a = args.kn_arg.clone();
+                    match security.identity() {
+                        Some(id) => {
+                            a.extend(["--credentials".into(), id.dir.display().to_string()])
+                        }
+                        None => a.push("--insecure".into()),
+                    }
+                    a
+                },
                 ready_timeout: Duration::from_secs(60),
                 stop_timeout: Duration::from_secs(15),
             })?);

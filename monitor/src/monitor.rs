@@ -103,6 +103,97 @@ struct LatencyAgg {
     per_kn: HashMap<KnId, (u64, u64)>,
 }
 
+/// The most a latency report may say a request took (p99, and the mean): one hour.
+pub const MAX_REPORTED_LATENCY_US: u64 = 3_600_000_000;
+/// The most `per_kn` entries one latency report may carry.
+pub const MAX_REPORT_KNS: usize = 1024;
+/// The longest `client_id` a latency report may carry, in bytes.
+pub const MAX_CLIENT_ID: usize = 128;
+/// The most reporting clients the monitor keeps; a new one beyond evicts the longest silent.
+pub const MAX_CLIENTS: usize = 10_000;
+
+/// The clients heard from, by how recently: bounded by [`MAX_CLIENTS`], so ids made up by the
+/// report cannot grow it.
+#[derive(Debug, Default)]
+struct Clients {
+    /// client id -> the sequence number of its last report.
+    last: HashMap<String, u64>,
+    /// The same, ordered by sequence number: the first is the longest silent.
+    by_age: BTreeMap<u64, String>,
+    seq: u64,
+}
+
+impl Clients {
+    /// Notes a report from `id`; evicts the longest silent client if a new one is over the cap.
+    fn heard(&mut self, id: &str) {
+        self.seq += 1;
+        let seq = self.seq;
+        match self.last.get_mut(id) {
+            Some(s) => {
+                self.by_age.remove(s);
+                *s = seq;
+            }
+            None => {
+                if self.last.len() >= MAX_CLIENTS {
+                    if let Some((_, oldest)) = self.by_age.pop_first() {
+                        self.last.remove(&oldest);
+                    }
+                }
+                self.last.insert(id.to_string(), seq);
+            }
+        }
+        self.by_age.insert(seq, id.to_string());
+    }
+}
+
+/// Checks a latency report (decision 0005): it counts requests, its latencies are at most an
+/// hour, its per-KN part is within its totals (checked arithmetic) and bounded in size, and
+/// its client id is short. The error says what is wrong.
+pub fn check_report(r: &LatencyReport) -> Result<(), String> {
+    if r.count == 0 {
+        return Err("a latency report must count requests".into());
+    }
+    if r.client_id.len() > MAX_CLIENT_ID {
+        return Err(format!(
+            "client_id is {} bytes; at most {MAX_CLIENT_ID}",
+            r.client_id.len()
+        ));
+    }
+    let mean = r.sum_us / r.count;
+    if r.p99_us > MAX_REPORTED_LATENCY_US || mean > MAX_REPORTED_LATENCY_US {
+        return Err(format!(
+            "p99 {} us and mean {mean} us: latencies over an hour ({MAX_REPORTED_LATENCY_US} \
+             us) are not reported",
+            r.p99_us
+        ));
+    }
+    if r.per_kn.len() > MAX_REPORT_KNS {
+        return Err(format!(
+            "{} per-KN entries; at most {MAX_REPORT_KNS}",
+            r.per_kn.len()
+        ));
+    }
+    let mut kn_count = 0u64;
+    for k in &r.per_kn {
+        kn_count = kn_count
+            .checked_add(k.count)
+            .filter(|&c| c <= r.count)
+            .ok_or_else(|| {
+                format!(
+                    "the per-KN counts add up to more than the report's count {}",
+                    r.count
+                )
+            })?;
+        if k.sum_us > r.sum_us {
+            return Err(format!(
+                "KN {}'s latency sum {} us is over the report's sum {} us",
+                k.kn_id, k.sum_us, r.sum_us
+            ));
+        }
+    }
+    Ok(())
+}
+
 /// Per-KN probe state.
 #[derive(Debug)]
 struct Probe {
@@ -141,6 +232,10 @@ pub struct Monitor {
     pub opts: MonitorOptions,
     orchestrator: Arc<dyn Orchestrator>,
     latency: Mutex<LatencyAgg>,
+    /// The clients that reported latencies ([`MAX_CLIENTS`] at most).
+    clients: Mutex<Clients>,
+    /// The KNs of the map of record as last read: per-KN latencies of other ids are dropped.
+    members: Mutex<std::collections::HashSet<KnId>>,
     policy: Mutex<PolicyState>,
     /// The policy parameters in force (`cfg.policy` at start; SetPolicy replaces them).
     policy_cfg: Mutex<PolicyConfig>,
@@ -203,7 +298,9 @@ impl Leadership for Led<'_> {
 }
 
 fn kn_channel(endpoint: &str, timeout: Duration) -> Option<KvServiceClient<Channel>> {
-    let ep = tonic::transport::Endpoint::from_shared(format!("http://{endpoint}")).ok()?;
+    let ep = dinomo_security::Security::of_process()
+        .endpoint(endpoint, dinomo_security::Service::Kv)
+        .ok()?;
     Some(KvServiceClient::new(
         ep.connect_timeout(timeout)
             .timeout(timeout)
@@ -224,6 +321,8 @@ impl Monitor {
             opts,
             orchestrator,
             latency: Mutex::new(LatencyAgg::default()),
+            clients: Mutex::new(Clients::default()),
+            members: Mutex::new(Default::default()),
             // A starting monitor counts as a membership change: the cluster it finds (or just
             // started) gets the grace period before the policy adds or removes anything.
             policy: Mutex::new({
@@ -337,17 +436,32 @@ impl Monitor {
         tokio::spawn(epoch_loop(Arc::downgrade(self)));
     }
 
-    /// A client's latency report.
-    pub fn report(&self, r: &LatencyReport) {
+    /// A client's latency report, refused (with why) if [`check_report`] refuses it. Per-KN
+    /// entries of KNs not in the map of record (as last read) are dropped; totals saturate.
+    pub fn report(&self, r: &LatencyReport) -> Result<(), String> {
+        check_report(r)?;
+        let clients = {
+            let mut c = self.clients.lock();
+            c.heard(&r.client_id);
+            c.last.len()
+        };
+        metrics::gauge!("dinomo_monitor_reporting_clients").set(clients as f64);
+        let members = self.members.lock();
         let mut l = self.latency.lock();
-        l.count += r.count;
-        l.sum_us += r.sum_us;
+        l.count = l.count.saturating_add(r.count);
+        l.sum_us = l.sum_us.saturating_add(r.sum_us);
         l.p99_weighted += r.count as f64 * r.p99_us as f64;
-        for k in &r.per_kn {
+        for k in r.per_kn.iter().filter(|k| members.contains(&k.kn_id)) {
             let e = l.per_kn.entry(k.kn_id).or_default();
-            e.0 += k.count;
-            e.1 += k.sum_us;
+            e.0 = e.0.saturating_add(k.count);
+            e.1 = e.1.saturating_add(k.sum_us);
         }
+        Ok(())
+    }
+
+    /// How many clients the monitor keeps as reporting (at most [`MAX_CLIENTS`]).
+    pub fn reporting_clients(&self) -> usize {
+        self.clients.lock().last.len()
     }
 
     /// The policy parameters in force.
@@ -402,9 +516,11 @@ impl Monitor {
 
     /// The map of record.
     pub async fn current_map(&self) -> anyhow::Result<ClusterMap> {
-        admin::published_map(self.dpm())
+        let map = admin::published_map(self.dpm())
             .await?
-            .ok_or_else(|| anyhow::anyhow!("no cluster map has been published yet"))
+            .ok_or_else(|| anyhow::anyhow!("no cluster map has been published yet"))?;
+        *self.members.lock() = map.kn_ids().collect();
+        Ok(map)
     }
 
     async fn reconfigure(
@@ -688,7 +804,9 @@ impl Monitor {
     /// Waits (up to 5 s) until a routing node serves map `version`.
     async fn wait_served(&self, version: u64, since: Instant) -> Option<Duration> {
         let r = self.opts.routing.first()?;
-        let ep = tonic::transport::Endpoint::from_shared(format!("http://{r}")).ok()?;
+        let ep = dinomo_security::Security::of_process()
+            .endpoint(r, dinomo_security::Service::Routing)
+            .ok()?;
         let mut c = RoutingServiceClient::new(ep.timeout(Duration::from_secs(5)).connect_lazy());
         let deadline = Instant::now() + Duration::from_secs(5);
         while Instant::now() < deadline {
@@ -1041,4 +1159,111 @@ async fn epoch_loop(m: std::sync::Weak<Monitor>) {
 pub fn unix_ms(t: SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
+}
+
+#[cfg(test)]
+mod report_tests {
+    use dinomo_proto::monitor::KnLatency;
+
+    use super::*;
+
+    fn report(count: u64, sum_us: u64, p99_us: u64, per_kn: &[(KnId, u64, u64)]) -> LatencyReport {
+        LatencyReport {
+            client_id: "c".into(),
+            count,
+            sum_us,
+            p99_us,
+            per_kn: per_kn
+                .iter()
+                .map(|&(kn_id, count, sum_us)| KnLatency {
+                    kn_id,
+                    count,
+                    sum_us,
+                })
+                .collect(),
+        }
+    }
+
+    fn refused(r: &LatencyReport, says: &str) {
+        let e = check_report(r).expect_err(says);
+        assert!(e.contains(says), "{says:?} not in {e:?}");
+    }
+
+    const HOUR: u64 = MAX_REPORTED_LATENCY_US;
+
+    #[test]
+    fn reports_are_checked() {
+        check_report(&report(
+            10,
+            10 * HOUR,
+            HOUR,
+            &[(1, 4, 4 * HOUR), (2, 6, 6 * HOUR)],
+        ))
+        .unwrap();
+        refused(&report(0, 0, 0, &[]), "must count requests");
+        refused(&report(1, 1, HOUR + 1, &[]), "over an hour");
+        refused(&report(2, 2 * HOUR + 2, 1, &[]), "mean 3600000001 us");
+        // Per-KN counts within the count, each per-KN sum within the sum.
+        refused(
+            &report(10, 100, 10, &[(1, 6, 1), (2, 5, 1)]),
+            "add up to more",
+        );
+        refused(
+            &report(10, 100, 10, &[(1, 1, 101)]),
+            "over the report's sum",
+        );
+        // No overflow: u64::MAX + 1 is refused, not wrapped (nor a panic).
+        refused(
+            &report(u64::MAX, u64::MAX, 1, &[(1, u64::MAX, 1), (2, 1, 1)]),
+            "add up to more",
+        );
+        let many: Vec<_> = (0..=MAX_REPORT_KNS as u32).map(|k| (k, 0, 0)).collect();
+        check_report(&report(1, 1, 1, &many[..MAX_REPORT_KNS])).unwrap();
+        refused(&report(1, 1, 1, &many), "per-KN entries");
+        let mut r = report(1, 1, 1, &[]);
+        r.client_id = "i".repeat(MAX_CLIENT_ID);
+        check_report(&r).unwrap();
+        r.client_id.push('i');
+        refused(&r, "client_id is 129 bytes");
+    }
+
+    #[tokio::test]
+    async fn unknown_kns_are_dropped_and_totals_saturate() {
+        let m = Monitor::new(
+            MonitorConfig::default(),
+            MonitorOptions::default(),
+            Arc::new(crate::orchestrator::external::ExternalOrchestrator::new(
+                "127.0.0.1:1".into(),
+                Duration::from_secs(1),
+            )),
+        );
+        *m.members.lock() = [1, 2].into_iter().collect();
+        m.report(&report(u64::MAX, u64::MAX, 1, &[(1, 5, 5), (99, 1, 1)]))
+            .unwrap();
+        m.report(&report(3, 3, 1, &[(2, 3, 3)])).unwrap();
+        assert!(m.report(&report(0, 0, 0, &[])).is_err());
+        let l = m.latency.lock();
+        assert_eq!((l.count, l.sum_us), (u64::MAX, u64::MAX));
+        let mut kns: Vec<_> = l.per_kn.iter().map(|(&k, &v)| (k, v)).collect();
+        kns.sort();
+        assert_eq!(kns, [(1, (5, 5)), (2, (3, 3))], "KN 99 is not in the map");
+    }
+
+    #[test]
+    fn clients_are_bounded_and_the_longest_silent_goes() {
+        let mut c = Clients::default();
+        for i in 0..MAX_CLIENTS {
+            c.heard(&format!("c{i}"));
+        }
+        // c0 speaks again: c1 is now the longest silent.
+        c.heard("c0");
+        c.heard("new");
+        assert_eq!(c.last.len(), MAX_CLIENTS);
+        assert_eq!(c.by_age.len(), MAX_CLIENTS);
+        assert!(c.last.contains_key("c0") && c.last.contains_key("new"));
+        assert!(!c.last.contains_key("c1"));
+        c.heard("newer");
+        assert!(!c.last.contains_key("c2"));
+        assert_eq!(c.last.len(), MAX_CLIENTS);
+    }
 }

@@ -171,11 +171,13 @@ async fn first_map_round(dpm: &str, first: &FirstMap) -> anyhow::Result<Round> {
             .collect(),
         FirstMap::Count(_) => registered,
     };
-    let answers = futures::future::join_all(
-        wanted
-            .iter()
-            .map(|k| health::check(&k.endpoint, crate::orchestrator::external::PROBE_TIMEOUT)),
-    )
+    let answers = futures::future::join_all(wanted.iter().map(|k| {
+        health::check(
+            &k.endpoint,
+            dinomo_security::Service::Kv,
+            crate::orchestrator::external::PROBE_TIMEOUT,
+        )
+    }))
     .await;
     let alive: Vec<KnInfo> = wanted
         .into_iter()
@@ -209,7 +211,10 @@ pub async fn serve(
     let (health, health_service) = dinomo_node_common::health::Health::new().await;
     health.set(true).await;
     let shutdown = health.on_shutdown(shutdown);
-    tonic::transport::Server::builder()
+    let security = dinomo_security::Security::of_process();
+    security.warn_if_insecure("monitor", addr);
+    security
+        .server_builder()?
         .add_service(health_service)
         .add_service(MonitorServiceServer::new(Service::new(monitor)))
         .serve_with_incoming_shutdown(dinomo_proto::nodelay_incoming(listener), shutdown)

@@ -1,4 +1,7 @@
 //! MonitorService (gRPC): client latency reports, Status, and the admin actions.
+//!
+//! Whoever calls: latency reports are checked ([`crate::monitor::check_report`]) before they
+//! count, and the admin actions (SetPolicy included) are taken only by the leading monitor.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -20,8 +23,9 @@ impl Service {
     }
 }
 
-/// Admin actions change the map: only the leading monitor may take them (and the
-/// reconfiguration re-checks leadership before each of its steps).
+/// Admin actions change the map or the policy: only the leading monitor may take them (and
+/// the reconfiguration re-checks leadership before each of its steps). Status does not ask:
+/// a standby answers it too.
 async fn must_lead(m: &Monitor) -> Result<(), Status> {
     match m.lead().await {
         Ok(Some(_)) => Ok(()),
@@ -49,12 +53,7 @@ impl MonitorService for Service {
         req: Request<pb::LatencyReport>,
     ) -> Result<Response<pb::LatencyReply>, Status> {
         let r = req.into_inner();
-        if r.count == 0 {
-            return Err(Status::invalid_argument(
-                "a latency report must count requests",
-            ));
-        }
-        self.monitor.report(&r);
+        self.monitor.report(&r).map_err(Status::invalid_argument)?;
         Ok(Response::new(pb::LatencyReply {
             report_every_ms: self.monitor.cfg.stats.report_every_ms,
         }))
@@ -130,6 +129,7 @@ impl MonitorService for Service {
         &self,
         req: Request<pb::PolicyRequest>,
     ) -> Result<Response<pb::PolicyReply>, Status> {
+        must_lead(&self.monitor).await?;
         let text = req.into_inner().toml;
         let p = crate::config::PolicyConfig::from_toml_str(&text)
             .map_err(|e| Status::invalid_argument(e.to_string()))?;

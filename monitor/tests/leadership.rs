@@ -404,3 +404,52 @@ async fn a_leading_monitor_publishes_its_address_once_per_term() {
     m.lead().await.unwrap();
     assert_eq!(dpm.calls(), ["publish v1 @-", "term 1"]);
 }
+
+/// Decision 0005: SetPolicy is an admin action like AddKn: a standby refuses it (and keeps its
+/// policy), while Status stays answerable there.
+#[tokio::test]
+async fn a_standby_refuses_set_policy_but_answers_status() {
+    use dinomo_monitor::service::Service;
+    use dinomo_proto::monitor::monitor_service_server::MonitorService;
+    use dinomo_proto::monitor::{PolicyRequest, StatusRequest};
+
+    let (dpm, m, map) = setup(&[false; 8]).await;
+    let before = m.policy_config();
+    let svc = Service::new(m.clone());
+    let e = svc
+        .set_policy(Request::new(PolicyRequest {
+            toml: "min_kns = 3\n".into(),
+        }))
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+    assert!(
+        e.message().contains("does not hold the lease"),
+        "{}",
+        e.message()
+    );
+    assert_eq!(
+        m.policy_config(),
+        before,
+        "the standby's policy is unchanged"
+    );
+
+    let s = svc
+        .status(Request::new(StatusRequest {}))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(s.map_version, map.version);
+    assert_eq!(dpm.calls(), ["publish v1 @-"], "a standby takes no term");
+
+    // The leader takes it.
+    let (_, m, _) = setup(&[true; 8]).await;
+    let r = Service::new(m.clone())
+        .set_policy(Request::new(PolicyRequest {
+            toml: "min_kns = 3\n".into(),
+        }))
+        .await
+        .unwrap();
+    assert!(r.into_inner().toml.contains("min_kns = 3"));
+    assert_eq!(m.policy_config().min_kns, 3);
+}

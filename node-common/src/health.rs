@@ -8,6 +8,10 @@
 //! default is SERVING), so a probe never sees SERVING before the first check passed. Once the
 //! node's shutdown signal fires ([`Health::on_shutdown`]) it is NOT_SERVING for good, so load
 //! balancers stop sending while the node drains its connections.
+//!
+//! With mutual TLS on the node's port, a prober without a client certificate (kubelet) cannot
+//! ask there: a node started with `--health-addr` ([`HealthArgs`]) also serves the same
+//! statuses, and nothing else, in plain text on that address.
 
 use std::future::Future;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -20,6 +24,33 @@ use tonic_health::ServingStatus;
 
 /// How often [`Health::follow`] re-evaluates its check.
 pub const POLL: Duration = Duration::from_millis(250);
+
+/// `--health-addr`: the plain-text, health-only listener of a node process.
+#[derive(Debug, Clone, Default, clap::Args)]
+pub struct HealthArgs {
+    /// Also serve grpc.health.v1, and nothing else, in plain text on this address: for probes
+    /// that cannot present a client certificate, such as kubelet's gRPC probes.
+    #[arg(long, env = "DINOMO_HEALTH_ADDR")]
+    pub health_addr: Option<std::net::SocketAddr>,
+}
+
+impl HealthArgs {
+    /// Binds the listener now (so that a taken port fails the start); the node's
+    /// [`Health::new`] serves on it.
+    pub fn install(&self) -> std::io::Result<()> {
+        if let Some(addr) = self.health_addr {
+            let l = std::net::TcpListener::bind(addr)?;
+            l.set_nonblocking(true)?;
+            tracing::info!(%addr, "plain-text health listener");
+            *PLAIN_LISTENER.lock().unwrap_or_else(|e| e.into_inner()) = Some(l);
+        }
+        Ok(())
+    }
+}
+
+/// The listener [`HealthArgs::install`] bound, taken by the first [`Health::new`].
+static PLAIN_LISTENER: std::sync::Mutex<Option<std::net::TcpListener>> =
+    std::sync::Mutex::new(None);
 
 /// The node's health reporter.
 #[derive(Clone)]
@@ -44,6 +75,30 @@ impl Health {
             stopping: Arc::new(AtomicBool::new(false)),
         };
         h.set(false).await;
+        let plain = PLAIN_LISTENER
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .take();
+        if let Some(l) = plain {
+            let service = service.clone();
+            tokio::spawn(async move {
+                let served = match tokio::net::TcpListener::from_std(l) {
+                    Ok(l) => {
+                        tonic::transport::Server::builder()
+                            .add_service(service)
+                            .serve_with_incoming(tokio_stream::wrappers::TcpListenerStream::new(l))
+                            .await
+                    }
+                    Err(e) => {
+                        tracing::error!(error = %e, "the plain-text health listener");
+                        return;
+                    }
+                };
+                if let Err(e) = served {
+                    tracing::error!(error = %e, "the plain-text health listener stopped");
+                }
+            });
+        }
         (h, service)
     }
 
@@ -106,13 +161,19 @@ pub enum Probed {
     NotServing,
 }
 
-/// Asks the node at `endpoint` (`host:port`) for its overall status. `Err` says why it could
+/// Asks the `service` node at `endpoint` (`host:port`) for its overall status, as this
+/// process's identity ([`dinomo_security::Security::of_process`]). `Err` says why it could
 /// not be asked: unreachable, no answer within `timeout`, or no health service.
-pub async fn check(endpoint: &str, timeout: Duration) -> Result<Probed, String> {
+pub async fn check(
+    endpoint: &str,
+    service: dinomo_security::Service,
+    timeout: Duration,
+) -> Result<Probed, String> {
     use tonic_health::pb::health_check_response::ServingStatus as Answer;
     use tonic_health::pb::health_client::HealthClient;
     use tonic_health::pb::HealthCheckRequest;
-    let channel = tonic::transport::Endpoint::from_shared(format!("http://{endpoint}"))
+    let channel = dinomo_security::Security::of_process()
+        .endpoint(endpoint, service)
         .map_err(|e| format!("{endpoint:?} is not an address: {e}"))?
         .connect_timeout(timeout)
         .timeout(timeout)
@@ -131,4 +192,56 @@ pub async fn check(endpoint: &str, timeout: Duration) -> Result<Probed, String> 
     } else {
         Probed::NotServing
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `--health-addr` serves the node's own statuses in plain text, and nothing else.
+    #[tokio::test]
+    async fn the_plain_health_listener_follows_the_node() {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let addr: std::net::SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
+        HealthArgs {
+            health_addr: Some(addr),
+        }
+        .install()
+        .unwrap();
+        let (health, _service) = Health::new().await;
+        let target = addr.to_string();
+        let probe = || {
+            check(
+                &target,
+                dinomo_security::Service::Kv,
+                Duration::from_secs(2),
+            )
+        };
+        assert_eq!(probe().await.unwrap(), Probed::NotServing);
+        health.set(true).await;
+        assert_eq!(probe().await.unwrap(), Probed::Serving);
+        // Only health is served there.
+        let channel = tonic::transport::Endpoint::from_shared(format!("http://{addr}"))
+            .unwrap()
+            .connect()
+            .await
+            .unwrap();
+        let mut grpc = tonic::client::Grpc::new(channel);
+        grpc.ready().await.unwrap();
+        let other = grpc
+            .unary(
+                tonic::Request::new(()),
+                tonic::codegen::http::uri::PathAndQuery::from_static(
+                    "/dinomo.dpm.v1.DpmService/FenceKn",
+                ),
+                tonic_prost::ProstCodec::<(), ()>::default(),
+            )
+            .await
+            .unwrap_err();
+        assert_eq!(other.code(), tonic::Code::Unimplemented);
+    }
 }

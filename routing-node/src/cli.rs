@@ -33,6 +33,10 @@ pub struct Args {
     /// Print "READY addr=<addr>" on stdout once serving (for harnesses).
     #[arg(long)]
     pub print_ready: bool,
+    #[command(flatten)]
+    pub security: dinomo_security::SecurityArgs,
+    #[command(flatten)]
+    pub health: dinomo_node_common::health::HealthArgs,
 }
 
 /// Initialises logging to stderr (see [`dinomo_node_common::init_tracing`]).
@@ -63,6 +67,9 @@ pub fn load_config(args: &Args) -> anyhow::Result<RoutingConfig> {
 /// Runs the routing node until SIGINT or SIGTERM.
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let cfg = load_config(&args)?;
+    let security = args.security.node("routing")?;
+    security.install_for_process();
+    args.health.install().context("--health-addr")?;
     dinomo_node_common::install_metrics(cfg.metrics_addr()?)?;
     let listener = tokio::net::TcpListener::bind(&cfg.listen)
         .await
@@ -71,5 +78,5 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         println!("READY addr={}", listener.local_addr()?);
     }
     let shutdown = dinomo_node_common::shutdown_signal();
-    crate::run(listener, cfg.dpm_url(), cfg.poll(), shutdown).await
+    crate::run(listener, cfg.dpm_url(), cfg.poll(), security, shutdown).await
 }

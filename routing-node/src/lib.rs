@@ -49,6 +49,7 @@ fn reply((version, map): Current, monitor: &watch::Receiver<String>) -> pb::Clus
 /// Polls the DPM for the map of record and publishes newer versions on `tx`, and the monitor's
 /// address on `monitor`.
 pub async fn poll_dpm(
+    security: dinomo_security::Security,
     dpm: String,
     poll: Duration,
     tx: watch::Sender<Current>,
@@ -58,7 +59,13 @@ pub async fn poll_dpm(
     let mut warned = false;
     loop {
         if client.is_none() {
-            client = DpmServiceClient::connect(dpm.clone()).await.ok();
+            client = match security.endpoint(&dpm, dinomo_security::Service::Dpm) {
+                Ok(ep) => ep.connect().await.ok().map(DpmServiceClient::new),
+                Err(e) => {
+                    tracing::error!(error = %e, "bad dpm-node address");
+                    None
+                }
+            };
         }
         if let Some(c) = client.as_mut() {
             match c
@@ -193,19 +200,22 @@ pub async fn run(
     listener: tokio::net::TcpListener,
     dpm: String,
     poll: Duration,
+    security: dinomo_security::Security,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let (tx, rx) = watch::channel((0u64, Vec::new()));
     let (monitor_tx, monitor) = watch::channel(String::new());
-    let poller = tokio::spawn(poll_dpm(dpm, poll, tx, monitor_tx));
+    let mut server = security.server_builder()?;
+    let poller = tokio::spawn(poll_dpm(security.clone(), dpm, poll, tx, monitor_tx));
     let addr: SocketAddr = listener.local_addr()?;
+    security.warn_if_insecure("routing-node", addr);
     tracing::info!(%addr, "routing-node serving");
     // Ready for a probe once it holds a cluster map to hand out.
     let (health, health_service) = dinomo_node_common::health::Health::new().await;
     let shutdown = health.on_shutdown(shutdown);
     let probed = rx.clone();
     let health_task = health.follow("routing-node", move || probed.borrow().0 > 0);
-    let r = tonic::transport::Server::builder()
+    let r = server
         .add_service(health_service)
         .add_service(RoutingServiceServer::new(Routing {
             current: rx,

@@ -300,7 +300,13 @@ struct Connected {
 }
 
 async fn connect(backend: Backend, node: &Node, args: &Args) -> Result<Connected> {
-    let key = node.grants.grant()?;
+    // The benchmark writes anywhere in its region: a window over all of it.
+    let key = node
+        .grants
+        .grant_with_window(&[dinomo_fabric::grants::WindowRange::write(
+            0,
+            node.region.len(),
+        )])?;
     match backend {
         Backend::Shm => {
             let f = ShmFabric::connect(&node.pool, key, args.durability)?;

@@ -48,6 +48,8 @@ pub const DEFAULT_DURATION_S: f64 = 10.0;
 /// Flags of `dinomo bench`.
 #[derive(clap::Args, Debug, Clone, PartialEq)]
 pub struct BenchArgs {
+    #[command(flatten)]
+    pub security: dinomo_security::SecurityArgs,
     /// System under test: dinomo://HOST:PORT[,HOST:PORT...] (routing nodes) or
     /// redis://HOST:PORT[/DB].
     #[arg(long, default_value = "dinomo://127.0.0.1:7900")]

@@ -167,13 +167,12 @@ impl DinomoTarget {
         let calls = map.kns.iter().map(|kn| {
             let endpoint = kn.endpoint.clone();
             async move {
-                let uri = if endpoint.starts_with("http") {
-                    endpoint.clone()
-                } else {
-                    format!("http://{endpoint}")
-                };
                 let fut = async {
-                    let mut c = KvServiceClient::connect(uri).await?;
+                    let channel = dinomo_security::Security::of_process()
+                        .endpoint(&endpoint, dinomo_security::Service::Kv)?
+                        .connect()
+                        .await?;
+                    let mut c = KvServiceClient::new(channel);
                     let r = c.stats(KnStatsRequest { top_keys: 0 }).await?;
                     anyhow::Ok(r.into_inner())
                 };

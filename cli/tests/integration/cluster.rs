@@ -14,6 +14,9 @@ use std::time::Duration;
 use dinomo_client::{admin, Client, ClientConfig};
 use dinomo_placement::{ClusterMap, KnInfo};
 
+/// The environment that makes a node or `dinomo up` run without TLS (`--insecure`).
+pub(crate) const INSECURE: (&str, &str) = ("DINOMO_INSECURE", "1");
+
 pub struct Proc {
     child: Child,
     pub addr: String,
@@ -22,6 +25,9 @@ pub struct Proc {
 impl Proc {
     pub(crate) fn spawn(args: &[&str], log: &Path, field: &str) -> Proc {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_dinomo"));
+        // Plain text: every test but those in security.rs runs its nodes with --insecure, and
+        // this process's SDK clients dial plain text (no identity installed).
+        cmd.env(INSECURE.0, INSECURE.1);
         cmd.args(args)
             .arg("--print-ready")
             .env("DINOMO_LOG", "info");
@@ -405,6 +411,8 @@ pub(crate) struct UpCluster {
     pub base: u16,
     /// `up`'s arguments but for the data directory and port base (for [`UpCluster::restart`]).
     args: Vec<String>,
+    /// Started with TLS (see [`UpCluster::start_tls`]).
+    pub tls: bool,
     stopped: bool,
 }
 
@@ -415,6 +423,23 @@ impl UpCluster {
     /// The KNs write through `fabric` (`shm` or `tcp`); `monitor_toml` None: the embedded
     /// defaults.
     pub fn start_on(fabric: &str, kns: u32, max_kns: u16, monitor_toml: Option<&str>) -> UpCluster {
+        Self::start_with(fabric, kns, max_kns, monitor_toml, false)
+    }
+
+    /// [`UpCluster::start_on`] shm, as a new user runs it: with TLS (`up` makes the
+    /// credentials under its data directory), from the data directory's parent as the current
+    /// directory.
+    pub fn start_tls(kns: u32) -> UpCluster {
+        Self::start_with("shm", kns, kns as u16, None, true)
+    }
+
+    fn start_with(
+        fabric: &str,
+        kns: u32,
+        max_kns: u16,
+        monitor_toml: Option<&str>,
+        tls: bool,
+    ) -> UpCluster {
         let dir = tempfile::tempdir().unwrap();
         let mut args: Vec<String> = [
             "--kns",
@@ -443,7 +468,7 @@ impl UpCluster {
         let (mut dir, mut args) = (dir, args);
         for attempt in 1..=3 {
             let base = up_port_base(max_kns);
-            let (mut up, e) = match Self::try_launch(dir, base, args) {
+            let (mut up, e) = match Self::try_launch(dir, base, args, tls) {
                 Ok(up) => return up,
                 Err(failed) => failed,
             };
@@ -474,9 +499,9 @@ impl UpCluster {
     /// Stops the whole cluster (as dropping it does) and runs `up` again on the same data
     /// directory and ports.
     pub fn restart(self) -> UpCluster {
-        let base = self.base;
+        let (base, tls) = (self.base, self.tls);
         let (dir, args) = self.into_parts();
-        match Self::try_launch(dir, base, args) {
+        match Self::try_launch(dir, base, args, tls) {
             Ok(up) => up,
             Err((up, e)) => {
                 up.dump_logs(40);
@@ -490,11 +515,17 @@ impl UpCluster {
         dir: tempfile::TempDir,
         base: u16,
         args: Vec<String>,
+        tls: bool,
     ) -> Result<UpCluster, (UpCluster, String)> {
         use std::os::unix::process::CommandExt;
-        let data = dir.path().join("data");
+        let data = dir.path().join(Self::data_dir_name(tls));
         let log = dir.path().join("up.log");
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_dinomo"));
+        if tls {
+            cmd.current_dir(dir.path()).env_remove(INSECURE.0);
+        } else {
+            cmd.env(INSECURE.0, INSECURE.1);
+        }
         cmd.args(["up", "--data-dir", data.to_str().unwrap()])
             .args(["--port-base", &base.to_string()])
             .args(&args)
@@ -534,12 +565,27 @@ impl UpCluster {
             dir,
             base,
             args,
+            tls,
             stopped: false,
         };
         match ready {
             Ok(_) => Ok(up),
             Err(e) => Err((up, e.to_string())),
         }
+    }
+
+    /// `up`'s data directory: `.dinomo` under the test's directory with TLS (where the
+    /// commands run from that directory find the credentials by default), else `data`.
+    fn data_dir_name(tls: bool) -> &'static str {
+        if tls {
+            ".dinomo"
+        } else {
+            "data"
+        }
+    }
+
+    pub fn data_dir(&self) -> PathBuf {
+        self.dir.path().join(Self::data_dir_name(self.tls))
     }
 
     fn addr(&self, off: u16) -> String {
@@ -636,7 +682,7 @@ impl UpCluster {
     /// The last `n` lines of `up`'s own log and of every node's log.
     pub fn dump_logs(&self, n: usize) {
         let mut logs = vec![self.dir.path().join("up.log")];
-        if let Ok(d) = std::fs::read_dir(self.dir.path().join("data").join("logs")) {
+        if let Ok(d) = std::fs::read_dir(self.data_dir().join("logs")) {
             let mut v: Vec<PathBuf> = d.flatten().map(|e| e.path()).collect();
             v.sort();
             logs.extend(v);

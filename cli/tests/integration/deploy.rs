@@ -151,7 +151,7 @@ async fn a_kv_node_advertises_a_dialable_address_never_a_wildcard() {
         "recorded endpoint {rec:?}: the advertised host with the bound port"
     );
 
-    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_dinomo"));
+    let mut cmd = insecure_dinomo();
     cmd.args(["kv-node", "--kn-id", "2", "--dpm", &dpm.addr])
         .args([
             "--listen",
@@ -190,7 +190,7 @@ async fn a_kv_node_advertises_a_dialable_address_never_a_wildcard() {
 async fn a_kv_node_takes_its_id_from_the_pod_ordinal() {
     let dir = tempfile::tempdir().unwrap();
     let (dpm, _routing) = dpm_and_routing(dir.path());
-    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_dinomo"));
+    let mut cmd = insecure_dinomo();
     cmd.args(["kv-node", "--id-from-ordinal", "--dpm", &dpm.addr])
         .args([
             "--listen",
@@ -217,7 +217,7 @@ async fn a_kv_node_takes_its_id_from_the_pod_ordinal() {
     );
 
     // A bad ordinal is refused with the reason, before anything registers.
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_dinomo"))
+    let out = insecure_dinomo()
         .args(["kv-node", "--id-from-ordinal", "--dpm", &dpm.addr])
         .args(["--listen", "127.0.0.1:0", "--metrics-listen", ""])
         .env("DINOMO_KN_POD_INDEX", "four")
@@ -278,7 +278,7 @@ async fn kv_nodes_reach_a_fabric_advertised_by_name() {
 fn verbs_is_refused_clearly_by_a_build_without_rdma() {
     let dir = tempfile::tempdir().unwrap();
     let pool = dir.path().join("pool");
-    let dpm = std::process::Command::new(env!("CARGO_BIN_EXE_dinomo"))
+    let dpm = insecure_dinomo()
         .args([
             "dpm-node",
             "--pool",
@@ -290,7 +290,7 @@ fn verbs_is_refused_clearly_by_a_build_without_rdma() {
         .args(["--metrics-listen", ""])
         .output()
         .unwrap();
-    let up = std::process::Command::new(env!("CARGO_BIN_EXE_dinomo"))
+    let up = insecure_dinomo()
         .args([
             "up",
             "--data-dir",
@@ -309,4 +309,11 @@ fn verbs_is_refused_clearly_by_a_build_without_rdma() {
         );
     }
     assert!(!pool.exists(), "nothing was formatted");
+}
+
+/// The `dinomo` binary, run with `--insecure` (these tests are about deployment, not TLS).
+fn insecure_dinomo() -> std::process::Command {
+    let mut cmd = std::process::Command::new(env!("CARGO_BIN_EXE_dinomo"));
+    cmd.env(crate::cluster::INSECURE.0, crate::cluster::INSECURE.1);
+    cmd
 }

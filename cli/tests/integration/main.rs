@@ -12,3 +12,4 @@ mod nemesis;
 mod netfault;
 mod restart;
 mod resume;
+mod security;

@@ -79,7 +79,7 @@ async fn register(dpm: &DpmProcess, log: &std::path::Path) -> (GrpcSource, Acces
             pid: 0,
             pid_namespace: 0,
             kn_id: Some(KN),
-            endpoint: "crash-test".into(),
+            endpoint: "127.0.0.1:1".into(),
         })
         .await
     {
@@ -104,7 +104,12 @@ async fn register(dpm: &DpmProcess, log: &std::path::Path) -> (GrpcSource, Acces
         },
         AccessKey {
             slot: f.grant_slot,
-            token: f.grant_token,
+            generation: f.grant_generation,
+            secret: f
+                .grant_secret
+                .as_slice()
+                .try_into()
+                .expect("a 16-byte secret"),
         },
     )
 }

@@ -9,3 +9,4 @@ mod process;
 mod publication;
 mod service;
 mod verbs;
+mod write_window;

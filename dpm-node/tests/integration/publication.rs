@@ -11,6 +11,7 @@ use dinomo_proto::dpm::{
 use tonic::transport::Channel;
 use tonic::{Code, Request, Status};
 
+use super::dpm::{cluster_map, cluster_map_at};
 use super::process::{write_config, DpmProcess};
 
 const MAP: &str = "cluster/map";
@@ -54,6 +55,10 @@ async fn take_term(c: &mut DpmServiceClient<Channel>) -> u64 {
         .term
 }
 
+fn version_of(map: &[u8]) -> u64 {
+    dinomo_placement::ClusterMap::decode(map).unwrap().version
+}
+
 async fn map_of_record(c: &mut DpmServiceClient<Channel>) -> Option<Vec<u8>> {
     c.get_metadata(GetMetadataRequest { name: MAP.into() })
         .await
@@ -69,15 +74,17 @@ async fn two_publishes_of_the_same_next_version_one_wins() {
     let dpm = DpmProcess::start(&cfg, &dir.path().join("log"));
     let mut c = dpm.client().await;
 
-    publish(&mut c, None, b"v1", None).await.unwrap();
+    publish(&mut c, None, &cluster_map(1), None).await.unwrap();
 
-    // Two reconfigurations started from v1 race to publish different maps of version 2.
+    // Two reconfigurations started from the same map race to publish different maps of its
+    // next version.
     for round in 0..20 {
-        let base = format!("v1-{round}").into_bytes();
         let cur = map_of_record(&mut c).await.unwrap();
+        let v = version_of(&cur);
+        let base = cluster_map_at(v + 1, 1000 + round);
         publish(&mut c, Some(&cur), &base, None).await.unwrap();
-        let a = format!("v2a-{round}").into_bytes();
-        let b = format!("v2b-{round}").into_bytes();
+        let a = cluster_map_at(v + 2, 2000 + round);
+        let b = cluster_map_at(v + 2, 3000 + round);
         let (mut ca, mut cb) = (c.clone(), c.clone());
         let (ra, rb) = tokio::join!(
             publish(&mut ca, Some(&base), &a, None),
@@ -111,7 +118,9 @@ async fn two_publishes_of_the_same_next_version_one_wins() {
 
     // The bootstrap publish (no map yet) happens once: a second one finds a map and is refused.
     let cur = map_of_record(&mut c).await;
-    let e = publish(&mut c, None, b"v1-again", None).await.unwrap_err();
+    let e = publish(&mut c, None, &cluster_map_at(1, 9), None)
+        .await
+        .unwrap_err();
     assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
     assert_eq!(map_of_record(&mut c).await, cur);
 }
@@ -125,7 +134,8 @@ async fn calls_with_an_older_monitor_term_are_refused() {
     let mut c = dpm.client().await;
 
     let old = take_term(&mut c).await;
-    publish(&mut c, None, b"m1", Some(old)).await.unwrap();
+    let (m1, m2) = (cluster_map(1), cluster_map(2));
+    publish(&mut c, None, &m1, Some(old)).await.unwrap();
     c.fence_kn(with_term(FenceKnRequest { kn_id: 3 }, Some(old)))
         .await
         .unwrap();
@@ -159,7 +169,7 @@ async fn calls_with_an_older_monitor_term_are_refused() {
         "MergeAll",
     );
     stale(
-        publish(&mut c, Some(b"m1"), b"m2-old", Some(old)).await,
+        publish(&mut c, Some(&m1), &cluster_map_at(2, 9), Some(old)).await,
         "publishing the map",
     );
     stale(
@@ -209,12 +219,10 @@ async fn calls_with_an_older_monitor_term_are_refused() {
         .insert(TERM_HEADER, "seven".parse().unwrap());
     let e = c.fence_kn(bad).await.unwrap_err();
     assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
-    assert_eq!(map_of_record(&mut c).await.as_deref(), Some(&b"m1"[..]));
+    assert_eq!(map_of_record(&mut c).await, Some(m1.clone()));
 
     // The new term works, and so do calls without a term (KNs, tests, the CLI bootstrap).
-    publish(&mut c, Some(b"m1"), b"m2", Some(new))
-        .await
-        .unwrap();
+    publish(&mut c, Some(&m1), &m2, Some(new)).await.unwrap();
     c.fence_kn(with_term(FenceKnRequest { kn_id: 4 }, Some(new)))
         .await
         .unwrap();
@@ -231,4 +239,199 @@ async fn calls_with_an_older_monitor_term_are_refused() {
         "FenceKn after a restart",
     );
     assert!(take_term(&mut c).await > new);
+}
+
+/// Decision 0005: the map of record is written only by CompareAndPutMetadata, whoever calls:
+/// PutMetadata cannot write or delete it, and neither can a compare-and-swap delete.
+#[tokio::test]
+async fn the_map_is_never_put_or_deleted() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(dir.path(), "");
+    let dpm = DpmProcess::start(&cfg, &dir.path().join("log"));
+    let mut c = dpm.client().await;
+
+    let put = |value: Option<Vec<u8>>| PutMetadataRequest {
+        name: MAP.into(),
+        value,
+    };
+    // Not even the first map (nothing published yet).
+    let e = c.put_metadata(put(Some(cluster_map(1)))).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    assert!(
+        e.message().contains("CompareAndPutMetadata"),
+        "{}",
+        e.message()
+    );
+    assert_eq!(map_of_record(&mut c).await, None);
+
+    let m1 = cluster_map(1);
+    publish(&mut c, None, &m1, None).await.unwrap();
+    let e = c.put_metadata(put(Some(cluster_map(2)))).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+    let e = c.put_metadata(put(None)).await.unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "a delete: {e:?}");
+    let e = c
+        .compare_and_put_metadata(CompareAndPutMetadataRequest {
+            name: MAP.into(),
+            value: None,
+            expected: Some(m1.clone()),
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "a CAS delete: {e:?}");
+    assert_eq!(map_of_record(&mut c).await, Some(m1));
+}
+
+/// Decision 0005: a published map decodes, and its version is exactly the published one + 1
+/// (1 over no map); otherwise INVALID_ARGUMENT naming both versions.
+#[tokio::test]
+async fn a_published_map_is_exactly_the_next_version() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(dir.path(), "");
+    let dpm = DpmProcess::start(&cfg, &dir.path().join("log"));
+    let mut c = dpm.client().await;
+    let refused = |r: Result<(), Status>, names: &[&str]| {
+        let e = r.expect_err("the publish must be refused");
+        assert_eq!(e.code(), Code::InvalidArgument, "{e:?}");
+        for n in names {
+            assert!(e.message().contains(n), "{n:?} not in: {}", e.message());
+        }
+    };
+
+    // The first map is version 1.
+    refused(
+        publish(&mut c, None, &cluster_map(2), None).await,
+        &["version 2", "no map published", "exactly version 1"],
+    );
+    refused(
+        publish(&mut c, None, b"not a map", None).await,
+        &["not a cluster map"],
+    );
+    let m1 = cluster_map(1);
+    publish(&mut c, None, &m1, None).await.unwrap();
+
+    // Over version 1: +0, +2 and u64::MAX are refused, garbage too.
+    refused(
+        publish(&mut c, Some(&m1), &cluster_map_at(1, 9), None).await,
+        &["version 1 does not follow the published version 1"],
+    );
+    refused(
+        publish(&mut c, Some(&m1), &cluster_map(3), None).await,
+        &["version 3", "published version 1", "exactly version 2"],
+    );
+    refused(
+        publish(&mut c, Some(&m1), &cluster_map(u64::MAX), None).await,
+        &[&u64::MAX.to_string(), "published version 1"],
+    );
+    refused(
+        publish(&mut c, Some(&m1), b"{\"format_version\":1}", None).await,
+        &["not a cluster map"],
+    );
+    assert_eq!(map_of_record(&mut c).await, Some(m1.clone()));
+
+    // A compare that fails is still answered as one (the caller re-reads and starts over).
+    let e = publish(&mut c, Some(&cluster_map_at(1, 9)), &cluster_map(2), None)
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Code::FailedPrecondition, "{e:?}");
+
+    let m2 = cluster_map(2);
+    publish(&mut c, Some(&m1), &m2, None).await.unwrap();
+    assert_eq!(map_of_record(&mut c).await, Some(m2));
+}
+
+/// Decision 0005 size limits, as a caller meets them over gRPC: names, values (64 KiB, 8 MiB
+/// for the map and the reconfiguration record) and KN endpoints are refused with
+/// INVALID_ARGUMENT before anything changes.
+#[tokio::test]
+async fn oversized_metadata_and_bad_endpoints_are_refused() {
+    use dinomo_dpm_node::limits::{MAX_CLUSTER_VALUE, MAX_METADATA_NAME, MAX_METADATA_VALUE};
+    use dinomo_proto::dpm::{ListMetadataRequest, RegisterKnRequest};
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = write_config(dir.path(), "");
+    let dpm = DpmProcess::start(&cfg, &dir.path().join("log"));
+    let mut c = dpm.client().await;
+    let put = |name: String, len: usize| PutMetadataRequest {
+        name,
+        value: Some(vec![b'x'; len]),
+    };
+    fn invalid<T: std::fmt::Debug>(r: Result<tonic::Response<T>, Status>, what: &str) {
+        let e = r.expect_err(what);
+        assert_eq!(e.code(), Code::InvalidArgument, "{what}: {e:?}");
+    }
+
+    c.put_metadata(put("n".repeat(MAX_METADATA_NAME), 1))
+        .await
+        .unwrap();
+    invalid(
+        c.put_metadata(put("n".repeat(MAX_METADATA_NAME + 1), 1))
+            .await,
+        "a 257-byte name",
+    );
+    invalid(
+        c.put_metadata(put("na\u{ef}ve".into(), 1)).await,
+        "a name that is not ASCII",
+    );
+    c.put_metadata(put("v".into(), MAX_METADATA_VALUE))
+        .await
+        .unwrap();
+    invalid(
+        c.put_metadata(put("v".into(), MAX_METADATA_VALUE + 1))
+            .await,
+        "a value over 64 KiB",
+    );
+    // The reconfiguration record may be larger (up to what the metadata area holds).
+    let big = vec![b'r'; MAX_METADATA_VALUE + 1];
+    c.compare_and_put_metadata(CompareAndPutMetadataRequest {
+        name: "cluster/reconfiguration".into(),
+        value: Some(big.clone()),
+        expected: None,
+    })
+    .await
+    .unwrap();
+    invalid(
+        c.compare_and_put_metadata(CompareAndPutMetadataRequest {
+            name: "cluster/reconfiguration".into(),
+            value: Some(vec![b'r'; MAX_CLUSTER_VALUE + 1]),
+            expected: Some(big),
+        })
+        .await,
+        "a reconfiguration record over 8 MiB",
+    );
+    let names: Vec<String> = c
+        .list_metadata(ListMetadataRequest { prefix: "".into() })
+        .await
+        .unwrap()
+        .into_inner()
+        .entries
+        .into_iter()
+        .map(|e| e.name)
+        .collect();
+    assert_eq!(
+        names,
+        [
+            "cluster/reconfiguration",
+            &"n".repeat(MAX_METADATA_NAME),
+            "v"
+        ],
+        "nothing refused was written"
+    );
+
+    let register = |endpoint: String| RegisterKnRequest {
+        kn_id: Some(1),
+        endpoint,
+        pid: 0,
+        pid_namespace: 0,
+    };
+    for bad in [
+        String::new(),
+        "x".into(),
+        "host:".into(),
+        format!("{}:1", "h".repeat(254)),
+    ] {
+        invalid(c.register_kn(register(bad.clone())).await, &bad);
+    }
+    c.register_kn(register("kv-0.dinomo-kv:7800".into()))
+        .await
+        .unwrap();
 }

@@ -2,11 +2,13 @@
 //! or fenced calls get.
 
 use dinomo_proto::dpm::{
-    AllocateSegmentRequest, FenceKnRequest, GetMetadataRequest, IndirectCellRequest,
-    MergeAllRequest, PutMetadataRequest, RegisterKnRequest, SealSegmentRequest, StatsRequest,
+    AllocateSegmentRequest, CompareAndPutMetadataRequest, FenceKnRequest, GetMetadataRequest,
+    IndirectCellRequest, MergeAllRequest, PutMetadataRequest, RegisterKnRequest,
+    SealSegmentRequest, StatsRequest,
 };
 use tonic::Code;
 
+use super::dpm::cluster_map;
 use super::process::{write_config, DpmProcess};
 
 #[tokio::test]
@@ -135,7 +137,7 @@ async fn control_calls_and_their_errors() {
             pid: 0,
             pid_namespace: 0,
             kn_id: Some(r.kn_id),
-            endpoint: "x".into(),
+            endpoint: "127.0.0.1:2".into(),
         })
         .await
         .unwrap()
@@ -143,9 +145,10 @@ async fn control_calls_and_their_errors() {
     assert!(r2.epoch > r.epoch);
 
     // Metadata and cells.
-    c.put_metadata(PutMetadataRequest {
+    c.compare_and_put_metadata(CompareAndPutMetadataRequest {
         name: "cluster/map".into(),
-        value: Some(b"m1".to_vec()),
+        value: Some(cluster_map(1)),
+        expected: None,
     })
     .await
     .unwrap();
@@ -157,7 +160,7 @@ async fn control_calls_and_their_errors() {
         .unwrap()
         .into_inner()
         .value;
-    assert_eq!(v.as_deref(), Some(&b"m1"[..]));
+    assert_eq!(v, Some(cluster_map(1)));
     let e = c
         .put_metadata(PutMetadataRequest {
             name: "dpm/x".into(),
@@ -209,7 +212,7 @@ async fn control_calls_and_their_errors() {
         .unwrap()
         .into_inner()
         .value;
-    assert_eq!(v.as_deref(), Some(&b"m1"[..]));
+    assert_eq!(v, Some(cluster_map(1)));
     // So did the cell.
     let found = dpm
         .client()

@@ -116,8 +116,9 @@ Call with (dict "ctx" $ "port" N). */}}
 {{- end -}}
 {{- end -}}
 
-{{/* A gRPC probe on the node's gRPC port (grpc.health.v1, service ""). Call with
-(dict "port" N "probe" .Values.x.readinessProbe). */}}
+{{/* A gRPC probe (grpc.health.v1, service "") on a node's plain-text health port (its
+--health-addr; kubelet cannot present a client certificate to the mutual-TLS gRPC port). Call
+with (dict "port" .Values.x.healthPort "probe" .Values.x.readinessProbe). */}}
 {{- define "dinomo.grpcProbe" -}}
 grpc:
   port: {{ int64 .port }}
@@ -252,6 +253,64 @@ securityContext:
 {{- end }}
 {{- end -}}
 
+{{/* TLS. The identities, as security/src/issue.rs (`standard_leaves`) issues them for
+`dinomo up`: per identity of the chart, the role and name of its SAN URI dinomo://<role>/<name>
+and, for a server, the DNS name of the service it proves (callers verify servers by it). */}}
+{{- define "dinomo.tls.identities" -}}
+dpm: {role: node, name: dpm, dns: dpm.dinomo}
+kv: {role: node, name: kn, dns: kv.dinomo}
+routing: {role: node, name: routing, dns: routing.dinomo}
+monitor: {role: monitor, name: monitor, dns: monitor.dinomo}
+admin: {role: admin, name: default, dns: ""}
+client: {role: client, name: default, dns: ""}
+{{- end -}}
+
+{{/* Where every pod finds its own identity (DINOMO_CREDENTIALS), and where the monitor pods
+also find the admin identity (for `kubectl exec ... dinomo admin`). */}}
+{{- define "dinomo.tls.dir" -}}/etc/dinomo/credentials{{- end -}}
+{{- define "dinomo.tls.adminDir" -}}/etc/dinomo/admin-credentials{{- end -}}
+
+{{/* The Secret holding an identity: cert-manager's <fullname>-<id>-tls, or
+tls.existingSecrets.<id>. Call with (dict "ctx" $ "id" "dpm"). */}}
+{{- define "dinomo.tls.secretName" -}}
+{{- if .ctx.Values.tls.certManager.issuerRef.name -}}
+{{- printf "%s-%s-tls" (include "dinomo.fullname" .ctx) .id -}}
+{{- else -}}
+{{- get .ctx.Values.tls.existingSecrets .id -}}
+{{- end -}}
+{{- end -}}
+
+{{/* The container env that tells a node (or a client) its credentials, or --insecure. */}}
+{{- define "dinomo.tls.env" -}}
+{{- if .Values.tls.enabled }}
+- name: DINOMO_CREDENTIALS
+  value: {{ include "dinomo.tls.dir" . }}
+{{- else }}
+# tls.enabled is false: no TLS and no access checks (--insecure).
+- name: DINOMO_INSECURE
+  value: "true"
+{{- end }}
+{{- end -}}
+
+{{/* The identity's Secret as a volume mount / a volume, when TLS is on. Call with
+(dict "ctx" $ "volume" "credentials" "path" "/etc/dinomo/credentials") and
+(dict "ctx" $ "volume" "credentials" "id" "dpm"). */}}
+{{- define "dinomo.tls.volumeMount" -}}
+{{- if .ctx.Values.tls.enabled }}
+- name: {{ .volume }}
+  mountPath: {{ .path }}
+  readOnly: true
+{{- end }}
+{{- end -}}
+{{- define "dinomo.tls.volume" -}}
+{{- if .ctx.Values.tls.enabled }}
+- name: {{ .volume }}
+  secret:
+    secretName: {{ include "dinomo.tls.secretName" (dict "ctx" .ctx "id" .id) }}
+    defaultMode: 0444
+{{- end }}
+{{- end -}}
+
 {{/* Checks across values that the schema cannot express; fails the render with a message. */}}
 {{- define "dinomo.validate" -}}
 {{- $p := .Values.monitor.config.policy -}}
@@ -281,13 +340,39 @@ securityContext:
 {{- if or (lt (int64 .Values.kv.replicas) (int64 $p.min_kns)) (gt (int64 .Values.kv.replicas) (int64 $p.max_kns)) -}}
 {{- fail "kv.replicas must be within monitor.config.policy.min_kns..max_kns" -}}
 {{- end -}}
-{{- $ports := list .Values.dpm.port .Values.dpm.fabric.port .Values.dpm.metricsPort -}}
+{{- $ports := list (int64 .Values.dpm.port) (int64 .Values.dpm.fabric.port) (int64 .Values.dpm.metricsPort) (int64 .Values.dpm.healthPort) -}}
 {{- if not (eq (len (uniq $ports)) (len $ports)) -}}
-{{- fail "dpm.port, dpm.fabric.port and dpm.metricsPort must differ" -}}
+{{- fail "dpm.port, dpm.fabric.port, dpm.metricsPort and dpm.healthPort must differ" -}}
 {{- end -}}
 {{- range $c := list .Values.kv .Values.routing .Values.monitor -}}
-{{- if eq (int64 $c.port) (int64 $c.metricsPort) -}}
-{{- fail "a component's port and metricsPort must differ" -}}
+{{- $p := list (int64 $c.port) (int64 $c.metricsPort) (int64 $c.healthPort) -}}
+{{- if not (eq (len (uniq $p)) (len $p)) -}}
+{{- fail "a component's port, metricsPort and healthPort must differ" -}}
+{{- end -}}
+{{- end -}}
+{{- if and .Values.rdma.enabled .Values.rdma.hostNetwork -}}
+{{- $host := concat $ports (list (int64 .Values.kv.port) (int64 .Values.kv.metricsPort) (int64 .Values.kv.healthPort)) -}}
+{{- if not (eq (len (uniq $host)) (len $host)) -}}
+{{- fail "with rdma.hostNetwork the dpm-node and KV nodes share the node's ports: the dpm.* and kv.* ports (port, fabric.port, metricsPort, healthPort) must all differ" -}}
+{{- end -}}
+{{- end -}}
+{{- if .Values.tls.enabled -}}
+{{- $issuer := .Values.tls.certManager.issuerRef.name -}}
+{{- $named := list -}}
+{{- $missing := list -}}
+{{- range $id := list "dpm" "kv" "routing" "monitor" "admin" "client" -}}
+{{- if get $.Values.tls.existingSecrets $id -}}
+{{- $named = append $named $id -}}
+{{- else -}}
+{{- $missing = append $missing $id -}}
+{{- end -}}
+{{- end -}}
+{{- if and $issuer $named -}}
+{{- fail (printf "tls: set either tls.certManager.issuerRef.name (%s) or tls.existingSecrets (%s), not both" $issuer (join ", " $named)) -}}
+{{- else if and (not $issuer) (not $named) -}}
+{{- fail "tls.enabled is true but no certificates are configured: set tls.certManager.issuerRef.name (cert-manager then issues one Certificate per component) or tls.existingSecrets.{dpm,kv,routing,monitor,admin,client} (pre-made Secrets with tls.crt, tls.key and ca.crt); or tls.enabled=false to run without TLS (insecure). See helm/README.md, \"TLS\"" -}}
+{{- else if and (not $issuer) $missing -}}
+{{- fail (printf "tls.existingSecrets: %s not set; name a Secret (tls.crt, tls.key, ca.crt) for each of dpm, kv, routing, monitor, admin and client" (join ", " $missing)) -}}
 {{- end -}}
 {{- end -}}
 {{- end -}}

@@ -18,7 +18,7 @@ use dinomo_dpm_node::config::DpmConfigFile;
 use dinomo_dpm_node::testkit::InProcessDpm;
 use dinomo_placement::ClusterMap;
 use dinomo_proto::dpm::dpm_service_client::DpmServiceClient;
-use dinomo_proto::dpm::PutMetadataRequest;
+use dinomo_proto::dpm::{CompareAndPutMetadataRequest, GetMetadataRequest};
 use dinomo_proto::kv::kv_service_client::KvServiceClient;
 use tonic::transport::Channel;
 
@@ -57,15 +57,25 @@ impl InProcDpm {
         DpmServiceClient::connect(self.url()).await.unwrap()
     }
 
+    /// Publishes `map` over the published one, as a monitor does (CompareAndPutMetadata: the
+    /// DPM takes nothing else for the map, and only its next version).
     pub async fn publish_map(&self, map: &ClusterMap) {
-        self.client()
-            .await
-            .put_metadata(PutMetadataRequest {
+        let mut c = self.client().await;
+        let expected = c
+            .get_metadata(GetMetadataRequest {
                 name: "cluster/map".into(),
-                value: Some(map.encode()),
             })
             .await
-            .unwrap();
+            .unwrap()
+            .into_inner()
+            .value;
+        c.compare_and_put_metadata(CompareAndPutMetadataRequest {
+            name: "cluster/map".into(),
+            value: Some(map.encode()),
+            expected,
+        })
+        .await
+        .unwrap();
     }
 
     pub async fn stop(self) {
@@ -82,6 +92,8 @@ pub struct KnProcess {
 impl KnProcess {
     pub fn start(dpm: &InProcDpm, kn_id: u32, log: &Path, extra: &[&str]) -> Self {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_kv-node"));
+        // Plain text: these tests are about the node, not TLS (cli's security tests are).
+        cmd.env("DINOMO_INSECURE", "1");
         cmd.args([
             "--kn-id",
             &kn_id.to_string(),

@@ -4,6 +4,7 @@ mod api;
 mod consistency;
 mod failover;
 mod harness;
+mod map_version;
 mod model;
 mod prepare_expiry;
 mod remote_index;

@@ -60,7 +60,7 @@ impl ExternalOrchestrator {
         let answers = futures::future::join_all(
             outside
                 .iter()
-                .map(|k| health::check(&k.endpoint, PROBE_TIMEOUT)),
+                .map(|k| health::check(&k.endpoint, dinomo_security::Service::Kv, PROBE_TIMEOUT)),
         )
         .await;
         Ok(outside

@@ -1,0 +1,38 @@
+//! The command-line flags every node and command shares for its credentials.
+
+use std::path::PathBuf;
+
+use crate::{Security, SecurityError};
+
+/// `--credentials DIR` and `--insecure`, with their environment variables.
+#[derive(Debug, Clone, Default, PartialEq, Eq, clap::Args)]
+pub struct SecurityArgs {
+    /// Credentials folder: ca.pem plus this identity's certificate and key (made by `dinomo
+    /// up` under <data-dir>/credentials, or by `dinomo credentials init`), or a Kubernetes TLS
+    /// Secret's tls.crt, tls.key and ca.crt. Client commands default to .dinomo/credentials.
+    #[arg(long, env = "DINOMO_CREDENTIALS", global = true)]
+    pub credentials: Option<PathBuf>,
+    /// No TLS and no access checks: anyone who reaches the ports can read, write and
+    /// reconfigure the cluster. For development on a trusted machine only. The variable takes
+    /// 1/0, true/false, yes/no or on/off.
+    #[arg(
+        long,
+        env = "DINOMO_INSECURE",
+        global = true,
+        action = clap::ArgAction::SetTrue,
+        value_parser = clap::builder::BoolishValueParser::new()
+    )]
+    pub insecure: bool,
+}
+
+impl SecurityArgs {
+    /// A node's security as identity `name` (no default folder: a node must be told).
+    pub fn node(&self, name: &str) -> Result<Security, SecurityError> {
+        Security::for_node(self.credentials.as_deref(), self.insecure, name)
+    }
+
+    /// A client command's security as identity `name` (default folder .dinomo/credentials).
+    pub fn client(&self, name: &str) -> Result<Security, SecurityError> {
+        Security::for_client(self.credentials.as_deref(), self.insecure, name)
+    }
+}
