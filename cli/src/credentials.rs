@@ -71,11 +71,18 @@ pub fn run(a: CredentialsArgs) -> anyhow::Result<()> {
                 "routing" => "routing.dinomo",
                 _ => "monitor.dinomo",
             });
-            let leaf = Leaf {
-                file: file.unwrap_or_else(|| format!("{role}-{name}")),
-                caller,
-                dns,
-            };
+            let file = file.unwrap_or_else(|| format!("{role}-{name}"));
+            let plain = !file.is_empty()
+                && file
+                    .chars()
+                    .all(|c| c.is_ascii_alphanumeric() || c == '-' || c == '_');
+            if !plain || file == "ca" {
+                anyhow::bail!(
+                    "--file {file:?}: a file stem of letters, digits, '-' and '_' other than \
+                     \"ca\" (the CA's own files)"
+                );
+            }
+            let leaf = Leaf { file, caller, dns };
             issue::issue(&dir, &leaf)?;
             println!(
                 "{}: issued {} as {}.pem and {}-key.pem",
@@ -92,8 +99,8 @@ pub fn run(a: CredentialsArgs) -> anyhow::Result<()> {
 /// How a local cluster's processes are secured.
 #[derive(Debug)]
 pub struct LocalCluster {
-    /// Flags for every node started: `--credentials DIR` or `--insecure`.
-    pub node_args: Vec<String>,
+    /// The cluster's credentials folder (`None`: --insecure).
+    dir: Option<PathBuf>,
     /// For the launcher's own calls (reading the published map, status).
     pub admin: Security,
     /// For the launcher's clients (scenario load).
@@ -110,7 +117,7 @@ impl LocalCluster {
                  write and reconfigure it"
             );
             return Ok(LocalCluster {
-                node_args: vec!["--insecure".into()],
+                dir: None,
                 admin: Security::Insecure,
                 client: Security::Insecure,
             });
@@ -131,9 +138,33 @@ impl LocalCluster {
                 .with_context(|| format!("loading the {name} identity"))
         };
         Ok(LocalCluster {
-            node_args: vec!["--credentials".into(), dir.display().to_string()],
             admin: load("admin")?,
             client: load("client")?,
+            dir: Some(dir),
         })
+    }
+
+    /// The flags node `name` (dpm, kn, routing, monitor) starts with: `--credentials` naming
+    /// a folder with only its own key (see [`issue::node_folder`]), or `--insecure`.
+    pub fn node_args(&self, name: &str) -> anyhow::Result<Vec<String>> {
+        Ok(match &self.dir {
+            None => vec!["--insecure".into()],
+            Some(dir) => {
+                let folder = issue::node_folder(dir, name)
+                    .with_context(|| format!("preparing the {name} node's credentials"))?;
+                vec!["--credentials".into(), folder.display().to_string()]
+            }
+        })
+    }
+
+    /// The monitor's flags: its own, and the KNs' it starts (`--kn-arg`).
+    pub fn monitor_args(&self) -> anyhow::Result<Vec<String>> {
+        let mut args = self.node_args("monitor")?;
+        args.extend(
+            self.node_args("kn")?
+                .into_iter()
+                .map(|a| format!("--kn-arg={a}")),
+        );
+        Ok(args)
     }
 }

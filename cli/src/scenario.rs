@@ -243,10 +243,14 @@ impl Cluster {
         let secured =
             crate::credentials::LocalCluster::prepare(security, &dir.path().join("credentials"))?;
         secured.admin.install_for_process();
-        let with_security = |args: Vec<String>| -> Vec<String> {
-            args.into_iter()
-                .chain(secured.node_args.iter().cloned())
-                .collect()
+        // args + `node`'s credentials flags (for the monitor: its own and its KNs').
+        let with_security = |node: &str, args: Vec<String>| -> anyhow::Result<Vec<String>> {
+            let extra = if node == "monitor" {
+                secured.monitor_args()?
+            } else {
+                secured.node_args(node)?
+            };
+            Ok(args.into_iter().chain(extra).collect())
         };
         let logs = dir.path().join("logs");
         std::fs::create_dir_all(&logs)?;
@@ -259,36 +263,42 @@ impl Cluster {
         let mut nodes = Vec::new();
         let (n, line) = spawn(
             "dpm-node",
-            &with_security(vec![
-                "dpm-node".into(),
-                "--pool".into(),
-                dir.path().join("pool").display().to_string(),
-                "--pool-size".into(),
-                "1GiB".into(),
-                "--listen".into(),
-                "127.0.0.1:0".into(),
-                "--fabric-listen".into(),
-                "127.0.0.1:0".into(),
-                "--metrics-listen".into(),
-                String::new(),
-            ]),
+            &with_security(
+                "dpm",
+                vec![
+                    "dpm-node".into(),
+                    "--pool".into(),
+                    dir.path().join("pool").display().to_string(),
+                    "--pool-size".into(),
+                    "1GiB".into(),
+                    "--listen".into(),
+                    "127.0.0.1:0".into(),
+                    "--fabric-listen".into(),
+                    "127.0.0.1:0".into(),
+                    "--metrics-listen".into(),
+                    String::new(),
+                ],
+            )?,
             &logs.join("dpm-node.log"),
         )?;
         nodes.push(n);
         let dpm = port("dpm-node", &line)?;
         let (n, line) = spawn(
             "routing-node",
-            &with_security(vec![
-                "routing-node".into(),
-                "--listen".into(),
-                "127.0.0.1:0".into(),
-                "--dpm".into(),
-                dpm.clone(),
-                "--metrics-listen".into(),
-                String::new(),
-                "--poll-ms".into(),
-                "10".into(),
-            ]),
+            &with_security(
+                "routing",
+                vec![
+                    "routing-node".into(),
+                    "--listen".into(),
+                    "127.0.0.1:0".into(),
+                    "--dpm".into(),
+                    dpm.clone(),
+                    "--metrics-listen".into(),
+                    String::new(),
+                    "--poll-ms".into(),
+                    "10".into(),
+                ],
+            )?,
             &logs.join("routing-node.log"),
         )?;
         nodes.push(n);
@@ -298,29 +308,32 @@ impl Cluster {
         let base = 20_000 + rand::random_range(0..30_000u16);
         let (n, line) = spawn(
             "monitor",
-            &with_security(vec![
-                "monitor".into(),
-                "--config".into(),
-                cfg.display().to_string(),
-                "--listen".into(),
-                "127.0.0.1:0".into(),
-                "--dpm".into(),
-                dpm,
-                "--metrics-listen".into(),
-                String::new(),
-                "--routing".into(),
-                routing.clone(),
-                "--kns".into(),
-                kns.to_string(),
-                "--kn-port-base".into(),
-                base.to_string(),
-                "--kn-arg=--shards".into(),
-                "--kn-arg=2".into(),
-                "--kn-arg=--cache-size".into(),
-                "--kn-arg=64MiB".into(),
-                "--log-dir".into(),
-                logs.display().to_string(),
-            ]),
+            &with_security(
+                "monitor",
+                vec![
+                    "monitor".into(),
+                    "--config".into(),
+                    cfg.display().to_string(),
+                    "--listen".into(),
+                    "127.0.0.1:0".into(),
+                    "--dpm".into(),
+                    dpm,
+                    "--metrics-listen".into(),
+                    String::new(),
+                    "--routing".into(),
+                    routing.clone(),
+                    "--kns".into(),
+                    kns.to_string(),
+                    "--kn-port-base".into(),
+                    base.to_string(),
+                    "--kn-arg=--shards".into(),
+                    "--kn-arg=2".into(),
+                    "--kn-arg=--cache-size".into(),
+                    "--kn-arg=64MiB".into(),
+                    "--log-dir".into(),
+                    logs.display().to_string(),
+                ],
+            )?,
             &logs.join("monitor.log"),
         )?;
         nodes.push(n);

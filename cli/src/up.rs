@@ -255,7 +255,7 @@ pub async fn run(a: UpArgs) -> anyhow::Result<()> {
         .pool
         .clone()
         .unwrap_or_else(|| a.data_dir.join("dinomo.pool"));
-    let mut dpm_args: Vec<String> = secured.node_args.clone();
+    let mut dpm_args: Vec<String> = secured.node_args("dpm")?;
     if a.format_device {
         dpm_args.push("--format-device".into());
     }
@@ -302,7 +302,7 @@ pub async fn run(a: UpArgs) -> anyhow::Result<()> {
                 port(2200)?,
             ]
             .into_iter()
-            .chain(secured.node_args.clone())
+            .chain(secured.node_args("routing")?)
             .collect::<Vec<_>>(),
             &logs.join("routing-node.log"),
         )?;
@@ -331,8 +331,8 @@ pub async fn run(a: UpArgs) -> anyhow::Result<()> {
             "--vnodes".into(),
             a.vnodes.to_string(),
         ];
-        // The monitor passes its --credentials (or --insecure) on to the KNs it starts.
-        margs.extend(secured.node_args.clone());
+        // The monitor's credentials, and the KNs' it passes on to the KNs it starts.
+        margs.extend(secured.monitor_args()?);
         let rdma = a.rdma_device.iter().map(|d| ("--rdma-device", d.clone()));
         let kn_threads = a.kn_threads.unwrap_or_else(|| {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());

@@ -389,7 +389,20 @@ pub async fn reconfigure_led<L: Leadership>(
     cas_intent(&mut d, None, Some(prepare_raw.clone()), term)
         .await
         .map_err(|s| intent_error(&s))?;
-    let prepared = prepare_kns(current, next, dead, &mut report).await;
+    let prepared = match prepare_kns(current, next, dead, &mut report, true).await {
+        Ok(prepared) => prepared,
+        Err((prepared, why)) => {
+            // A live KN is on another map: this change is stale. Withdraw it (nothing at the
+            // DPM changed yet) and let the KNs paused for it resume.
+            let _ = cas_intent(&mut d, Some(prepare_raw), None, term).await;
+            nudge(current, &prepared_endpoints(current, next, &prepared)).await;
+            return Err(ClientError::Other(format!(
+                "reconfiguration to map version {} withdrawn before its fences and merges: \
+                 {why}; nothing was changed, start over from the published map",
+                next.version
+            )));
+        }
+    };
     report.prepare = t.elapsed();
 
     leader.check("fence and merge").await?;
@@ -428,14 +441,22 @@ pub async fn reconfigure_led<L: Leadership>(
     Ok(report)
 }
 
+/// KNs prepared for a change, with their clients.
+type Prepared = Vec<(KnId, KvServiceClient<Channel>)>;
+
 /// Step 1: PrepareMap to every affected KN not known dead. Returns the KNs that answered (the
-/// others are added to `report.fenced`).
+/// others, which did not answer twice, are added to `report.fenced`). A KN that answers
+/// FAILED_PRECONDITION is alive on another map version: with `stale_aborts` the change is
+/// stale, and `Err` carries the KNs prepared so far and why, for the caller to withdraw it
+/// instead of fencing a live KN; without (a Commit-phase change, which must finish), such a
+/// KN is fenced like one that does not answer.
 async fn prepare_kns(
     current: &ClusterMap,
     next: &ClusterMap,
     dead: &[KnId],
     report: &mut ReconfigReport,
-) -> Vec<(KnId, KvServiceClient<Channel>)> {
+    stale_aborts: bool,
+) -> std::result::Result<Prepared, (Prepared, String)> {
     let bytes = bytes::Bytes::from(next.encode());
     let mut prepared = Vec::new();
     for &kn in &report.affected {
@@ -443,23 +464,36 @@ async fn prepare_kns(
             report.fenced.push(kn);
             continue;
         }
-        let ok = match endpoint_of(current, next, kn) {
-            Some(ep) => match kn_client(&ep).await {
-                Some(mut c) => c
-                    .prepare_map(MapRequest { map: bytes.clone() })
-                    .await
-                    .is_ok()
-                    .then_some(c),
-                None => None,
-            },
-            None => None,
-        };
-        match ok {
+        let mut answered = None;
+        if let Some(ep) = endpoint_of(current, next, kn) {
+            // Twice: a KN that must first catch up with the published map may miss one
+            // deadline, and a KN that does not answer is fenced.
+            for _ in 0..2 {
+                let Some(mut c) = kn_client(&ep).await else {
+                    continue;
+                };
+                match c.prepare_map(MapRequest { map: bytes.clone() }).await {
+                    Ok(_) => {
+                        answered = Some(c);
+                        break;
+                    }
+                    Err(s) if s.code() == tonic::Code::FailedPrecondition => {
+                        if stale_aborts {
+                            let why = format!("KN {kn} is on another map: {}", s.message());
+                            return Err((prepared, why));
+                        }
+                        break;
+                    }
+                    Err(_) => {}
+                }
+            }
+        }
+        match answered {
             Some(c) => prepared.push((kn, c)),
             None => report.fenced.push(kn),
         }
     }
-    prepared
+    Ok(prepared)
 }
 
 fn endpoint_of(current: &ClusterMap, next: &ClusterMap, kn: KnId) -> Option<String> {
@@ -689,7 +723,12 @@ pub async fn resolve_unfinished<L: Leadership>(
             let expected = published_bytes_of(&mut d, current).await?;
             let t = Instant::now();
             leader.check("prepare").await?;
-            let prepared = prepare_kns(current, next, &intent.dead, &mut report).await;
+            // Past the point of no return a change is finished whatever the KNs say: one that
+            // refuses is fenced like one that does not answer.
+            let prepared = match prepare_kns(current, next, &intent.dead, &mut report, false).await
+            {
+                Ok(p) | Err((p, _)) => p,
+            };
             report.prepare = t.elapsed();
             leader.check("fence and merge").await?;
             finish(

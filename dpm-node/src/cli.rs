@@ -107,7 +107,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         file.merge_workers = v;
     }
     let mut config = file.validate().context("invalid configuration")?;
-    config.security = args.security.node("dpm")?;
+    config.security = args.security.node("dpm", dinomo_security::Role::Node)?;
     config.security.install_for_process();
     args.health.install().context("--health-addr")?;
     dinomo_node_common::install_metrics(config.metrics_listen)?;

@@ -728,10 +728,22 @@ impl Dpm {
     /// The segment leaves the KN's write window first: when that returns, every WRITE the
     /// fabric checked against the old window is in place (tcp), or fails (shm), so the merge
     /// of the sealed segment sees all that was acknowledged.
+    ///
+    /// The window closed is the KN's current session's, whatever epoch the caller gave: a
+    /// seal in any other name (a bogus epoch above the current one passes the fence check)
+    /// must still stop the KN writing into the sealed segment, or its later writes would be
+    /// acknowledged and never merged. An epoch above the current session's is refused.
     pub fn seal_segment(&self, kn: u32, epoch: u64, segment: u64) -> Result<u64> {
         self.check_epoch(kn, epoch)?;
         self.segments.entry_of(kn, segment)?;
-        if let Some(key) = self.session_key(kn, epoch) {
+        let current = self.sessions.lock().get(&kn).map(|s| (s.epoch, s.key));
+        if let Some((current_epoch, key)) = current {
+            if epoch > current_epoch {
+                return Err(DpmError::InvalidArgument(format!(
+                    "epoch {epoch} is not a session of KN {kn} (its session is epoch \
+                     {current_epoch})"
+                )));
+            }
             let offset = self.pool.superblock().segment_offset(segment);
             self.grants.close_window(key, offset)?;
         }

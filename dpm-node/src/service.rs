@@ -28,6 +28,15 @@ pub const MONITOR_TERM_HEADER: &str = "dinomo-monitor-term";
 /// passed (`KvNode::settle_transition`); every other write is the monitor's.
 const RECONFIGURATION_RECORD: &str = "cluster/reconfiguration";
 
+/// Whether `record` is a reconfiguration record (`client::admin::Intent`: format byte 1, then
+/// the phase byte) in its Prepare phase (1). The compare-and-swap then deletes exactly that
+/// record, so a node can never delete one in its Commit phase.
+fn is_prepare_phase_record(record: Option<&[u8]>) -> bool {
+    const INTENT_FORMAT: u8 = 1;
+    const PREPARE: u8 = 1;
+    matches!(record, Some([INTENT_FORMAT, PREPARE, ..]))
+}
+
 /// Whether the caller proved role `node` (never true without TLS: no caller is known then).
 fn is_node<T>(req: &Request<T>) -> bool {
     dinomo_security::access::caller_of(req).is_some_and(|c| c.role == dinomo_security::Role::Node)
@@ -310,6 +319,13 @@ impl DpmService for DpmGrpc {
                      {:?} needs role monitor",
                     r.name
                 )));
+            }
+            if !is_prepare_phase_record(r.expected.as_deref()) {
+                return Err(Status::permission_denied(
+                    "a node may withdraw a reconfiguration only in its Prepare phase, named by \
+                     the record it read (expected); past its point of no return only a monitor \
+                     finishes it",
+                ));
             }
         }
         let r = req.into_inner();

@@ -92,6 +92,9 @@ const HEADER: u64 = 32;
 const SLOT_SIZE: u64 = 32;
 /// Ranges of one key's write window; opening one more is refused.
 pub const MAX_WINDOW_RANGES: usize = 64;
+/// How many times [`GrantTable::read_window`] retries a sequence that stays odd (it yields
+/// the thread after the first 64): about 10 ms and more, against a change that takes a few µs.
+const WINDOW_READ_SPINS: u32 = 10_000;
 const RANGE_SIZE: u64 = 16;
 /// Bit 63 of a range's start word: CAS only (the cell space).
 const ATOMIC_ONLY: u64 = 1 << 63;
@@ -572,8 +575,15 @@ impl GrantTable {
         slot: u32,
         f: impl FnOnce(&mut Vec<WindowRange>) -> bool,
     ) -> Result<()> {
-        let (_, mut ranges) = self.read_window(slot)?;
-        if !f(&mut ranges) {
+        // The caller is the slot's only writer, so a sequence stuck odd was left by a writer
+        // that died mid-change (the file outlives processes): its ranges are torn. Start from
+        // none, which only takes rights away (the KN re-registers), and rewrite the slot.
+        let (stuck, mut ranges) = match self.read_window(slot) {
+            Ok((_, ranges)) => (false, ranges),
+            Err(FabricError::Protocol(_)) => (true, Vec::new()),
+            Err(e) => return Err(e),
+        };
+        if !f(&mut ranges) && !stuck {
             return Ok(());
         }
         let seq = self.seq(slot)?;
@@ -603,10 +613,20 @@ impl GrantTable {
     }
 
     /// A consistent snapshot of a slot's ranges and the (even) sequence they were read at.
+    ///
+    /// A change holds the sequence odd for a few hundred stores; one that stays odd for
+    /// [`WINDOW_READ_SPINS`] tries was left by a writer that died mid-change, and reading it is
+    /// a protocol error (the post is refused) rather than a wait without end.
     fn read_window(&self, slot: u32) -> Result<(u64, Vec<WindowRange>)> {
         let seq = self.seq(slot)?;
         let mut spins = 0u32;
         loop {
+            if spins > WINDOW_READ_SPINS {
+                return Err(FabricError::Protocol(format!(
+                    "the write window of grant slot {slot} is torn (its sequence stayed odd: a \
+                     writer died while changing it)"
+                )));
+            }
             let s1 = seq.load(Ordering::Acquire);
             if s1 & 1 == 0 {
                 let mut ranges = Vec::new();
@@ -732,6 +752,25 @@ fn revoke_all_v1(path: &Path) {
 mod tests {
     use super::*;
     use bytes::Bytes;
+
+    #[test]
+    fn a_window_left_torn_by_a_dead_writer_is_refused_not_waited_on() {
+        let dir = tempfile::tempdir().unwrap();
+        let p = dir.path().join("pool.grants");
+        let t = GrantTable::create(&p, 2).unwrap();
+        let key = t
+            .grant_with_window(&[WindowRange::write(4096, 4096)])
+            .unwrap();
+        // A writer that died between its two sequence stores.
+        let seq = t.seq(key.slot).unwrap();
+        seq.store(seq.load(Ordering::Relaxed) | 1, Ordering::SeqCst);
+        assert!(matches!(t.window(key), Err(FabricError::Protocol(_))));
+        // The next change (here the revocation of a new table's create) rewrites the slot.
+        drop(t);
+        let t = GrantTable::create(&p, 2).unwrap();
+        let key = t.grant_with_window(&[WindowRange::write(0, 8)]).unwrap();
+        assert_eq!(t.window(key).unwrap(), vec![WindowRange::write(0, 8)]);
+    }
 
     #[test]
     fn grant_check_revoke_regrant() {

@@ -26,11 +26,13 @@
 //! still in flight is answered with an access error; a WRITE outside the window with
 //! [`FabricError::OutsideWindow`] (nothing of that post applied).
 //!
-//! Wrong hellos: a peer IP whose hello was refused has its next hello read only after a delay
-//! (from accepting its connection) that doubles per refusal from
-//! [`NicOptions::hello_delay_base`] (100 ms) to [`NicOptions::hello_delay_max`] (10 s), and
-//! a wrong hello is answered only after that delay too. A correct hello resets
-//! it, and so do 10 minutes without a refusal; at most 4096 IPs are remembered (the longest
+//! Wrong hellos: a wrong hello is answered (one "denied" byte, then the connection is closed)
+//! only after a delay that doubles with its IP's refusals in a row, from
+//! [`NicOptions::hello_delay_base`] (100 ms) to [`NicOptions::hello_delay_max`] (10 s): a
+//! tarpit that slows down guessing from that IP. A correct hello is answered at once, even from
+//! an IP with refusals (KNs of one host share an IP, and a KN reconnecting with the key of a
+//! memory node that restarted is refused once), and resets the count, and so do 10 minutes
+//! without a refusal; at most 4096 IPs are remembered (the longest
 //! quiet is forgotten first). Refusals are counted ([`TcpNic::denied`], exported as
 //! `dinomo_fabric_tcp_denied_total`). The hello and the data travel in clear: the tcp fabric
 //! belongs on a trusted network.
@@ -600,8 +602,8 @@ impl Default for NicOptions {
     }
 }
 
-/// Refused hellos per peer IP: when its next hello may be read. Pure over the `now` it is
-/// given, so tests drive it with made-up instants.
+/// Refused hellos per peer IP: how long its next wrong hello waits for its answer. Pure over
+/// the `now` it is given, so tests drive it with made-up instants.
 #[derive(Debug)]
 pub struct HelloThrottle {
     opts: NicOptions,
@@ -617,8 +619,8 @@ impl HelloThrottle {
         }
     }
 
-    /// How long to wait before reading a hello from `ip` that arrives at `now`: nothing
-    /// before any refusal, else the delay its refusals in a row have earned.
+    /// The delay the refusals in a row of `ip` have earned at `now` (nothing before any):
+    /// after [`HelloThrottle::refused`], how long that refused hello waits for its answer.
     pub fn delay(&mut self, ip: IpAddr, now: Instant) -> Duration {
         let Some(&(fails, last)) = self.peers.get(&ip) else {
             return Duration::ZERO;
@@ -776,17 +778,15 @@ impl Drop for TcpNic {
     }
 }
 
-/// Reads and checks a connection's hello, after the delay its peer IP has earned; answers it.
+/// Reads and checks a connection's hello and answers it: at once when it is right, after the
+/// delay its peer IP has earned by its refusals in a row when it is wrong (a tarpit: a good
+/// key from the same IP, such as another KN of the host, is never slowed down).
 /// `Ok(None)`: refused (answered and counted) or never sent, the connection ends.
 async fn accept_hello(
     sock: &mut TcpStream,
     peer: SocketAddr,
     sh: &NicShared,
 ) -> std::result::Result<Option<AccessKey>, FrameError> {
-    let delay = sh.throttle.lock().delay(peer.ip(), Instant::now());
-    if !delay.is_zero() {
-        tokio::time::sleep(delay).await;
-    }
     let mut hello = [0u8; HELLO_LEN];
     match tokio::time::timeout(sh.hello_timeout, sock.read_exact(&mut hello)).await {
         Ok(Ok(_)) => {}
@@ -803,12 +803,22 @@ async fn accept_hello(
         },
         Err(_) => (HELLO_UNSUPPORTED, None),
     };
-    {
+    let delay = {
         let mut t = sh.throttle.lock();
         match key {
-            Some(_) => t.accepted(peer.ip()),
-            None => t.refused(peer.ip(), Instant::now()),
+            Some(_) => {
+                t.accepted(peer.ip());
+                Duration::ZERO
+            }
+            None => {
+                let now = Instant::now();
+                t.refused(peer.ip(), now);
+                t.delay(peer.ip(), now)
+            }
         }
+    };
+    if !delay.is_zero() {
+        tokio::time::sleep(delay).await;
     }
     if key.is_none() {
         sh.counters.denied.fetch_add(1, Ordering::Relaxed);

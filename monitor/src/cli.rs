@@ -146,7 +146,9 @@ pub fn load_config(args: &Args) -> anyhow::Result<MonitorConfig> {
 /// Runs the monitor until SIGINT or SIGTERM.
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let cfg = load_config(&args)?;
-    let security = args.security.node("monitor")?;
+    let security = args
+        .security
+        .node("monitor", dinomo_security::Role::Monitor)?;
     security.install_for_process();
     args.health.install().context("--health-addr")?;
     dinomo_node_common::install_metrics(cfg.server.metrics_addr())?;
@@ -174,11 +176,18 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 log_dir: args.log_dir.clone(),
                 extra_args: {
                     let mut a = args.kn_arg.clone();
-                    match security.identity() {
-                        Some(id) => {
-                            a.extend(["--credentials".into(), id.dir.display().to_string()])
+                    // Unless told otherwise (`dinomo up` names the KNs' own folder), the KNs
+                    // get the monitor's folder, or --insecure like the monitor.
+                    let named = a
+                        .iter()
+                        .any(|x| x.starts_with("--credentials") || x.starts_with("--insecure"));
+                    if !named {
+                        match security.identity() {
+                            Some(id) => {
+                                a.extend(["--credentials".into(), id.dir.display().to_string()])
+                            }
+                            None => a.push("--insecure".into()),
                         }
-                        None => a.push("--insecure".into()),
                     }
                     a
                 },

@@ -67,7 +67,7 @@ pub fn load_config(args: &Args) -> anyhow::Result<RoutingConfig> {
 /// Runs the routing node until SIGINT or SIGTERM.
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let cfg = load_config(&args)?;
-    let security = args.security.node("routing")?;
+    let security = args.security.node("routing", dinomo_security::Role::Node)?;
     security.install_for_process();
     args.health.install().context("--health-addr")?;
     dinomo_node_common::install_metrics(cfg.metrics_addr()?)?;

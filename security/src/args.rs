@@ -2,7 +2,7 @@
 
 use std::path::PathBuf;
 
-use crate::{Security, SecurityError};
+use crate::{Role, Security, SecurityError};
 
 /// `--credentials DIR` and `--insecure`, with their environment variables.
 #[derive(Debug, Clone, Default, PartialEq, Eq, clap::Args)]
@@ -26,9 +26,21 @@ pub struct SecurityArgs {
 }
 
 impl SecurityArgs {
-    /// A node's security as identity `name` (no default folder: a node must be told).
-    pub fn node(&self, name: &str) -> Result<Security, SecurityError> {
-        Security::for_node(self.credentials.as_deref(), self.insecure, name)
+    /// A node's security as identity `name`, which must have `role` (no default folder: a
+    /// node must be told). A folder whose certificate has another role (a Kubernetes Secret
+    /// of another component mounted by mistake) is refused rather than served with.
+    pub fn node(&self, name: &str, role: Role) -> Result<Security, SecurityError> {
+        let s = Security::for_node(self.credentials.as_deref(), self.insecure, name)?;
+        if let Some(id) = s.identity() {
+            if id.caller.role != role {
+                return Err(SecurityError::Missing(format!(
+                    "{}: the certificate is {}, but this node acts as role {role}",
+                    id.dir.display(),
+                    id.caller
+                )));
+            }
+        }
+        Ok(s)
     }
 
     /// A client command's security as identity `name` (default folder .dinomo/credentials).

@@ -91,16 +91,41 @@ pub fn init(dir: &Path) -> Result<InitReport, SecurityError> {
     }
     for leaf in standard_leaves() {
         let cert = dir.join(format!("{}.pem", leaf.file));
+        let key = dir.join(format!("{}-key.pem", leaf.file));
         let fresh = report.created_ca
             || !cert.exists()
-            || !dir.join(format!("{}-key.pem", leaf.file)).exists()
-            || expires_within(&cert, RENEW_BEFORE)?;
+            || !key.exists()
+            || expires_within(&cert, RENEW_BEFORE)?
+            // A crash between writing the key and the certificate leaves a pair that does not
+            // match: issue it again rather than keep a node that cannot shake hands.
+            || !key_matches(&cert, &key)?;
         if fresh {
             issue(dir, &leaf)?;
             report.issued.push(leaf.file.clone());
         }
     }
     Ok(report)
+}
+
+/// A folder for one node under `dir/nodes/<name>/` holding only what that node needs: the
+/// CA certificate and its own certificate and key (never the CA key or another identity's
+/// key), refreshed from `dir` at each call. Returns it.
+pub fn node_folder(dir: &Path, name: &str) -> Result<PathBuf, SecurityError> {
+    let folder = dir.join("nodes").join(name);
+    create_private_dir(&dir.join("nodes"))?;
+    create_private_dir(&folder)?;
+    for (file, mode) in [
+        ("ca.pem".to_string(), 0o644),
+        (format!("{name}.pem"), 0o644),
+        (format!("{name}-key.pem"), 0o600),
+    ] {
+        let bytes = std::fs::read(dir.join(&file)).map_err(|source| SecurityError::Read {
+            path: dir.join(&file),
+            source,
+        })?;
+        write_file(&folder.join(&file), &bytes, mode)?;
+    }
+    Ok(folder)
 }
 
 /// Issues `leaf` with the CA in `dir`, writing `<file>.pem` and `<file>-key.pem` there.
@@ -206,6 +231,25 @@ pub fn expires_within(path: &Path, margin: Duration) -> Result<bool, SecurityErr
     Ok(not_after < (OffsetDateTime::now_utc() + margin).unix_timestamp())
 }
 
+/// Whether the private key in `key` belongs to the certificate in `cert`.
+fn key_matches(cert: &Path, key: &Path) -> Result<bool, SecurityError> {
+    use rcgen::PublicKeyData;
+    let pem = std::fs::read(cert).map_err(|source| SecurityError::Read {
+        path: cert.to_path_buf(),
+        source,
+    })?;
+    let bad = |reason: String| SecurityError::BadCertificate {
+        path: cert.to_path_buf(),
+        reason,
+    };
+    let der = first_certificate_der(&pem).map_err(bad)?;
+    let (_, parsed) = x509_parser::parse_x509_certificate(&der).map_err(|e| bad(e.to_string()))?;
+    let Ok(pair) = KeyPair::from_pem(&read_string(key)?) else {
+        return Ok(false);
+    };
+    Ok(pair.subject_public_key_info() == parsed.public_key().raw)
+}
+
 fn issue_err(e: impl std::fmt::Display) -> SecurityError {
     SecurityError::Issue(e.to_string())
 }
@@ -298,6 +342,11 @@ mod tests {
         let report = init(&dir).unwrap();
         assert_eq!(report.issued, vec!["client".to_string()]);
         assert!(!expires_within(&dir.join("client.pem"), RENEW_BEFORE).unwrap());
+
+        // A key that is not the certificate's (a crash between the two writes): issued again.
+        std::fs::copy(dir.join("admin-key.pem"), dir.join("client-key.pem")).unwrap();
+        assert_eq!(init(&dir).unwrap().issued, vec!["client".to_string()]);
+        assert_eq!(init(&dir).unwrap(), InitReport::default());
 
         std::fs::remove_file(dir.join("ca-key.pem")).unwrap();
         let e = init(&dir).unwrap_err().to_string();

@@ -310,7 +310,26 @@ async fn a_new_user_runs_the_readme_commands_unchanged_over_tls() {
             assert_eq!(mode(&creds.join(f)), 0o600, "{f}");
         }
     }
-    assert_eq!(files.len(), 14, "{files:?}");
+    assert_eq!(files.len(), 15, "{files:?}");
+    // Each node is started with a folder holding only the CA certificate and its own key.
+    for node in ["dpm", "kn", "monitor", "routing"] {
+        let own = creds.join("nodes").join(node);
+        let mut held: Vec<String> = std::fs::read_dir(&own)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().into_string().unwrap())
+            .collect();
+        held.sort();
+        assert_eq!(
+            held,
+            [
+                "ca.pem".to_string(),
+                format!("{node}-key.pem"),
+                format!("{node}.pem")
+            ],
+            "{node}"
+        );
+        assert_eq!(mode(&own.join(format!("{node}-key.pem"))), 0o600);
+    }
 
     // The README's commands, from the directory `up` ran in: credentials found by default.
     let (ok, out) = tokio::task::spawn_blocking({
@@ -392,25 +411,55 @@ async fn a_node_may_only_look_cells_up_and_withdraw_a_reconfiguration() {
         !matches!(&looked, Err(e) if e.code() == Code::PermissionDenied),
         "{looked:?}"
     );
-    let write = |name: &str, value: Option<Vec<u8>>| CompareAndPutMetadataRequest {
-        name: name.into(),
-        value,
-        expected: None,
+    let write = |name: &str, value: Option<Vec<u8>>, expected: Option<Vec<u8>>| {
+        CompareAndPutMetadataRequest {
+            name: name.into(),
+            value,
+            expected,
+        }
     };
-    for (name, value) in [
-        ("cluster/map", Some(b"forged".to_vec())),
-        ("cluster/map", None),
-        ("cluster/reconfiguration", Some(b"forged".to_vec())),
-        ("anything", Some(b"x".to_vec())),
+    // Reconfiguration records as the monitor writes them, in each phase.
+    let record = |phase| {
+        let map = dinomo_placement::ClusterMap::new(
+            vec![dinomo_placement::KnInfo {
+                id: 1,
+                endpoint: "127.0.0.1:1".into(),
+            }],
+            16,
+            1,
+        )
+        .unwrap();
+        dinomo_client::admin::Intent {
+            phase,
+            term: None,
+            nonce: 7,
+            dead: vec![],
+            current: map.clone(),
+            next: map,
+        }
+        .encode()
+    };
+    use dinomo_client::admin::IntentPhase::{Commit, Prepare};
+    let recon = "cluster/reconfiguration";
+    for (name, value, expected) in [
+        ("cluster/map", Some(b"forged".to_vec()), None),
+        ("cluster/map", None, None),
+        (recon, Some(b"forged".to_vec()), None),
+        ("anything", Some(b"x".to_vec()), None),
+        // Deleting a record past its point of no return, or without naming it.
+        (recon, None, Some(record(Commit))),
+        (recon, None, None),
     ] {
         let e = dpm
-            .compare_and_put_metadata(write(name, value))
+            .compare_and_put_metadata(write(name, value, expected))
             .await
             .unwrap_err();
         assert_eq!(e.code(), Code::PermissionDenied, "{name}: {e:?}");
     }
+    // Withdrawing a Prepare-phase record passes the rule (here no such record is stored, so
+    // the compare-and-swap itself fails).
     let withdraw = dpm
-        .compare_and_put_metadata(write("cluster/reconfiguration", None))
+        .compare_and_put_metadata(write(recon, None, Some(record(Prepare))))
         .await;
     assert!(
         !matches!(&withdraw, Err(e) if e.code() == Code::PermissionDenied),
