@@ -5,9 +5,10 @@
 //! KN identity and fencing: each registration of a KN id gets a new epoch (from a persistent
 //! counter) and a fresh fabric grant; the previous incarnation's grant is revoked and its epoch
 //! refused from then on. The fence table lives in the pool's roots, so a restarted DPM still
-//! refuses a fenced KN. Every revocation goes through the DPM's [`KeyFence`]: the grant table
-//! (enough for shm and tcp), or the verbs NIC the server installs with [`Dpm::set_key_fence`]
-//! (a grant-table revoke alone does not stop RDMA operations under a registered MR).
+//! refuses a fenced KN. Every revocation, and every window range closed (SealSegment), goes
+//! through the DPM's [`KeyFence`]: the grant table (enough for shm and tcp), or the verbs NIC
+//! the server installs with [`Dpm::set_key_fence`] (a grant-table change alone does not stop
+//! RDMA operations under a registered MR).
 //!
 //! Write windows: a KN's grant may write only its open log segments (and CAS the indirect-cell
 //! space, opened at registration). [`Dpm::allocate_segment`] opens the segment in the window
@@ -290,8 +291,9 @@ impl Dpm {
         &self.grants
     }
 
-    /// Makes `fence` the way KN keys are revoked from now on: a fabric NIC whose revocation
-    /// needs more than the grant table (the verbs NIC deregisters the KN's memory regions).
+    /// Makes `fence` the way KN keys are revoked, and their window ranges closed, from now on:
+    /// a fabric NIC that needs more than the grant table for that (the verbs NIC deregisters
+    /// the KN's memory regions).
     /// `None` restores the grant table alone (shm and tcp). The server installs its verbs NIC
     /// before it serves and removes it when it stops.
     pub fn set_key_fence(&self, fence: Option<Arc<dyn KeyFence>>) {
@@ -493,7 +495,7 @@ impl Dpm {
     /// When this returns, no fabric post of the KN can still be acknowledged as done without
     /// being in place: the tcp NIC has finished every post that passed the grant check (the
     /// revoke waits for them), the verbs NIC has deregistered the KN's memory regions (the
-    /// device refuses its later operations; see the fabric's verbs.rs), and an shm post that the KN's own CPU applies after the revoke
+    /// device refuses its later operations; see the fabric's verbs/mod.rs), and an shm post that the KN's own CPU applies after the revoke
     /// fails with an outcome-unknown error (see the fabric's grants.rs). Such a late shm batch
     /// can still land in the KN's segments; sealing them here means the merge that follows
     /// retires them (Merged, never scanned again) instead of leaving them open and pending for
@@ -745,7 +747,11 @@ impl Dpm {
                 )));
             }
             let offset = self.pool.superblock().segment_offset(segment);
-            self.grants.close_window(key, offset)?;
+            // Through the key fence: on verbs the segment's write regions are deregistered
+            // before this returns (closing it in the grant table alone would leave them live
+            // until the NIC's watcher noticed).
+            let fence = self.key_fence.read().clone();
+            fence.fence_window(key, offset)?;
         }
         self.segments.seal(kn, segment)?;
         self.merger.notify();

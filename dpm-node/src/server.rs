@@ -4,8 +4,9 @@
 //!
 //! The node owns its NIC ([`Nic`]). A verbs NIC is also installed as the DPM's key fence
 //! ([`Dpm::set_key_fence`]) for as long as it runs: revoking a key in the grant table does not
-//! stop RDMA operations under a memory region already registered for it, so FenceKn and a KN's
-//! re-registration must go through `VerbsNic`'s revoke (fabric/src/verbs.rs, "Fencing").
+//! stop RDMA operations under a memory region already registered for it, so FenceKn, a KN's
+//! re-registration and SealSegment must go through `VerbsNic`'s revoke and close_window
+//! (fabric/src/verbs/mod.rs, "Fencing" and "Write windows").
 
 use std::fmt;
 use std::future::Future;

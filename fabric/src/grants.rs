@@ -59,13 +59,17 @@
 //!   merge must tolerate. The shm caller maps the pool read-write and can read every secret
 //!   here: the checks stop a buggy KN, not a compromised one (shm is a single-trust-domain
 //!   fabric, see docs/operations.md).
-//! - verbs: revocation deregisters the caller's memory region, after which the device refuses
-//!   its operations; see verbs.rs for when that happens relative to `revoke`. Its write MR
-//!   still covers the whole region: windows are not enforced by the device yet.
+//! - verbs: revocation deregisters the caller's memory regions, and closing a range
+//!   deregisters the write region of that range, after which the device refuses the caller's
+//!   operations there (each connection has a READ-only region over the whole pool and one
+//!   region per window range); see verbs/mod.rs for when that happens relative to the table
+//!   change (the verbs NIC's own `revoke` and `close_window` are fences, a change made in the
+//!   table alone is noticed within its watcher's poll).
 //!
 //! Callers that need a hard fence on the control path also bump the epoch the DPM checks.
-//! The memory node revokes through a [`KeyFence`]: the table itself for shm and tcp, the verbs
-//! NIC for verbs (whose revoke also deregisters the caller's memory regions).
+//! The memory node revokes keys and closes window ranges through a [`KeyFence`]: the table
+//! itself for shm and tcp, the verbs NIC for verbs (which also deregisters the caller's memory
+//! regions).
 //!
 //! Where the table lives: `<pool>.grants` beside a pool file; for a pool on a device-DAX
 //! character device (which has no directory of its own to write in),
@@ -139,17 +143,28 @@ impl WindowRange {
     }
 }
 
-/// How a memory node revokes a key so that the revocation is a fence (see the module doc).
+/// How a memory node revokes a key, or closes part of its write window, so that the change is
+/// a fence (see the module doc).
 pub trait KeyFence: Send + Sync + std::fmt::Debug {
     /// Revokes `key`. When this returns, every operation under it either is in place or can no
     /// longer complete as done, whatever the backend.
     fn fence(&self, key: AccessKey) -> Result<()>;
+
+    /// Removes the range starting at `offset` from `key`'s write window (a sealed segment).
+    /// When this returns, every WRITE under the old window either is in place or can no longer
+    /// complete as done, whatever the backend.
+    fn fence_window(&self, key: AccessKey, offset: u64) -> Result<()>;
 }
 
-/// shm and tcp: the table is the fence ([`GrantTable::revoke`] waits for the tcp NIC's posts).
+/// shm and tcp: the table is the fence ([`GrantTable::revoke`] and
+/// [`GrantTable::close_window`] wait for the tcp NIC's posts).
 impl KeyFence for GrantTable {
     fn fence(&self, key: AccessKey) -> Result<()> {
         self.revoke(key)
+    }
+
+    fn fence_window(&self, key: AccessKey, offset: u64) -> Result<()> {
+        self.close_window(key, offset)
     }
 }
 

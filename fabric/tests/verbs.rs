@@ -84,7 +84,24 @@ impl Drop for Node {
     }
 }
 
-struct Verbs(Node, VerbsNic);
+/// The node, its NIC, and every handle the suite connected (to count device refusals).
+struct Verbs(Node, VerbsNic, std::sync::Mutex<Vec<Arc<VerbsFabric>>>);
+
+impl Verbs {
+    fn new(node: Node, nic: VerbsNic) -> Self {
+        Verbs(node, nic, std::sync::Mutex::new(Vec::new()))
+    }
+
+    /// Requests the device refused, over every handle the suite connected.
+    fn device_refusals(&self) -> u64 {
+        self.2
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|f| f.device_refusals())
+            .sum()
+    }
+}
 
 #[async_trait]
 impl Harness for Verbs {
@@ -96,18 +113,17 @@ impl Harness for Verbs {
         window: &[WindowRange],
     ) -> dinomo_fabric::Result<(Box<dyn Fabric>, AccessKey)> {
         let key = self.0.grants.grant_with_window(window)?;
-        let f = VerbsFabric::connect(self.1.local_addr(), key).await?;
+        let f = Arc::new(VerbsFabric::connect(self.1.local_addr(), key).await?);
+        self.2.lock().unwrap().push(f.clone());
         Ok((Box::new(f), key))
     }
     fn revoke(&self, key: AccessKey) {
         self.1.revoke(key);
     }
+    /// Through the NIC, as the DPM's SealSegment does (its key fence): the window MRs of the
+    /// range are deregistered when this returns.
     fn close_window(&self, key: AccessKey, offset: u64) {
-        self.0.grants.close_window(key, offset).unwrap();
-    }
-    /// The verbs write MR still covers the whole region (per-segment MRs are a later step).
-    fn enforces_windows(&self) -> bool {
-        false
+        self.1.close_window(key, offset).unwrap();
     }
     fn local_read(&self, offset: u64, len: usize) -> Vec<u8> {
         self.0.local_read(offset, len)
@@ -167,10 +183,20 @@ async fn conformance_verbs() {
     .await
     .unwrap();
     println!("verbs NIC on {} at {}", nic.device(), nic.local_addr());
-    let h = Verbs(node, nic);
+    let h = Verbs::new(node, nic);
     let ran = run_all(&h).await.unwrap_or_else(|e| panic!("verbs: {e}"));
-    println!("verbs conformance passed: {ran:?}");
-    assert_eq!(ran.len(), 8);
+    println!(
+        "verbs conformance passed: {ran:?}; device refusals: {}",
+        h.device_refusals()
+    );
+    assert_eq!(ran.len(), 9);
+    // The window case closes the segment while a writer posts through its region: the writer's
+    // next WRITE goes out with the stale rkey and the device refuses it (the writer cannot
+    // finish its 8191 WRITEs in the 5 ms before the close). The handle then went on.
+    assert!(
+        h.device_refusals() >= 1,
+        "the race with the window's close never reached the device"
+    );
 }
 
 /// Checks beyond the shared suite: the handshake refuses bad keys, the backend's name, a
@@ -199,7 +225,10 @@ async fn verbs_handshake_and_table_revocation() {
         "{r:?}"
     );
 
-    let key = node.grants.grant().unwrap();
+    let key = node
+        .grants
+        .grant_with_window(&[WindowRange::write(4096, 4096)])
+        .unwrap();
     let f = VerbsFabric::connect(nic.local_addr(), key).await.unwrap();
     assert_eq!(f.backend(), "verbs");
     assert_eq!(f.region_len(), LEN);
@@ -232,6 +261,131 @@ async fn verbs_handshake_and_table_revocation() {
     assert!(
         matches!(r, Err(FabricError::AccessDenied { .. })),
         "a fenced handle stays fenced: {r:?}"
+    );
+}
+
+fn pattern(len: usize, seed: u8) -> Bytes {
+    Bytes::from(
+        (0..len)
+            .map(|i| (i as u8).wrapping_mul(13).wrapping_add(seed))
+            .collect::<Vec<_>>(),
+    )
+}
+
+/// Write windows beyond the shared suite (which closes ranges through the NIC): a range opened
+/// after the handshake is learnt at the first WRITE there; a range closed in the grant table
+/// alone loses its memory region within the watcher's poll, after which the device itself
+/// refuses the caller's stale rkey (the caller never learnt of the close): reported as
+/// OutsideWindow when nothing of the post was applied, as WindowClosedDuringPost when an
+/// earlier WRITE of the post was, and the handle goes on with its new window.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn verbs_window_regions_follow_the_grant_table() {
+    if !rdma_present() {
+        return;
+    }
+    let node = Node::temp();
+    let nic = VerbsNic::start(
+        "127.0.0.1:0".parse().unwrap(),
+        node.region.clone(),
+        node.grants.clone(),
+    )
+    .await
+    .unwrap();
+    let (max_mr, max_pd) = nic.device_limits();
+    println!(
+        "verbs device {}: max_mr {max_mr}, max_pd {max_pd}; a connection takes 1 PD and up to {} MRs",
+        nic.device(),
+        1 + dinomo_fabric::grants::MAX_WINDOW_RANGES
+    );
+    const W: u64 = 64 << 10;
+    let (a, b, c) = (1u64 << 20, 2u64 << 20, 3u64 << 20);
+    let key = node
+        .grants
+        .grant_with_window(&[WindowRange::write(a, W)])
+        .unwrap();
+    let f = VerbsFabric::connect(nic.local_addr(), key).await.unwrap();
+    f.write(a, pattern(4096, 1)).await.unwrap();
+    assert_eq!(node.local_read(a, 4096), pattern(4096, 1)[..]);
+
+    // Not in the window yet: refused before anything is posted.
+    let r = f.write(b, pattern(64, 2)).await;
+    assert!(
+        matches!(r, Err(FabricError::OutsideWindow { offset, len: 64, .. }) if offset == b),
+        "{r:?}"
+    );
+    assert_eq!(node.local_read(b, 64), vec![0; 64]);
+    // Opened in the table after the handshake: the next WRITE asks for its region.
+    node.grants
+        .open_window(key, WindowRange::write(b, W))
+        .unwrap();
+    node.grants
+        .open_window(key, WindowRange::write(c, W))
+        .unwrap();
+    f.write(b, pattern(64, 2)).await.unwrap();
+    f.write(c, pattern(64, 3)).await.unwrap();
+    assert_eq!(node.local_read(b, 64), pattern(64, 2)[..]);
+    assert_eq!(node.local_read(c, 64), pattern(64, 3)[..]);
+
+    // Closed in the table alone: within the watcher's poll the region is gone, and the device
+    // refuses the WRITE the caller still posts through it.
+    node.grants.close_window(key, a).unwrap();
+    tokio::time::sleep(verbs::REVOKE_POLL * 3).await;
+    let before = node.local_read(a, 4096);
+    assert_eq!(
+        f.device_refusals(),
+        0,
+        "every refusal so far was the caller's own"
+    );
+    let r = f.write(a, pattern(4096, 4)).await;
+    assert_eq!(f.device_refusals(), 1, "the device refused the stale rkey");
+    assert!(
+        matches!(r, Err(FabricError::OutsideWindow { offset, .. }) if offset == a),
+        "a WRITE through a deregistered region, first in its post: {r:?}"
+    );
+    assert_eq!(node.local_read(a, 4096), before, "the refused WRITE landed");
+    // The handle restarted: READ anywhere and WRITE in the open ranges work.
+    assert_eq!(f.read(a, 4096).await.unwrap(), before);
+    f.write(b + 64, pattern(64, 5)).await.unwrap();
+    assert_eq!(node.local_read(b + 64, 64), pattern(64, 5)[..]);
+    // Again, with a WRITE inside the window first in the post: that one is applied, so the
+    // post's outcome is unknown, never done.
+    node.grants.close_window(key, c).unwrap();
+    tokio::time::sleep(verbs::REVOKE_POLL * 3).await;
+    let r = f
+        .post(&[
+            dinomo_fabric::Op::Write {
+                offset: b + 128,
+                data: pattern(64, 6),
+            },
+            dinomo_fabric::Op::Write {
+                offset: c,
+                data: pattern(64, 7),
+            },
+        ])
+        .await;
+    assert!(
+        matches!(r, Err(FabricError::WindowClosedDuringPost { offset, .. }) if offset == c),
+        "{r:?}"
+    );
+    assert_eq!(node.local_read(c, 64), pattern(64, 3)[..], "c is unchanged");
+    assert_eq!(f.device_refusals(), 2);
+    // Now the caller knows: refused locally.
+    let r = f.write(c, pattern(64, 8)).await;
+    assert!(matches!(r, Err(FabricError::OutsideWindow { .. })), "{r:?}");
+    assert_eq!(f.device_refusals(), 2);
+    f.write(b + 256, pattern(8, 9)).await.unwrap();
+
+    // Revoked in the table alone: the watcher takes every region; the next post is refused at
+    // the device and the restart learns the key is gone, for good.
+    node.grants.revoke(key).unwrap();
+    tokio::time::sleep(verbs::REVOKE_POLL * 3).await;
+    let r = f.write(b, pattern(8, 10)).await;
+    assert!(matches!(r, Err(FabricError::AccessDenied { .. })), "{r:?}");
+    let r = f.read(0, 8).await;
+    assert!(matches!(r, Err(FabricError::AccessDenied { .. })), "{r:?}");
+    assert_eq!(node.local_read(b, 8), pattern(64, 2)[..8]);
+    println!(
+        "verbs: window regions follow the grant table (device refusals reported, handle restarted)"
     );
 }
 
@@ -315,7 +469,7 @@ async fn verbs_on_dax_region_probe() {
         Err(e) => println!("PROBE: verbs cannot register a DAX region on this kernel: {e}"),
         Ok(f) => {
             drop(f);
-            let ran = run_all(&Verbs(node, nic))
+            let ran = run_all(&Verbs::new(node, nic))
                 .await
                 .unwrap_or_else(|e| panic!("verbs on DAX: {e}"));
             println!("PROBE: verbs conformance on a DAX region passed: {ran:?}");

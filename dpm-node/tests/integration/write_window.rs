@@ -113,6 +113,79 @@ async fn a_registered_kn_writes_its_open_segment_and_not_the_superblock() {
     }
 }
 
+/// The same over verbs, through the dpm-node's NIC (its key fence), inside the Soft-RoCE VM.
+/// The module is named `verbs` so that CI's filter `verbs::` picks it.
+#[cfg(feature = "rdma")]
+mod verbs {
+    use super::*;
+    use dinomo_dpm_node::config::FabricKind;
+    use dinomo_dpm_node::server::{FabricEndpoint, Nic};
+    use dinomo_fabric::verbs::{device_names, VerbsFabric};
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_registered_verbs_kn_writes_its_open_segment_and_not_the_superblock() {
+        if device_names().is_empty() {
+            assert!(
+                std::env::var("DINOMO_VM").is_err(),
+                "DINOMO_VM=1 but there is no RDMA device"
+            );
+            println!("SKIPPED: no RDMA device (not in the test VM; scripts/vm-tests.sh runs this)");
+            return;
+        }
+        let dir = tempfile::tempdir().unwrap();
+        let c = DpmConfigFile {
+            pool_size: "128MiB".parse().unwrap(),
+            segment_size: "256KiB".parse().unwrap(),
+            initial_index_buckets: 64,
+            fabric: FabricKind::Verbs,
+            ..DpmConfigFile::in_process(dir.path().join("pool"))
+        };
+        let dpm = Dpm::open(c.validate().unwrap()).unwrap();
+        let (nic, endpoint) = Nic::start(&dpm).await.unwrap();
+        let FabricEndpoint::Verbs(addr) = endpoint else {
+            panic!("a verbs node must advertise a side channel, got {endpoint}");
+        };
+        let reg = dpm.register_kn(Some(1), "kn-1").unwrap();
+        let kn = VerbsFabric::connect(addr, reg.key).await.unwrap();
+        // Superblock, segment, straddle, cells, READ, and the seal (through the NIC: the
+        // device refuses the segment's WRITEs when SealSegment returns).
+        check_handle(&dpm, 1, reg.epoch, &kn).await;
+        assert_eq!(
+            kn.device_refusals(),
+            1,
+            "the WRITE into the sealed segment went through its stale rkey and the device \
+             refused it (every other refusal was the caller's own check)"
+        );
+        // Another KN's open segment and the index area are not in this KN's window.
+        let other = dpm.register_kn(Some(2), "kn-2").unwrap();
+        let g = dpm.allocate_segment(2, 0, other.epoch, false).unwrap();
+        let at = g.offset + g.first_batch;
+        assert_outside(
+            kn.write(at, Bytes::from_static(b"x")).await,
+            "verbs: a WRITE into another KN's segment",
+        );
+        assert_eq!(local(&dpm, at, 1), [0]);
+        let index = dinomo_layout::index::IndexArea::of(dpm.pool().superblock());
+        let before = local(&dpm, index.directory_off, 64);
+        assert_outside(
+            kn.write(index.directory_off, Bytes::from(vec![7; 64]))
+                .await,
+            "verbs: a WRITE of the index directory",
+        );
+        assert_eq!(local(&dpm, index.directory_off, 64), before);
+        // Fenced: the key is gone, with its regions.
+        let d = dpm.clone();
+        tokio::task::spawn_blocking(move || d.fence_kn(1))
+            .await
+            .unwrap()
+            .unwrap();
+        let r = kn.write(0, Bytes::from_static(b"x")).await;
+        assert!(r.as_ref().is_err_and(FabricError::is_revoked), "{r:?}");
+        drop((kn, nic));
+        println!("verbs: write windows enforced through the dpm-node's NIC");
+    }
+}
+
 #[test]
 fn allocation_is_refused_past_the_window_limit() {
     let dir = tempfile::tempdir().unwrap();
