@@ -21,6 +21,9 @@
 #   --duration S      seconds measured per workload (default 8)
 #   --workloads LIST  run workloads after the load (default a,b,c)
 #   --kns N           KV nodes of the Dinomo cluster (default 2)
+#   --kv-transport T  how the SDK reaches the KV nodes: wire (default) or grpc
+#   --insecure        run the Dinomo cluster with --insecure (plain text, as Redis runs);
+#                     default: TLS, as `dinomo up` starts it
 #   --port-base N     the Dinomo cluster's port base (default 27700); Redis uses BASE-1000
 #   --out DIR         where logs and JSON summaries go (default target/peer-bench)
 #   -h, --help        this text
@@ -38,6 +41,7 @@ usage() { sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; }
 
 dinomo=target/release/dinomo records=50000 value_size=1000 clients=8 outstanding=4 warmup=2 connections=1
 duration=8 workloads=a,b,c kns=2 base=27700 out=target/peer-bench threads="" kn_threads=""
+kv_transport=wire insecure=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --dinomo) dinomo=$2; shift 2 ;;
@@ -52,6 +56,8 @@ while [ $# -gt 0 ]; do
     --duration) duration=$2; shift 2 ;;
     --workloads) workloads=$2; shift 2 ;;
     --kns) kns=$2; shift 2 ;;
+    --kv-transport) kv_transport=$2; shift 2 ;;
+    --insecure) insecure=1; shift ;;
     --port-base) base=$2; shift 2 ;;
     --out) out=$2; shift 2 ;;
     -h|--help) usage; exit 0 ;;
@@ -78,6 +84,7 @@ redis-server --port "$redis_port" --bind 127.0.0.1 --dir "$work/redis" --appendo
   --appendfsync everysec --save "" --daemonize yes --logfile "$out/redis.log"
 up_extra=()
 [ -n "$kn_threads" ] && up_extra=(--kn-threads "$kn_threads")
+[ "$insecure" = 1 ] && up_extra+=(--insecure)
 "$dinomo" up --data-dir "$work/dinomo" --kns "$kns" --port-base "$base" "${up_extra[@]}" \
   >"$out/up.out" 2>"$out/up.err" &
 up_pid=$!
@@ -88,8 +95,8 @@ for _ in $(seq 1 120); do
 done
 grep -q "routing node" "$out/up.out" || { echo "dinomo up did not start; see $out/up.err" >&2; exit 1; }
 # `up` made the cluster's TLS credentials under its data directory; the bench uses its client
-# identity: this measures the default, TLS.
-export DINOMO_CREDENTIALS="$work/dinomo/credentials"
+# identity: this measures the default, TLS (unless --insecure).
+if [ "$insecure" = 1 ]; then export DINOMO_INSECURE=1; else export DINOMO_CREDENTIALS="$work/dinomo/credentials"; fi
 
 common=(--records "$records" --value-size "$value_size" --clients "$clients" --outstanding "$outstanding"
   --connections "$connections")
@@ -97,7 +104,12 @@ common=(--records "$records" --value-size "$value_size" --clients "$clients" --o
 bench() { # system workload extra...
   local sys=$1 wl=$2; shift 2
   local target
-  if [ "$sys" = dinomo ]; then target="dinomo://$routing"; else target="redis://127.0.0.1:$redis_port"; fi
+  if [ "$sys" = dinomo ]; then
+    target="dinomo://$routing"
+    set -- --kv-transport "$kv_transport" "$@"
+  else
+    target="redis://127.0.0.1:$redis_port"
+  fi
   echo "== $sys $wl" >&2
   "$dinomo" bench --target "$target" --workload "$wl" "${common[@]}" "$@" \
     --json "$out/$sys-$wl.json" >"$out/$sys-$wl.txt" 2>&1
@@ -110,6 +122,8 @@ for sys in dinomo redis; do
   done
 done
 
+if [ "$insecure" = 1 ]; then mode="plain text"; else mode=TLS; fi
+echo "Dinomo: $kns KNs, KV $kv_transport, $mode; Redis: plain text, AOF everysec"
 python3 - "$out" "load,$workloads" <<'EOF'
 import json, sys
 out, wls = sys.argv[1], sys.argv[2].split(",")

@@ -38,6 +38,7 @@ pub mod admin;
 mod error;
 mod latency;
 mod stream;
+mod wire;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -83,6 +84,55 @@ pub struct ClientConfig {
     ///
     /// [`Security::for_sdk`]: dinomo_security::Security::for_sdk
     pub security: dinomo_security::Security,
+    /// How operations reach the KV nodes: the KV wire by default, or gRPC's Pipeline stream.
+    /// [`ClientConfig::new`] reads `$DINOMO_KV_TRANSPORT` (`wire` or `grpc`).
+    pub transport: KvTransport,
+}
+
+/// How a client's operations reach the KV nodes. Both carry the same messages (kv.proto) to
+/// the same port and mean the same; they differ in cost (docs/perf/kv-wire.md).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvTransport {
+    /// `dinomo_proto::wire`: length-framed messages on a TCP or TLS connection.
+    #[default]
+    Wire,
+    /// gRPC's `KvService.Pipeline` stream (HTTP/2): for KV nodes behind an HTTP/2 proxy.
+    Grpc,
+}
+
+impl std::str::FromStr for KvTransport {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "wire" => Ok(KvTransport::Wire),
+            "grpc" => Ok(KvTransport::Grpc),
+            _ => Err(format!("unknown KV transport {s:?}: wire or grpc")),
+        }
+    }
+}
+
+/// The environment variable that picks a client's [`KvTransport`].
+pub const KV_TRANSPORT_ENV: &str = "DINOMO_KV_TRANSPORT";
+
+impl KvTransport {
+    /// `wire` or `grpc`, as [`std::str::FromStr`] reads it.
+    pub fn name(self) -> &'static str {
+        match self {
+            KvTransport::Wire => "wire",
+            KvTransport::Grpc => "grpc",
+        }
+    }
+
+    /// `$DINOMO_KV_TRANSPORT`, else the wire; an unknown value is logged and ignored.
+    pub fn from_env() -> Self {
+        match std::env::var(KV_TRANSPORT_ENV) {
+            Ok(v) => v.parse().unwrap_or_else(|e| {
+                tracing::warn!("{KV_TRANSPORT_ENV}: {e}; using the KV wire");
+                KvTransport::Wire
+            }),
+            Err(_) => KvTransport::Wire,
+        }
+    }
 }
 
 impl ClientConfig {
@@ -97,6 +147,7 @@ impl ClientConfig {
             report_latency: true,
             report_every: Duration::from_secs(1),
             security: dinomo_security::Security::for_sdk(),
+            transport: KvTransport::from_env(),
         }
     }
 
@@ -132,6 +183,13 @@ impl Op {
             Op::Get(k) | Op::Put(k, _) | Op::Insert(k, _) | Op::Update(k, _) | Op::Delete(k) => k,
         }
     }
+    /// The key's and value's bytes together.
+    fn bytes(&self) -> usize {
+        match self {
+            Op::Get(k) | Op::Delete(k) => k.len(),
+            Op::Put(k, v) | Op::Insert(k, v) | Op::Update(k, v) => k.len() + v.len(),
+        }
+    }
     fn idempotent(&self) -> bool {
         matches!(self, Op::Get(_))
     }
@@ -154,6 +212,11 @@ impl Op {
         pb::KvRequest { id, op: Some(op) }
     }
 }
+
+/// The most key and value bytes one operation may carry: a request's frame (KV wire) or
+/// message (gRPC) is at most 64 MiB, less room for the rest of the message. KV nodes refuse
+/// far smaller keys and values by their own limits (`max_key_bytes`, `max_value_bytes`).
+pub const MAX_OP_BYTES: usize = dinomo_proto::wire::MAX_FRAME - 1024;
 
 /// What an operation returned: a value for Get (None = not found), `true`/`false` for Delete
 /// (whether it existed) as `Some(empty)`/`None`, and `None` for writes.
@@ -217,12 +280,13 @@ fn from_kn(s: &tonic::Status) -> bool {
 /// failure of its connector (TCP connect, including refusal and `connect_timeout`, and the TLS
 /// handshake) in [`tonic::ConnectError`]; no request is written on a connection that was never
 /// established, and a lazy channel reports a failed connect to the next call without sending
-/// it. Anything else (a reset, a GOAWAY, a timeout, an error of unknown type) may have reached
+/// it. The KV wire marks its failures before the node's hello with `stream::NeverSent` (the
+/// node reads no request before it says hello). Anything else (a reset, a GOAWAY, a timeout, an error of unknown type) may have reached
 /// the node after the request did, so it counts as maybe-sent.
 fn never_sent(s: &tonic::Status) -> bool {
     let mut cause: Option<&(dyn std::error::Error + 'static)> = std::error::Error::source(s);
     while let Some(e) = cause {
-        if e.is::<tonic::ConnectError>() {
+        if e.is::<tonic::ConnectError>() || e.is::<stream::NeverSent>() {
             return true;
         }
         cause = e.source();
@@ -357,17 +421,24 @@ impl Client {
         if let Some(c) = nodes.get(endpoint) {
             return Ok(c.clone());
         }
-        let c = stream::NodeStream::new(
-            KvServiceClient::new(channel(
-                &self.shared.cfg.security,
-                endpoint,
-                dinomo_security::Service::Kv,
-                self.shared.cfg.rpc_timeout,
-            )?)
-            .max_decoding_message_size(64 << 20),
-            endpoint,
-            self.shared.cfg.rpc_timeout,
-        );
+        let cfg = &self.shared.cfg;
+        let transport: Arc<dyn stream::Transport> = match cfg.transport {
+            KvTransport::Wire => {
+                Arc::new(wire::Wire::new(&cfg.security, endpoint).map_err(|e| {
+                    ClientError::InvalidArgument(format!("bad endpoint {endpoint:?}: {e}"))
+                })?)
+            }
+            KvTransport::Grpc => Arc::new(stream::Grpc(
+                KvServiceClient::new(channel(
+                    &cfg.security,
+                    endpoint,
+                    dinomo_security::Service::Kv,
+                    cfg.rpc_timeout,
+                )?)
+                .max_decoding_message_size(64 << 20),
+            )),
+        };
+        let c = stream::NodeStream::new(transport, endpoint, cfg.rpc_timeout);
         nodes.insert(endpoint.to_string(), c.clone());
         Ok(c)
     }
@@ -375,6 +446,14 @@ impl Client {
     /// Runs one operation at the key's owner, retrying as the module doc says, and records
     /// its latency for the monitor.
     async fn execute(&self, op: Op) -> OpResult {
+        if op.bytes() > MAX_OP_BYTES {
+            // Refused here: a frame over the limit would end the connection that every other
+            // operation to this KV node shares.
+            return Err(ClientError::InvalidArgument(format!(
+                "key and value of {} bytes together; at most {MAX_OP_BYTES} fit a request",
+                op.bytes()
+            )));
+        }
         let start = Instant::now();
         let mut last_kn = None;
         let r = self.execute_at_owner(op, start, &mut last_kn).await;

@@ -1,13 +1,16 @@
-//! One long-lived `KvService.Pipeline` stream per KV node, shared by every operation a client
-//! sends to that node: one HTTP/2 stream for all of them instead of one unary RPC each (a
+//! One long-lived stream of operations per KV node, shared by every operation a client sends to
+//! that node, over one of two transports: the KV wire (`wire`, the default: length-framed
+//! `KvRequest`/`KvResponse` messages on a TCP or TLS connection) or gRPC's
+//! `KvService.Pipeline` (one HTTP/2 stream, for KV nodes reached through an HTTP/2 proxy, and
+//! for comparison). Either way one stream carries all of them instead of one unary RPC each (a
 //! HEADERS/DATA/trailers exchange, a timer, a tower buffer hop and a spawned body task per
-//! operation). Profiling (docs/perf/request-path-profile.md) found that per-call machinery to be
-//! nearly all of the SDK's and the KV node's CPU per in-memory read.
+//! operation). Profiling (docs/perf/request-path-profile.md) found that per-call machinery to
+//! be nearly all of the SDK's and the KV node's CPU per in-memory read.
 //!
 //! A caller takes an id, registers where its answer goes, and pushes its request into the
-//! stream's queue; tonic's encoder drains whatever is queued into one DATA frame, so a lone
-//! operation leaves at once and those that arrive meanwhile leave together, with no timer and
-//! no batch size to tune. One reader task per stream hands each answer to its caller by id.
+//! stream's queue; the transport writes whatever is queued at once, so a lone operation leaves
+//! at once and those that arrive meanwhile leave together, with no timer and no batch size to
+//! tune. One reader per stream hands each answer to its caller by id ([`Answers::deliver`]).
 //!
 //! Invariants:
 //! - every registered operation gets exactly one answer: the KV node's response, the stream's
@@ -15,8 +18,8 @@
 //! - a stream that failed or ended is never used again: the next call opens a new one. Its
 //!   failure status goes to every operation still waiting on it, and the SDK's usual rule
 //!   decides from that status whether a write may have been applied (a stream that could not
-//!   be opened fails with the connector's error, which says "never sent"); a request is only
-//!   queued on a stream that is still open, checked under the same lock the failure takes;
+//!   be opened fails with an error that says "never sent"); a request is only queued on a
+//!   stream that is still open, checked under the same lock the failure takes;
 //! - operations of one caller keep their order, because a caller waits for each answer before
 //!   sending its next operation; concurrent operations have no order to keep (the KV node runs
 //!   a stream's requests concurrently).
@@ -28,6 +31,7 @@ use std::time::Duration;
 
 use dinomo_proto::kv as pb;
 use dinomo_proto::kv::kv_service_client::KvServiceClient;
+use futures::future::BoxFuture;
 use parking_lot::Mutex;
 use tokio::sync::{mpsc, oneshot};
 use tonic::transport::Channel;
@@ -69,14 +73,89 @@ struct State {
     /// The operations waiting on the open stream (only one stream is open at a time: a new
     /// one opens only after the last one's reader took the waiters it failed).
     waiting: Waiters,
-    /// Ids are never reused on this node, not even across streams, so the answer or the
-    /// timeout of an earlier operation can never reach a later one.
+    /// The last id taken. Ids are never reused on this node, not even across streams, so the
+    /// answer or the timeout of an earlier operation can never reach a later one; they are
+    /// taken and queued under this lock, so a stream's queue holds them in increasing order.
     next_id: u64,
+}
+
+/// How a stream reaches its KV node.
+pub(crate) trait Transport: Send + Sync + std::fmt::Debug + 'static {
+    /// Runs one stream: sends every request `outbound` yields, hands each answer to
+    /// `answers`, and returns why the stream ended (it is never used again).
+    fn run(
+        &self,
+        outbound: mpsc::UnboundedReceiver<pb::KvRequest>,
+        answers: Answers,
+    ) -> BoxFuture<'static, Ended>;
+}
+
+/// Why a stream ended, and what of it was never sent.
+#[derive(Debug)]
+pub(crate) struct Ended {
+    /// What every operation still waiting gets. A stream that could not be opened ends with a
+    /// status whose source is [`NeverSent`].
+    pub status: Status,
+    /// The lowest id that was never handed to the connection, if the transport knows: waiting
+    /// operations from this id on get `status` marked [`NeverSent`] (the queue holds ids in
+    /// increasing order, and the transport writes them in that order).
+    pub first_unsent: Option<u64>,
+}
+
+impl From<Status> for Ended {
+    fn from(status: Status) -> Self {
+        Ended {
+            status,
+            first_unsent: None,
+        }
+    }
+}
+
+/// The source of a status for operations that were never sent: the stream to the KV node
+/// could not be opened (no connection, a failed handshake, a refusing hello).
+#[derive(Debug)]
+pub(crate) struct NeverSent;
+
+impl std::fmt::Display for NeverSent {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the stream to the KV node was never opened; nothing was sent")
+    }
+}
+
+impl std::error::Error for NeverSent {}
+
+/// `status`, marked as failing operations that were never sent.
+pub(crate) fn never_sent(mut status: Status) -> Status {
+    status.set_source(Arc::new(NeverSent));
+    status
+}
+
+/// Where a stream's reader hands the answers it decoded.
+#[derive(Debug, Clone)]
+pub(crate) struct Answers(Arc<Mutex<State>>);
+
+impl Answers {
+    /// Gives each answer to the operation waiting for it (an answer nobody waits for, after
+    /// its operation timed out, is dropped); takes the lock once for all of them.
+    pub(crate) fn deliver(&self, answers: impl IntoIterator<Item = pb::KvResponse>) {
+        let mut to: Vec<(oneshot::Sender<Answer>, pb::KvResponse)> = Vec::new();
+        {
+            let mut state = self.0.lock();
+            for r in answers {
+                if let Some(waiter) = state.waiting.remove(&r.id) {
+                    to.push((waiter, r));
+                }
+            }
+        }
+        for (waiter, r) in to {
+            let _ = waiter.send(Ok(r));
+        }
+    }
 }
 
 #[derive(Debug)]
 struct Node {
-    client: KvServiceClient<Channel>,
+    transport: Arc<dyn Transport>,
     endpoint: String,
     /// How long one operation waits for its answer.
     timeout: Duration,
@@ -97,9 +176,9 @@ impl Drop for Node {
 pub struct NodeStream(Arc<Node>);
 
 impl NodeStream {
-    pub fn new(client: KvServiceClient<Channel>, endpoint: &str, timeout: Duration) -> Self {
+    pub(crate) fn new(transport: Arc<dyn Transport>, endpoint: &str, timeout: Duration) -> Self {
         NodeStream(Arc::new(Node {
-            client,
+            transport,
             endpoint: endpoint.to_string(),
             timeout,
             state: Arc::default(),
@@ -132,14 +211,15 @@ impl NodeStream {
     /// is none (or the last one failed); returns the operation's id.
     fn send(&self, mut request: pb::KvRequest, answer: oneshot::Sender<Answer>) -> u64 {
         let mut state = self.0.state.lock();
-        let id = state.next_id;
+        // Ids start at 1: 0 is the KV wire node's own (its hello and goodbye).
         state.next_id += 1;
+        let id = state.next_id;
         request.id = id;
         state.waiting.insert(id, answer);
         let requests = state.requests.get_or_insert_with(|| {
             let (requests, outbound) = mpsc::unbounded_channel();
-            tokio::spawn(read_answers(
-                self.0.client.clone(),
+            tokio::spawn(run_stream(
+                self.0.transport.clone(),
                 outbound,
                 self.0.state.clone(),
             ));
@@ -154,40 +234,63 @@ impl NodeStream {
     }
 }
 
-/// Runs one stream: opens the RPC, hands each answer to its operation, and when the stream
-/// fails or ends, closes it and fails every operation still waiting. Ends when the stream
-/// does (after the last [`NodeStream`] clone is dropped, the request queue closes, the KV node
-/// finishes the stream, and the answers run out).
-async fn read_answers(
-    mut client: KvServiceClient<Channel>,
+/// Runs one stream on `transport`, and when it fails or ends, closes it and fails every
+/// operation still waiting. Ends when the stream does (after the last [`NodeStream`] clone is
+/// dropped, the request queue closes, the KV node finishes the stream, and the answers run
+/// out).
+async fn run_stream(
+    transport: Arc<dyn Transport>,
     outbound: mpsc::UnboundedReceiver<pb::KvRequest>,
     state: Arc<Mutex<State>>,
 ) {
-    let outbound = tokio_stream::wrappers::UnboundedReceiverStream::new(outbound);
-    let failure = match client.pipeline(outbound).await {
-        Err(status) => status,
-        Ok(reply) => {
-            let mut answers = reply.into_inner();
-            loop {
-                match answers.message().await {
-                    Ok(Some(r)) => {
-                        let to = state.lock().waiting.remove(&r.id);
-                        if let Some(to) = to {
-                            let _ = to.send(Ok(r));
-                        }
-                    }
-                    Ok(None) => break Status::unavailable("the KV node ended the stream"),
-                    Err(status) => break status,
-                }
-            }
-        }
-    };
+    let ended = transport.run(outbound, Answers(state.clone())).await;
     let failed = {
         let mut state = state.lock();
         state.requests = None;
         std::mem::take(&mut state.waiting)
     };
-    for (_, to) in failed {
-        let _ = to.send(Err(failure.clone()));
+    let unsent = ended.first_unsent.map(|_| never_sent(ended.status.clone()));
+    for (id, to) in failed {
+        let status = match (&unsent, ended.first_unsent) {
+            (Some(unsent), Some(first)) if id >= first => unsent.clone(),
+            _ => ended.status.clone(),
+        };
+        let _ = to.send(Err(status));
+    }
+}
+
+/// The stream as gRPC's `KvService.Pipeline` on a channel; tonic's encoder drains whatever is
+/// queued into one DATA frame.
+#[derive(Debug, Clone)]
+pub(crate) struct Grpc(pub KvServiceClient<Channel>);
+
+impl Transport for Grpc {
+    fn run(
+        &self,
+        outbound: mpsc::UnboundedReceiver<pb::KvRequest>,
+        answers: Answers,
+    ) -> BoxFuture<'static, Ended> {
+        let mut client = self.0.clone();
+        Box::pin(async move {
+            let outbound = tokio_stream::wrappers::UnboundedReceiverStream::new(outbound);
+            let status = match client.pipeline(outbound).await {
+                // tonic wraps connector failures in ConnectError, which lib.rs reads as
+                // never sent.
+                Err(status) => status,
+                Ok(reply) => {
+                    let mut replies = reply.into_inner();
+                    loop {
+                        match replies.message().await {
+                            Ok(Some(r)) => answers.deliver([r]),
+                            Ok(None) => break Status::unavailable("the KV node ended the stream"),
+                            Err(status) => break status,
+                        }
+                    }
+                }
+            };
+            // tonic does not say what it sent: everything waiting is maybe-sent (unless the
+            // status says the stream never opened).
+            Ended::from(status)
+        })
     }
 }

@@ -6,8 +6,8 @@
 //!
 //! Modules: [`node`] (the KN as a library), [`shard`] (the data path), [`cache`] (DAC and the
 //! static policies), [`remote_index`] (index traversal over the fabric), [`unmerged`],
-//! [`dpm_link`] (control calls to the DPM), [`lease`] (serve only while the map is fresh), [`stats`], [`service`] (gRPC), [`config`],
-//! [`server`].
+//! [`dpm_link`] (control calls to the DPM), [`lease`] (serve only while the map is fresh), [`stats`], [`service`] (gRPC), `wire` (the
+//! binary data path beside gRPC), `listener` (the port both share), [`config`], [`server`].
 
 pub mod cache;
 pub mod cli;
@@ -16,6 +16,7 @@ pub mod deadline;
 pub mod dpm_link;
 pub mod error;
 pub mod lease;
+mod listener;
 pub mod node;
 pub mod remote_index;
 pub mod server;
@@ -24,6 +25,7 @@ pub mod session;
 pub mod shard;
 pub mod stats;
 pub mod unmerged;
+mod wire;
 
 pub use error::{KvError, KvResult};
 pub use node::KvNode;

@@ -12,6 +12,10 @@ use crate::error::{KvError, KvResult};
 use crate::node::KvNode;
 use crate::service::KvGrpc;
 
+/// How long a stopping KN waits for its KV wire connections to end (each reads for at most 2 s
+/// after its goodbye, then writes what it owes).
+const WIRE_DRAIN: Duration = Duration::from_secs(4);
+
 #[derive(Debug, Clone)]
 pub struct Running {
     pub addr: SocketAddr,
@@ -62,15 +66,34 @@ pub async fn run(
     });
     let security = node.config.security.clone();
     security.warn_if_insecure("kv-node", addr);
-    let serve = security
-        .server_builder()
-        .map_err(|e| KvError::Internal(format!("TLS: {e}")))?
+    // One port for gRPC and the KV wire (listener.rs): this node accepts and, with
+    // credentials, does the TLS handshake itself, then hands gRPC connections to tonic.
+    let tls = security
+        .rustls_server(&[dinomo_security::ALPN_H2, dinomo_proto::wire::ALPN])
+        .map_err(|e| KvError::Internal(format!("TLS: {e}")))?;
+    let router = security
+        .server_builder_for_own_tls()
         .add_service(health_service)
         .add_service(
-            KvServiceServer::new(KvGrpc::with_shutdown(node.clone(), streams_stopping))
-                .max_decoding_message_size(64 << 20),
-        )
-        .serve_with_incoming_shutdown(dinomo_proto::nodelay_incoming(listener), signal);
+            KvServiceServer::new(KvGrpc::with_shutdown(
+                node.clone(),
+                streams_stopping.clone(),
+            ))
+            .max_decoding_message_size(64 << 20),
+        );
+    // Closed once the accept loop and every connection it started have ended.
+    let (alive, mut wire_done) = tokio::sync::mpsc::channel::<()>(1);
+    let serve: std::pin::Pin<Box<dyn Future<Output = Result<(), tonic::transport::Error>> + Send>> =
+        match tls {
+            None => Box::pin(router.serve_with_incoming_shutdown(
+                crate::listener::plain(listener, node.clone(), streams_stopping, alive),
+                signal,
+            )),
+            Some(tls) => Box::pin(router.serve_with_incoming_shutdown(
+                crate::listener::tls(listener, tls, node.clone(), streams_stopping, alive),
+                signal,
+            )),
+        };
     let served = tokio::select! {
         r = serve => r,
         _ = async {
@@ -78,6 +101,15 @@ pub async fn run(
             tokio::time::sleep(Duration::from_secs(2)).await;
         } => Ok(()),
     };
+    // KV wire connections say goodbye, answer what they read and end (each within its drain
+    // limit): wait for them before the node stops, or the answers they still owe would die
+    // with the process.
+    if tokio::time::timeout(WIRE_DRAIN, wire_done.recv())
+        .await
+        .is_err()
+    {
+        tracing::warn!("KV wire connections still open after {WIRE_DRAIN:?}; stopping anyway");
+    }
     health_task.abort();
     // Seal the logs before returning: the runtime may be torn down right after.
     node.shutdown().await;

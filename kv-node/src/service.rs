@@ -45,7 +45,7 @@ impl KvGrpc {
 }
 
 /// Resolves when `stopping` turns true or its sender is gone; never without one.
-async fn stopped(stopping: &mut Option<tokio::sync::watch::Receiver<bool>>) {
+pub(crate) async fn stopped(stopping: &mut Option<tokio::sync::watch::Receiver<bool>>) {
     match stopping {
         Some(rx) => {
             let _ = rx.wait_for(|s| *s).await;
@@ -75,7 +75,7 @@ fn owned(b: Bytes) -> Bytes {
 }
 
 /// Decodes one pipelined/batched request.
-fn op_of(req: pb::KvRequest) -> KvResult<ShardOp> {
+pub(crate) fn op_of(req: pb::KvRequest) -> KvResult<ShardOp> {
     match req.op {
         Some(pb::kv_request::Op::Get(g)) => Ok(ShardOp::Get { key: owned(g.key) }),
         Some(pb::kv_request::Op::Put(p)) => Ok(ShardOp::Put {
@@ -90,7 +90,7 @@ fn op_of(req: pb::KvRequest) -> KvResult<ShardOp> {
     }
 }
 
-fn response(id: u64, r: KvResult<Option<Bytes>>) -> pb::KvResponse {
+pub(crate) fn response(id: u64, r: KvResult<Option<Bytes>>) -> pb::KvResponse {
     match r {
         Ok(v) => pb::KvResponse {
             id,
@@ -189,11 +189,11 @@ async fn run_batch(node: &KvNode, reqs: Vec<pb::KvRequest>) -> Vec<pb::KvRespons
 /// holds at most this many requests and answers, each at most `max_key_bytes +
 /// max_value_bytes`. 1024 keeps the concurrency the unbounded version had for any client with
 /// fewer than 1024 requests outstanding; no benchmark has tuned it.
-const PIPELINE_MAX_IN_FLIGHT: usize = 1024;
+pub(crate) const PIPELINE_MAX_IN_FLIGHT: usize = 1024;
 
 /// Most requests handed to the node as one submission: those already received when the first
 /// is read. Bounds how long one stream's submission holds the gate and the shards' queues.
-const PIPELINE_MAX_SUBMIT: usize = 256;
+pub(crate) const PIPELINE_MAX_SUBMIT: usize = 256;
 
 /// Reads the requests of one Pipeline stream and hands them to `submit` in groups (every
 /// request already received when the first of a group arrives), at most `max_in_flight` not

@@ -19,6 +19,8 @@ pub mod monitor {
     tonic::include_proto!("dinomo.monitor.v1");
 }
 
+pub mod wire;
+
 /// Present on every error status a KN itself returns, so that clients can tell its answers
 /// from transport failures (which may hide whether a write was applied).
 pub const KN_ANSWER_TRAILER: &str = "dinomo-kn";

@@ -18,6 +18,7 @@ mod credentials;
 mod error;
 #[cfg(feature = "issue")]
 pub mod issue;
+mod tls;
 mod transport;
 
 pub use access::{AccessLayer, AccessService};
@@ -25,4 +26,8 @@ pub use args::SecurityArgs;
 pub use caller::{Caller, Role};
 pub use credentials::{Identity, CREDENTIALS_ENV, DEFAULT_CLIENT_CREDENTIALS, INSECURE_ENV};
 pub use error::SecurityError;
+pub use tls::ALPN_H2;
+/// The TLS stream types of [`Security::rustls_server`] and [`Security::rustls_client`]
+/// connections, re-exported so that every crate uses the same version.
+pub use tokio_rustls;
 pub use transport::{Security, Service};

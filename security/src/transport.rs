@@ -215,6 +215,15 @@ impl Security {
         Ok(builder.layer(self.access_layer()))
     }
 
+    /// A gRPC server builder with the access layer, for a server that does the TLS handshake
+    /// itself ([`Security::rustls_server`]) and hands tonic the TLS streams: the access layer
+    /// reads the peer's certificate from them as from tonic's own.
+    pub fn server_builder_for_own_tls(
+        &self,
+    ) -> tonic::transport::Server<tower_layer::Stack<AccessLayer, tower_layer::Identity>> {
+        tonic::transport::Server::builder().layer(self.access_layer())
+    }
+
     /// The access layer for this process's server: the role table, or nothing under
     /// `--insecure`.
     pub fn access_layer(&self) -> AccessLayer {

@@ -94,6 +94,12 @@ pub struct BenchArgs {
     #[arg(long, value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub threads: Option<u16>,
 
+    /// How the Dinomo SDK reaches the KV nodes: `wire` (the binary KV wire, the SDK's
+    /// default) or `grpc` (KvService.Pipeline over HTTP/2). Default: $DINOMO_KV_TRANSPORT, else
+    /// wire.
+    #[arg(long, value_parser = clap::value_parser!(dinomo_client::KvTransport))]
+    pub kv_transport: Option<dinomo_client::KvTransport>,
+
     /// Requests each client keeps in flight.
     #[arg(long, default_value_t = 1)]
     pub outstanding: usize,
@@ -260,8 +266,13 @@ async fn connect(plan: &Plan, args: &BenchArgs) -> anyhow::Result<Connections> {
     for _ in 0..connections {
         match &plan.target {
             TargetSpec::Dinomo(routing) => {
-                let t = DinomoTarget::connect(routing, args.write_mode, !args.no_latency_reports)
-                    .await?;
+                let t = DinomoTarget::connect(
+                    routing,
+                    args.write_mode,
+                    !args.no_latency_reports,
+                    args.kv_transport,
+                )
+                .await?;
                 dinomo.get_or_insert_with(|| t.clone());
                 targets.push(Arc::new(t));
             }
@@ -419,6 +430,12 @@ pub async fn run(args: BenchArgs) -> anyhow::Result<Summary> {
         records: args.records,
         clients: args.clients,
         connections: args.connections.unwrap_or(args.clients).min(args.clients),
+        kv_transport: matches!(plan.target, TargetSpec::Dinomo(_)).then(|| {
+            args.kv_transport
+                .unwrap_or_else(dinomo_client::KvTransport::from_env)
+                .name()
+                .to_string()
+        }),
         threads: args.threads.map_or_else(
             || std::thread::available_parallelism().map_or(1, |n| n.get()),
             usize::from,

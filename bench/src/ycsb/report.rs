@@ -185,6 +185,8 @@ pub struct Summary {
     pub clients: usize,
     /// Connections the clients shared (`--connections`).
     pub connections: usize,
+    /// Dinomo only: how the SDK reached the KV nodes (`wire` or `grpc`).
+    pub kv_transport: Option<String>,
     /// Runtime threads of the bench process (`--threads`).
     pub threads: usize,
     pub outstanding: usize,
@@ -239,13 +241,16 @@ impl Summary {
         };
         let _ = writeln!(
             out,
-            "{dist}; {} records; key {} B, value {} B; {} clients x {} outstanding over {} connections, {} threads; {} writes; seed {}; warm-up {} s",
+            "{dist}; {} records; key {} B, value {} B; {} clients x {} outstanding over {} connections{}, {} threads; {} writes; seed {}; warm-up {} s",
             thousands(self.records as f64),
             self.key_size,
             self.value_size,
             self.clients,
             self.outstanding,
             self.connections,
+            self.kv_transport
+                .as_ref()
+                .map_or(String::new(), |t| format!(" (KV {t})")),
             self.threads,
             self.write_mode.name(),
             self.seed,
@@ -455,6 +460,7 @@ mod tests {
             records: 10,
             clients: 1,
             connections: 1,
+            kv_transport: None,
             threads: 1,
             outstanding: 1,
             key_size: 24,

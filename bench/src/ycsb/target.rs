@@ -143,14 +143,18 @@ pub struct DinomoTarget {
 
 impl DinomoTarget {
     /// Connects through the routing nodes `routing` (host:port each); `report_latency`: see
-    /// [`ClientConfig::report_latency`].
+    /// [`ClientConfig::report_latency`]; `transport`: the SDK's default if `None`.
     pub async fn connect(
         routing: &[String],
         mode: WriteMode,
         report_latency: bool,
+        transport: Option<dinomo_client::KvTransport>,
     ) -> anyhow::Result<Self> {
         let mut cfg = ClientConfig::new(routing);
         cfg.report_latency = report_latency;
+        if let Some(t) = transport {
+            cfg.transport = t;
+        }
         let client = Client::connect_with(cfg).await.with_context(|| {
             format!("connecting to Dinomo routing node(s) {}", routing.join(","))
         })?;

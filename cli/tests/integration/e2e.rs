@@ -319,3 +319,69 @@ async fn a_kn_killed_under_load_loses_no_acknowledged_write() {
     // every acknowledged write and every later read.
     assert_linearizable(&history, "KN 1 killed and failed over");
 }
+
+/// A KN stopped with SIGTERM while clients write to it over the KV wire: it says goodbye,
+/// answers every request it read (run, or UNAVAILABLE once stopping) and waits for its
+/// connections before it stops, so no write ends outcome-unknown: each is acknowledged, or
+/// provably never applied (retried elsewhere until the deadline, which ends it as
+/// DeadlineExceeded since the map still names the stopped KN).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kn_stopped_under_wire_load_leaves_no_write_outcome_unknown() {
+    let mut cluster = Cluster::start(2).await;
+    let mut cfg = dinomo_client::ClientConfig::new(&[&cluster.routing.addr]);
+    cfg.deadline = Duration::from_secs(2);
+    cfg.transport = dinomo_client::KvTransport::Wire;
+    let client = Client::connect_with(cfg).await.unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let (ok, unknown, other) = (
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicU64::new(0)),
+    );
+    let writers: Vec<_> = (0..16)
+        .map(|w| {
+            let (client, stop) = (client.clone(), stop.clone());
+            let (ok, unknown, other) = (ok.clone(), unknown.clone(), other.clone());
+            tokio::spawn(async move {
+                let mut n = 0u64;
+                while !stop.load(Ordering::Relaxed) {
+                    n += 1;
+                    match client.put(format!("w{w}-{n}"), "v").await {
+                        Ok(()) => ok.fetch_add(1, Ordering::Relaxed),
+                        Err(ClientError::OutcomeUnknown(m)) => {
+                            println!("outcome unknown: {m}");
+                            unknown.fetch_add(1, Ordering::Relaxed)
+                        }
+                        Err(_) => other.fetch_add(1, Ordering::Relaxed),
+                    };
+                }
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    let before = ok.load(Ordering::Relaxed);
+    let mut kn = cluster.kns.remove(&1).unwrap();
+    let stopped = tokio::task::spawn_blocking(move || {
+        let t = std::time::Instant::now();
+        kn.stop();
+        t.elapsed()
+    })
+    .await
+    .unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.store(true, Ordering::Relaxed);
+    for w in writers {
+        w.await.unwrap();
+    }
+    let (ok, unknown, other) = (
+        ok.load(Ordering::Relaxed),
+        unknown.load(Ordering::Relaxed),
+        other.load(Ordering::Relaxed),
+    );
+    println!(
+        "KN 1 stopped in {stopped:?}; writes: {ok} acknowledged ({before} before the stop), \
+         {unknown} outcome unknown, {other} other errors"
+    );
+    assert!(before > 100, "the load ran before the stop: {before}");
+    assert_eq!(unknown, 0, "a graceful stop left writes outcome-unknown");
+}

@@ -163,6 +163,81 @@ impl Callers {
     }
 }
 
+impl Callers {
+    /// The hello `who` gets from a KV wire connection to the KV node at `addr` (the Pipeline
+    /// RPC's twin, `dinomo_proto::wire`); a connection that fails before a hello (a failed
+    /// handshake, plain text against TLS) reads as `Unavailable`.
+    async fn wire(&self, who: Who, addr: &str) -> Code {
+        use dinomo_proto::wire;
+        use dinomo_security::tokio_rustls::rustls;
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let tls = match who {
+            Who::Plain => None,
+            Who::ForeignCa => Some(
+                Security::Mutual(Arc::new(Identity::load(&self.foreign, "monitor").unwrap()))
+                    .rustls_client(Service::Kv, wire::ALPN)
+                    .unwrap()
+                    .unwrap(),
+            ),
+            Who::Role(file, _) => Some(
+                Security::Mutual(Arc::new(Identity::load(&self.creds, file).unwrap()))
+                    .rustls_client(Service::Kv, wire::ALPN)
+                    .unwrap()
+                    .unwrap(),
+            ),
+            Who::NoCert => {
+                use rustls::pki_types::pem::PemObject;
+                let mut roots = rustls::RootCertStore::empty();
+                let ca = std::fs::read(self.creds.join("ca.pem")).unwrap();
+                for c in rustls::pki_types::CertificateDer::pem_slice_iter(&ca) {
+                    roots.add(c.unwrap()).unwrap();
+                }
+                let provider = Arc::new(rustls::crypto::ring::default_provider());
+                let mut config = rustls::ClientConfig::builder_with_provider(provider)
+                    .with_safe_default_protocol_versions()
+                    .unwrap()
+                    .with_root_certificates(roots)
+                    .with_no_client_auth();
+                config.alpn_protocols = vec![wire::ALPN.to_vec()];
+                let name = rustls::pki_types::ServerName::try_from("kv.dinomo").unwrap();
+                Some((Arc::new(config), name))
+            }
+        };
+        let hello = async {
+            let tcp = tokio::net::TcpStream::connect(addr).await.ok()?;
+            let mut io: Box<dyn Io> = match tls {
+                None => Box::new(tcp),
+                Some((config, name)) => Box::new(
+                    dinomo_security::tokio_rustls::TlsConnector::from(config)
+                        .connect(name, tcp)
+                        .await
+                        .ok()?,
+                ),
+            };
+            io.write_all(&wire::PREFACE).await.ok()?;
+            let mut buf = bytes::BytesMut::new();
+            loop {
+                if let Some(r) = wire::decode::<dinomo_proto::kv::KvResponse>(&mut buf).ok()? {
+                    return Some(r);
+                }
+                if io.read_buf(&mut buf).await.ok()? == 0 {
+                    return None;
+                }
+            }
+        };
+        match tokio::time::timeout(Duration::from_secs(5), hello).await {
+            Ok(Some(r)) => Code::from_i32(r.code),
+            _ => Code::Unavailable,
+        }
+    }
+}
+
+trait Io: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin {}
+impl<T: tokio::io::AsyncRead + tokio::io::AsyncWrite + Send + Unpin> Io for T {}
+
+/// The row of the KV wire in the matrix: who may open one (the Pipeline RPC's roles).
+const WIRE_ROW: (&str, &str) = ("KV wire (hello)", "c");
+
 /// Every metadata entry, read as the admin (the map, the monitor's term and endpoint, the
 /// reconfiguration record, the KNs' records): what a refused call must not change.
 async fn metadata(callers: &Callers, dpm: &str) -> Vec<(String, Vec<u8>)> {
@@ -211,6 +286,7 @@ async fn every_rpc_admits_exactly_the_roles_of_its_row() {
     };
 
     let mut table = vec![vec![String::new(); WHO.len()]; RPCS.len()];
+    let mut wire_row = vec![String::new(); WHO.len()];
     // Refused calls first, and the metadata must not change through them.
     // The monitor publishes its endpoint once it serves, which may be just after `up` is
     // ready: wait for it, so that the cluster's own writes are done before the comparison.
@@ -243,6 +319,21 @@ async fn every_rpc_admits_exactly_the_roles_of_its_row() {
                 assert!(ok, "{path} as {}: {code:?}", label(who));
             }
         }
+        for (j, &who) in WHO.iter().enumerate() {
+            let allowed = matches!(who, Who::Role(_, r) if WIRE_ROW.1.contains(r));
+            if allowed != allowed_phase {
+                continue;
+            }
+            let code = callers.wire(who, &addr(Service::Kv)).await;
+            wire_row[j] = format!("{code:?}");
+            let ok = match who {
+                Who::Plain | Who::ForeignCa => code == Code::Unavailable,
+                Who::NoCert => code == Code::Unauthenticated,
+                Who::Role(..) if allowed => code == Code::Ok,
+                Who::Role(..) => code == Code::PermissionDenied,
+            };
+            assert!(ok, "the KV wire as {}: {code:?}", label(who));
+        }
         if !allowed_phase {
             let after = metadata(&callers, &up.dpm_addr()).await;
             assert_eq!(
@@ -266,6 +357,7 @@ async fn every_rpc_admits_exactly_the_roles_of_its_row() {
             table[i].join(" | ")
         );
     }
+    println!("| {} | {} |", WIRE_ROW.0, wire_row.join(" | "));
 }
 
 /// Runs `dinomo <args>` from `cwd` with no credentials flag or variable; (success, output).

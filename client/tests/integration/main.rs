@@ -2,4 +2,5 @@
 
 mod latency_reports;
 mod pipeline;
+mod wire;
 mod write_outcome;

@@ -1,4 +1,5 @@
-//! Many operations share one Pipeline stream per KV node: each gets its own answer whatever
+//! Many operations share one Pipeline stream per KV node (the gRPC transport; wire.rs has the
+//! same for the KV wire): each gets its own answer whatever
 //! order the node answers in, and a stream that fails is replaced by a new one on which the
 //! reads are retried.
 
@@ -8,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
-use dinomo_client::{Client, ClientConfig};
+use dinomo_client::{Client, ClientConfig, KvTransport};
 use dinomo_placement::{ClusterMap, KnInfo};
 use dinomo_proto::kv;
 use dinomo_proto::kv::kv_service_server::{KvService, KvServiceServer};
@@ -145,13 +146,14 @@ async fn setup(fail_first_after: usize) -> (Client, Arc<AtomicUsize>) {
             .serve_with_incoming(dinomo_proto::nodelay_incoming(l)),
     );
     let mut cfg = ClientConfig::new(&[routing]);
+    cfg.transport = KvTransport::Grpc; // the fake KN serves gRPC only
     cfg.deadline = Duration::from_secs(10);
     cfg.report_latency = false;
     (Client::connect_with(cfg).await.unwrap(), streams)
 }
 
 /// Reads of `n` distinct keys, all in flight at once from clones of one client.
-async fn read_all(client: &Client, n: usize) {
+pub(crate) async fn read_all(client: &Client, n: usize) {
     let reads = (0..n).map(|i| {
         let client = client.clone();
         tokio::spawn(async move {

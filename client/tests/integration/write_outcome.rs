@@ -5,7 +5,7 @@
 use std::pin::Pin;
 use std::time::Duration;
 
-use dinomo_client::{Client, ClientConfig, ClientError};
+use dinomo_client::{Client, ClientConfig, ClientError, KvTransport};
 use dinomo_placement::{ClusterMap, KnInfo};
 use dinomo_proto::kv;
 use dinomo_proto::kv::kv_service_server::{KvService, KvServiceServer};
@@ -42,8 +42,14 @@ impl RoutingService for FixedMap {
     }
 }
 
-/// A client whose only KN is at `kn`, through a fake routing node.
+/// A client whose only KN is at `kn`, through a fake routing node, on the gRPC transport (the
+/// fake KNs here speak gRPC; wire.rs has the same cases for the KV wire).
 async fn client_of(kn: std::net::SocketAddr) -> Client {
+    client_over(kn, KvTransport::Grpc).await
+}
+
+/// A client whose only KN is at `kn`, through a fake routing node, on `transport`.
+pub(crate) async fn client_over(kn: std::net::SocketAddr, transport: KvTransport) -> Client {
     let map = ClusterMap::new(
         vec![KnInfo {
             id: 1,
@@ -63,6 +69,8 @@ async fn client_of(kn: std::net::SocketAddr) -> Client {
     let mut cfg = ClientConfig::new(&[routing]);
     cfg.deadline = Duration::from_millis(500);
     cfg.rpc_timeout = Duration::from_secs(2);
+    cfg.report_latency = false;
+    cfg.transport = transport;
     Client::connect_with(cfg).await.unwrap()
 }
 
