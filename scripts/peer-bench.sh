@@ -21,7 +21,9 @@
 #   --duration S      seconds measured per workload (default 8)
 #   --workloads LIST  run workloads after the load (default a,b,c)
 #   --kns N           KV nodes of the Dinomo cluster (default 2)
-#   --kv-transport T  how the SDK reaches the KV nodes: wire (default) or grpc
+#   --kv-transport T  how the SDK reaches the KV nodes: wire (default) or grpc, or a list
+#                     (wire,grpc): each is measured against the same cluster and the same
+#                     Redis runs, alternating per workload (the load runs with the first)
 #   --insecure        run the Dinomo cluster with --insecure (plain text, as Redis runs);
 #                     default: TLS, as `dinomo up` starts it
 #   --port-base N     the Dinomo cluster's port base (default 27700); Redis uses BASE-1000
@@ -101,50 +103,56 @@ if [ "$insecure" = 1 ]; then export DINOMO_INSECURE=1; else export DINOMO_CREDEN
 common=(--records "$records" --value-size "$value_size" --clients "$clients" --outstanding "$outstanding"
   --connections "$connections")
 [ -n "$threads" ] && common+=(--threads "$threads")
-bench() { # system workload extra...
-  local sys=$1 wl=$2; shift 2
-  local target
+bench() { # system transport workload extra...
+  local sys=$1 tr=$2 wl=$3; shift 3
+  local target name=$sys
   if [ "$sys" = dinomo ]; then
     target="dinomo://$routing"
-    set -- --kv-transport "$kv_transport" "$@"
+    name="dinomo-$tr"
+    set -- --kv-transport "$tr" "$@"
   else
     target="redis://127.0.0.1:$redis_port"
   fi
-  echo "== $sys $wl" >&2
+  echo "== $name $wl" >&2
   "$dinomo" bench --target "$target" --workload "$wl" "${common[@]}" "$@" \
-    --json "$out/$sys-$wl.json" >"$out/$sys-$wl.txt" 2>&1
+    --json "$out/$name-$wl.json" >"$out/$name-$wl.txt" 2>&1
 }
-for sys in dinomo redis; do
-  bench "$sys" load --operations "$records"
-  IFS=, read -ra wls <<<"$workloads"
-  for wl in "${wls[@]}"; do
-    bench "$sys" "$wl" --warmup "$warmup" --duration "$duration"
+IFS=, read -ra transports <<<"$kv_transport"
+IFS=, read -ra wls <<<"$workloads"
+bench dinomo "${transports[0]}" load --operations "$records"
+bench redis - load --operations "$records"
+for wl in "${wls[@]}"; do
+  for tr in "${transports[@]}"; do
+    bench dinomo "$tr" "$wl" --warmup "$warmup" --duration "$duration"
   done
+  bench redis - "$wl" --warmup "$warmup" --duration "$duration"
 done
 
 if [ "$insecure" = 1 ]; then mode="plain text"; else mode=TLS; fi
-echo "Dinomo: $kns KNs, KV $kv_transport, $mode; Redis: plain text, AOF everysec"
-python3 - "$out" "load,$workloads" <<'EOF'
-import json, sys
-out, wls = sys.argv[1], sys.argv[2].split(",")
+echo "Dinomo: $kns KNs, $mode; Redis: plain text, AOF everysec; $clients clients x $outstanding outstanding over $connections connection(s)"
+python3 - "$out" "load,$workloads" "$kv_transport" <<'EOF'
+import json, os, sys
+out, wls, transports = sys.argv[1], sys.argv[2].split(","), sys.argv[3].split(",")
 def load(sys_, wl):
     with open(f"{out}/{sys_}-{wl}.json") as f:
         return json.load(f)
 def lat(s):
     all_ = [l for l in s["run"]["latency"] if l["op"] == "ALL"] or s["run"]["latency"]
     return all_[0]
-print("| workload | Dinomo ops/s | Redis ops/s | ratio | Dinomo p50 / p99 us | Redis p50 / p99 us | RTs/op | client CPU us/op | KN CPU us/op (sum) | Redis CPU us/op |")
-print("|---|---|---|---|---|---|---|---|---|---|")
-for wl in wls:
-    d, r = load("dinomo", wl), load("redis", wl)
+print("| workload | KV transport | Dinomo ops/s | Redis ops/s | ratio | Dinomo p50 / p99 us | Redis p50 / p99 us | RTs/op | client CPU us/op | KN CPU us/op (sum) | Redis client / server CPU us/op |")
+print("|---|---|---|---|---|---|---|---|---|---|---|")
+for wl, tr in [(w, t) for w in wls for t in transports]:
+    if not os.path.exists(f"{out}/dinomo-{tr}-{wl}.json"):
+        continue
+    d, r = load(f"dinomo-{tr}", wl), load("redis", wl)
     dl, rl = lat(d), lat(r)
     dt, rt = d["run"]["throughput_ops_per_s"], r["run"]["throughput_ops_per_s"]
     cpu = {c["name"]: c["us_per_op"] for c in d.get("cpu", [])}
     kn = sum(v for k, v in cpu.items() if k.startswith("kv-node"))
     rcpu = {c["name"]: c["us_per_op"] for c in r.get("cpu", [])}
     rts = d["dinomo"]["rts_per_op"] if d.get("dinomo") else float("nan")
-    print(f"| {wl} | {dt:,.0f} | {rt:,.0f} | {dt / rt:.2f} | {dl['p50_us']:.0f} / {dl['p99_us']:.0f} | "
+    print(f"| {wl} | {tr} | {dt:,.0f} | {rt:,.0f} | {dt / rt:.2f} | {dl['p50_us']:.0f} / {dl['p99_us']:.0f} | "
           f"{rl['p50_us']:.0f} / {rl['p99_us']:.0f} | {rts:.2f} | {cpu.get('client', float('nan')):.1f} | "
-          f"{kn:.1f} | {rcpu.get('redis-server', float('nan')):.1f} |")
+          f"{kn:.1f} | {rcpu.get('client', float('nan')):.1f} / {rcpu.get('redis-server', float('nan')):.1f} |")
 EOF
 echo "logs, texts and JSON summaries: $out" >&2

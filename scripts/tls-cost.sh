@@ -20,8 +20,9 @@
 #
 # Figures from a shared 2-core machine are noisy: read the ratio and the CPU per operation
 # (the KV nodes' figure sums both clusters' KNs: the idle cluster's add a little to both).
-# Only the gRPC paths (client-KN, KN-DPM control, monitor) change; the fabric data path is the
-# same in both clusters. Everything it starts is stopped on exit.
+# What changes: the client-KN data path (the KV wire, or the Pipeline RPC with
+# DINOMO_KV_TRANSPORT=grpc, over TLS or not) and the gRPC control paths (KN-DPM, monitor);
+# the fabric data path is the same in both clusters. Everything it starts is stopped on exit.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)

@@ -27,6 +27,7 @@ use dinomo_security::tokio_rustls::rustls::pki_types::ServerName;
 use dinomo_security::tokio_rustls::rustls::ClientConfig;
 use dinomo_security::tokio_rustls::TlsConnector;
 use futures::future::BoxFuture;
+use futures::FutureExt;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio::sync::{mpsc, Notify};
@@ -49,8 +50,8 @@ const KEEP_BUFFER_BYTES: usize = 4 << 20;
 /// Spare room kept in the read buffer for one read.
 const READ_ROOM: usize = 64 << 10;
 
-trait Io: AsyncRead + AsyncWrite + Send + Unpin {}
-impl<T: AsyncRead + AsyncWrite + Send + Unpin> Io for T {}
+type ReadHalf = Box<dyn AsyncRead + Send + Unpin>;
+type WriteHalf = Box<dyn AsyncWrite + Send + Unpin>;
 
 /// Opens KV-wire connections to one KV node.
 #[derive(Clone)]
@@ -93,46 +94,66 @@ impl Wire {
         Ok(Wire { authority, tls })
     }
 
-    /// Connects, sends the preface and waits for an OK hello.
-    async fn open(&self) -> Result<Box<dyn Io>, Status> {
-        let unavailable = |what: &str, e: &dyn std::fmt::Display| {
-            never_sent(Status::unavailable(format!(
-                "{}: {what}: {e}",
-                self.authority
-            )))
-        };
+    /// Connects, sends the preface and waits for an OK hello; the connection's halves.
+    async fn open(&self) -> Result<(ReadHalf, WriteHalf, BytesMut), Status> {
         let tcp = TcpStream::connect(&self.authority)
             .await
-            .map_err(|e| unavailable("cannot connect", &e))?;
+            .map_err(|e| self.unavailable("cannot connect", &e))?;
         let _ = tcp.set_nodelay(true);
-        let mut io: Box<dyn Io> = match &self.tls {
-            None => Box::new(tcp),
-            Some((config, name)) => Box::new(
-                TlsConnector::from(config.clone())
+        match &self.tls {
+            None => {
+                let mut tcp = tcp;
+                let rest = self.hello(&mut tcp).await?;
+                // A TCP stream splits without a lock (tokio's split of a TLS stream locks on
+                // every poll, and the reader then waits for the writer's lock).
+                let (rd, wr) = tcp.into_split();
+                Ok((Box::new(rd), Box::new(wr), rest))
+            }
+            Some((config, name)) => {
+                let mut tls = TlsConnector::from(config.clone())
                     .connect(name.clone(), tcp)
                     .await
-                    .map_err(|e| unavailable("TLS handshake", &e))?,
-            ),
-        };
+                    .map_err(|e| self.unavailable("TLS handshake", &e))?;
+                let rest = self.hello(&mut tls).await?;
+                let (rd, wr) = tokio::io::split(tls);
+                Ok((Box::new(rd), Box::new(wr), rest))
+            }
+        }
+    }
+
+    /// A failure to open, which never sent anything.
+    fn unavailable(&self, what: &str, e: &dyn std::fmt::Display) -> Status {
+        never_sent(Status::unavailable(format!(
+            "{}: {what}: {e}",
+            self.authority
+        )))
+    }
+
+    /// Sends the preface and reads the node's hello: OK, or its refusal. Returns what was read
+    /// after the hello (a goodbye may follow it at once).
+    async fn hello<IO: AsyncRead + AsyncWrite + Unpin>(
+        &self,
+        io: &mut IO,
+    ) -> Result<BytesMut, Status> {
         io.write_all(&wire::PREFACE)
             .await
-            .map_err(|e| unavailable("sending the preface", &e))?;
+            .map_err(|e| self.unavailable("sending the preface", &e))?;
         let mut buf = BytesMut::with_capacity(256);
         let hello = loop {
             match wire::decode::<pb::KvResponse>(&mut buf) {
                 Ok(Some(hello)) => break hello,
                 Ok(None) => {}
-                Err(e) => return Err(unavailable("the hello", &e)),
+                Err(e) => return Err(self.unavailable("the hello", &e)),
             }
             match io.read_buf(&mut buf).await {
                 Ok(0) => {
-                    return Err(unavailable(
+                    return Err(self.unavailable(
                         "the hello",
                         &"the KV node closed the connection (does it speak the KV wire?)",
                     ))
                 }
                 Ok(_) => {}
-                Err(e) => return Err(unavailable("the hello", &e)),
+                Err(e) => return Err(self.unavailable("the hello", &e)),
             }
         };
         if hello.code != 0 {
@@ -141,7 +162,7 @@ impl Wire {
                 format!("{}: {}", self.authority, hello.message),
             )));
         }
-        Ok(io)
+        Ok(buf)
     }
 }
 
@@ -153,8 +174,8 @@ impl Transport for Wire {
     ) -> BoxFuture<'static, Ended> {
         let wire = self.clone();
         Box::pin(async move {
-            let io = match tokio::time::timeout(OPEN_TIMEOUT, wire.open()).await {
-                Ok(Ok(io)) => io,
+            let (rd, wr, rest) = match tokio::time::timeout(OPEN_TIMEOUT, wire.open()).await {
+                Ok(Ok(opened)) => opened,
                 Ok(Err(status)) => return status.into(),
                 Err(_) => {
                     return never_sent(Status::unavailable(format!(
@@ -164,7 +185,6 @@ impl Transport for Wire {
                     .into()
                 }
             };
-            let (rd, wr) = tokio::io::split(io);
             let goodbye = Arc::new(Notify::new());
             let last_attempted = Arc::new(AtomicU64::new(0));
             let writer = tokio::spawn(write_requests(
@@ -173,7 +193,7 @@ impl Transport for Wire {
                 goodbye.clone(),
                 last_attempted.clone(),
             ));
-            let status = read_answers(rd, &answers, &wire.authority, &goodbye).await;
+            let status = read_answers(rd, rest, &answers, &wire.authority, &goodbye).await;
             writer.abort();
             // The writer is gone: nothing after the last id it tried to write left this
             // process.
@@ -192,7 +212,7 @@ impl Transport for Wire {
 /// write fails. `last_attempted` is the highest id handed to a write call: every id after it
 /// was never sent.
 async fn write_requests(
-    mut wr: tokio::io::WriteHalf<Box<dyn Io>>,
+    mut wr: WriteHalf,
     mut outbound: mpsc::UnboundedReceiver<pb::KvRequest>,
     goodbye: Arc<Notify>,
     last_attempted: Arc<AtomicU64>,
@@ -207,6 +227,14 @@ async fn write_requests(
         };
         if n == 0 {
             break; // the last NodeStream is gone
+        }
+        if n < MAX_REQUESTS_PER_WRITE {
+            // Callers just woken by answers are about to queue their next requests: let them
+            // run first, so that one write carries them all (nothing else runnable: no wait).
+            tokio::task::yield_now().await;
+            outbound
+                .recv_many(&mut batch, MAX_REQUESTS_PER_WRITE - n)
+                .now_or_never();
         }
         let mut requests = batch.drain(..).peekable();
         while requests.peek().is_some() {
@@ -232,30 +260,16 @@ async fn write_requests(
 /// with id 0) it tells the writer to stop and reads on: the node answers everything it read
 /// and then ends the connection.
 async fn read_answers(
-    mut rd: tokio::io::ReadHalf<Box<dyn Io>>,
+    mut rd: ReadHalf,
+    mut buf: BytesMut,
     answers: &Answers,
     authority: &str,
     goodbye: &Notify,
 ) -> Status {
-    let mut buf = BytesMut::with_capacity(READ_ROOM);
     let mut done = Vec::new();
     let mut stopping = false;
     loop {
-        if buf.capacity() - buf.len() < READ_ROOM / 4 {
-            buf.reserve(READ_ROOM);
-        }
-        match rd.read_buf(&mut buf).await {
-            Ok(0) if stopping => {
-                return Status::unavailable(format!("{authority}: the KV node stopped"))
-            }
-            Ok(0) => {
-                return Status::unavailable(format!(
-                    "{authority}: the KV node closed the connection"
-                ))
-            }
-            Ok(_) => {}
-            Err(e) => return Status::unavailable(format!("{authority}: {e}")),
-        }
+        // Whatever the buffer holds first: the hello's read may have brought more.
         loop {
             match wire::decode::<pb::KvResponse>(&mut buf) {
                 Ok(Some(r)) if r.id == 0 => {
@@ -276,5 +290,20 @@ async fn read_answers(
             }
         }
         answers.deliver(done.drain(..));
+        if buf.capacity() - buf.len() < READ_ROOM / 4 {
+            buf.reserve(READ_ROOM);
+        }
+        match rd.read_buf(&mut buf).await {
+            Ok(0) if stopping => {
+                return Status::unavailable(format!("{authority}: the KV node stopped"))
+            }
+            Ok(0) => {
+                return Status::unavailable(format!(
+                    "{authority}: the KV node closed the connection"
+                ))
+            }
+            Ok(_) => {}
+            Err(e) => return Status::unavailable(format!("{authority}: {e}")),
+        }
     }
 }

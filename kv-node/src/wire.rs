@@ -24,7 +24,8 @@ use std::time::{Duration, Instant};
 use bytes::BytesMut;
 use dinomo_proto::kv as pb;
 use dinomo_proto::wire;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadHalf};
+use futures::FutureExt;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::sync::{mpsc, watch, Semaphore};
 
 use crate::error::KvError;
@@ -55,15 +56,42 @@ const READ_ROOM: usize = 64 << 10;
 /// Serves a connection whose transport (plain TCP, or TLS with the wire's ALPN) is set up:
 /// reads the preface, answers the hello (`admitted`: whether the access table lets this caller
 /// call the Pipeline RPC), then runs requests until the client or the server ends it.
+/// A connection that splits into a read and a write half, so that reading and writing go on at
+/// once. A TCP stream splits without a lock; a TLS stream, whose state both halves share,
+/// through tokio's locking split.
+pub(crate) trait Split {
+    type Read: AsyncRead + Send + Unpin + 'static;
+    type Write: AsyncWrite + Send + Unpin + 'static;
+    fn split_halves(self) -> (Self::Read, Self::Write);
+}
+
+impl Split for tokio::net::TcpStream {
+    type Read = tokio::net::tcp::OwnedReadHalf;
+    type Write = tokio::net::tcp::OwnedWriteHalf;
+    fn split_halves(self) -> (Self::Read, Self::Write) {
+        self.into_split()
+    }
+}
+
+type TlsStream = dinomo_security::tokio_rustls::server::TlsStream<tokio::net::TcpStream>;
+
+impl Split for TlsStream {
+    type Read = tokio::io::ReadHalf<TlsStream>;
+    type Write = tokio::io::WriteHalf<TlsStream>;
+    fn split_halves(self) -> (Self::Read, Self::Write) {
+        tokio::io::split(self)
+    }
+}
+
 pub(crate) async fn serve<IO>(
     io: IO,
     node: Arc<KvNode>,
     admitted: Result<(), tonic::Status>,
     stopping: watch::Receiver<bool>,
 ) where
-    IO: AsyncRead + AsyncWrite + Send + 'static,
+    IO: Split,
 {
-    let (mut rd, mut wr) = tokio::io::split(io);
+    let (mut rd, mut wr) = io.split_halves();
     let mut preface = [0u8; wire::PREFACE.len()];
     match tokio::time::timeout(PREFACE_TIMEOUT, rd.read_exact(&mut preface)).await {
         Ok(Ok(_)) => {}
@@ -117,6 +145,13 @@ pub(crate) async fn serve<IO>(
     // Ends when every sender of the queue is gone: the reader's (it stopped reading) and the
     // shards' (every request submitted has been answered).
     while answers.recv_many(&mut batch, MAX_ANSWERS_PER_WRITE).await > 0 {
+        if batch.len() < MAX_ANSWERS_PER_WRITE {
+            // Shards answering the rest of a submission run next: let them, so that one write
+            // carries their answers too (nothing else runnable: no wait).
+            tokio::task::yield_now().await;
+            let room = MAX_ANSWERS_PER_WRITE - batch.len();
+            answers.recv_many(&mut batch, room).now_or_never();
+        }
         out.clear();
         let mut encoded = 0;
         for a in batch.drain(..) {
@@ -146,8 +181,8 @@ pub(crate) async fn serve<IO>(
 }
 
 /// Writes `out`; on failure (the client is gone) stops the reader and says false.
-async fn write<W: AsyncWrite>(
-    wr: &mut tokio::io::WriteHalf<W>,
+async fn write<W: AsyncWrite + Unpin>(
+    wr: &mut W,
     out: &[u8],
     reader: &tokio::task::JoinHandle<()>,
 ) -> bool {
@@ -167,8 +202,8 @@ async fn write<W: AsyncWrite>(
 /// When the server stops, it says goodbye (an answer with id 0, UNAVAILABLE) and from then on
 /// answers every request UNAVAILABLE without running it (the client sent them before it saw
 /// the goodbye), until the client ends its side or [`DRAIN_LIMIT`] has passed.
-async fn read_requests<IO: AsyncRead>(
-    mut rd: ReadHalf<IO>,
+async fn read_requests<R: AsyncRead + Unpin>(
+    mut rd: R,
     node: Arc<KvNode>,
     to: AnswerSink,
     slots: Arc<Semaphore>,
