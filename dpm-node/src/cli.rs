@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use crate::config::{DpmConfigFile, FabricKind};
+use crate::config::{DpmConfigFile, FabricKind, ReplicaRole};
 use anyhow::Context;
 use clap::Parser;
 use dinomo_node_common::config::{load_toml, ByteSize};
@@ -54,6 +54,16 @@ pub struct Args {
     /// Merge worker threads (overrides merge_workers).
     #[arg(long, env = "DINOMO_DPM_MERGE_WORKERS")]
     pub merge_workers: Option<usize>,
+    /// primary (the default) or backup: a backup holds a mirror of a primary's pool, written
+    /// only by the primary that attaches it (over the tcp fabric NIC on --fabric-listen), and
+    /// is promoted by starting it again as a primary on the same pool (overrides role).
+    #[arg(long, env = "DINOMO_DPM_ROLE")]
+    pub role: Option<ReplicaRole>,
+    /// A backup's gRPC address, repeatable or comma-separated: this primary replicates its
+    /// pool to each one, and acknowledges a write only once every backup in sync holds it
+    /// (needs --fabric tcp; overrides backups).
+    #[arg(long = "backup", env = "DINOMO_DPM_BACKUPS", value_delimiter = ',')]
+    pub backups: Vec<String>,
     /// Print "READY grpc=<addr> fabric=<endpoint>" on stdout once serving (for harnesses;
     /// the endpoint is the tcp NIC's address, shm:<pool> or verbs:<side channel address>).
     #[arg(long)]
@@ -105,6 +115,12 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
     if let Some(v) = args.merge_workers {
         file.merge_workers = v;
+    }
+    if let Some(v) = args.role {
+        file.role = v;
+    }
+    if !args.backups.is_empty() {
+        file.backups = args.backups;
     }
     let mut config = file.validate().context("invalid configuration")?;
     config.security = args.security.node("dpm", dinomo_security::Role::Node)?;

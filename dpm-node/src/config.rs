@@ -87,6 +87,38 @@ pub struct DpmConfigFile {
     /// index walk each time, and merges run one at a time). A mismatch fails the MergeAll that
     /// saw it and is counted in `dinomo_dpm_accounting_mismatches_total`.
     pub verify_accounting: bool,
+    /// "primary" (the default: owns the pool and serves KNs) or "backup" (a replica: its pool
+    /// is written only by a primary that attaches it, over the tcp fabric NIC on
+    /// `fabric_listen`; docs/decisions/0007-dpm-replication.md).
+    #[serde(deserialize_with = "from_str_field")]
+    pub role: ReplicaRole,
+    /// gRPC addresses of the backups a primary replicates its pool to (empty: no replication).
+    /// Needs `fabric = "tcp"`. Every acknowledgement then waits for every backup in sync.
+    pub backups: Vec<String>,
+    /// Milliseconds a backup may take to acknowledge a WRITE before it counts as failed (the
+    /// primary then acknowledges nothing until it is removed or added again).
+    pub replica_ack_timeout_ms: u64,
+}
+
+/// What a dpm-node is in a replica set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ReplicaRole {
+    #[default]
+    Primary,
+    Backup,
+}
+
+impl std::str::FromStr for ReplicaRole {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "primary" => Ok(ReplicaRole::Primary),
+            "backup" => Ok(ReplicaRole::Backup),
+            other => Err(format!(
+                "unknown role {other:?}: expected primary or backup"
+            )),
+        }
+    }
 }
 
 impl Default for DpmConfigFile {
@@ -112,6 +144,9 @@ impl Default for DpmConfigFile {
             metrics_listen: "127.0.0.1:9700".into(),
             max_grants: 256,
             verify_accounting: false,
+            role: ReplicaRole::Primary,
+            backups: Vec::new(),
+            replica_ack_timeout_ms: 5000,
         }
     }
 }
@@ -171,6 +206,9 @@ pub struct DpmConfig {
     pub metrics_listen: Option<SocketAddr>,
     pub max_grants: u32,
     pub verify_accounting: bool,
+    pub role: ReplicaRole,
+    pub backups: Vec<String>,
+    pub replica_ack_timeout: std::time::Duration,
     /// TLS and access checks on the gRPC port; from the command line (`--credentials`,
     /// `--insecure`), never from the file. A config built in process (tests) serves in plain
     /// text until told otherwise.
@@ -241,7 +279,36 @@ impl DpmConfigFile {
             ));
         }
         let fabric_listen = addr("fabric_listen", &self.fabric_listen)?;
-        if fabric.has_nic() {
+        if !self.backups.is_empty() {
+            if self.role == ReplicaRole::Backup {
+                return Err(invalid(
+                    "backups",
+                    "a backup has no backups of its own: set them on the primary",
+                ));
+            }
+            if fabric != FabricKind::Tcp {
+                return Err(invalid(
+                    "backups",
+                    format!(
+                        "replication needs fabric = \"tcp\", not {fabric:?}: on shm the KNs \
+                         store into the pool file themselves and on verbs the RDMA NIC does, so \
+                         the primary never sees their writes to ship them to the backups"
+                    ),
+                ));
+            }
+            for b in &self.backups {
+                if b.trim().is_empty() || !b.contains(':') {
+                    return Err(invalid(
+                        "backups",
+                        format!("{b:?} is not a backup's gRPC address (host:port)"),
+                    ));
+                }
+            }
+        }
+        if self.replica_ack_timeout_ms == 0 {
+            return Err(invalid("replica_ack_timeout_ms", "must be at least 1"));
+        }
+        if fabric.has_nic() || self.role == ReplicaRole::Backup {
             dinomo_node_common::address::advertise_address(
                 "fabric_advertise",
                 fabric_listen,
@@ -271,6 +338,9 @@ impl DpmConfigFile {
             },
             max_grants: self.max_grants.max(1),
             verify_accounting: self.verify_accounting,
+            role: self.role,
+            backups: self.backups,
+            replica_ack_timeout: std::time::Duration::from_millis(self.replica_ack_timeout_ms),
             security: dinomo_security::Security::Insecure,
         })
     }

@@ -52,6 +52,9 @@ use crate::segments::{LogId, SegmentGrant, Segments, Tier, CLEANER_KN};
 /// The cluster map's name in the metadata (KNs, routing nodes and monitors read it there).
 pub const CLUSTER_MAP_KEY: &str = "cluster/map";
 
+/// Where the pool's replica term is kept (written only by [`Dpm::next_replica_term`]).
+const REPLICA_TERM_KEY: &str = "dpm/replica-term";
+
 /// Where the map a KN was fenced under is kept (see [`Dpm::confirm_serving`]).
 fn fenced_under_key(kn: u32) -> String {
     format!("dpm/fenced-under/{kn}")
@@ -1034,6 +1037,22 @@ impl Dpm {
         let term = self.meta.new_monitor_term()?;
         metrics::gauge!("dinomo_dpm_monitor_term").set(term as f64);
         tracing::info!(term, "a new monitor term started");
+        Ok(term)
+    }
+
+    /// Starts the next replica term of this pool (docs/decisions/0007): one more than the
+    /// newest of `at_least` and the term recorded in the pool, persisted before it is
+    /// returned. A primary takes one at start; backups refuse older ones from then on.
+    pub fn next_replica_term(&self, at_least: u64) -> Result<u64> {
+        let recorded = self
+            .meta
+            .get(REPLICA_TERM_KEY)
+            .and_then(|v| <[u8; 8]>::try_from(v.as_slice()).ok())
+            .map_or(0, u64::from_le_bytes);
+        let term = recorded.max(at_least) + 1;
+        self.meta
+            .update(&[(REPLICA_TERM_KEY, Some(&term.to_le_bytes()[..]))])?;
+        tracing::info!(term, "a new replica term started");
         Ok(term)
     }
 

@@ -91,6 +91,17 @@ pub enum DpmError {
     /// The `verify_accounting` debug check found counters that differ from a recount.
     #[error("live-byte accounting differs from the index: {0}")]
     Accounting(String),
+    /// A primary of an older replica term asked a backup to take its writes: a newer primary
+    /// attached since (docs/decisions/0007-dpm-replication.md).
+    #[error(
+        "replica term {given} is stale: this backup accepted term {current} since, so a newer \
+         primary exists; this primary must stop"
+    )]
+    StaleTerm { given: u64, current: u64 },
+    /// A replication request reached a node in the other role, or the replicas did not
+    /// acknowledge.
+    #[error("replication: {0}")]
+    Replication(String),
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
     #[error("configuration: {0}")]

@@ -4,7 +4,8 @@
 //!
 //! Modules: [`pool`] (the file and its areas), [`index`] (P-CLHT-like table), [`segments`]
 //! (allocator, log chains, live bytes), [`cells`] (indirect cells), [`merge`] (log -> index), [`gc`],
-//! [`fenced_procs`] (shm KNs fenced while still running), [`metastore`], [`limits`] (what
+//! [`fenced_procs`] (shm KNs fenced while still running), [`metastore`], [`replication`]
+//! (backups mirroring the pool), [`limits`] (what
 //! callers may send), [`dpm`] (the whole node as a library), [`service`] (gRPC), [`config`],
 //! [`server`] (runs it).
 
@@ -20,6 +21,7 @@ pub mod limits;
 pub mod merge;
 pub mod metastore;
 pub mod pool;
+pub mod replication;
 pub mod segments;
 pub mod server;
 pub mod service;

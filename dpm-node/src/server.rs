@@ -19,10 +19,12 @@ use dinomo_fabric::tcp::TcpNic;
 #[cfg(feature = "rdma")]
 use dinomo_fabric::verbs::VerbsNic;
 use dinomo_proto::dpm::dpm_service_server::DpmServiceServer;
+use dinomo_proto::dpm::replica_service_server::ReplicaServiceServer;
 
-use crate::config::{DpmConfig, FabricKind};
+use crate::config::{DpmConfig, FabricKind, ReplicaRole};
 use crate::dpm::Dpm;
 use crate::error::{DpmError, Result};
+use crate::replication::{Backup, Primary, ReplicaGrpc, ReplicatorOptions};
 use crate::service::DpmGrpc;
 
 /// A running node's addresses (ports resolved when the config asked for port 0).
@@ -163,6 +165,9 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
     ready: impl FnOnce(&Running) + Send,
 ) -> Result<()> {
+    if config.role == ReplicaRole::Backup {
+        return run_backup(config, shutdown, ready).await;
+    }
     let dpm = tokio::task::spawn_blocking(move || Dpm::open(config))
         .await
         .map_err(|e| DpmError::Config(format!("opening the DPM panicked: {e}")))??;
@@ -194,6 +199,7 @@ pub async fn run(
         grpc: listener.local_addr()?,
         fabric,
     };
+    let (replica, deposed) = start_replication(&dpm, running.grpc).await?;
     tracing::info!(grpc = %running.grpc, fabric = %running.fabric, kind = ?dpm.config.fabric, "dpm-node serving");
     ready(&running);
 
@@ -205,7 +211,19 @@ pub async fn run(
     // The pool is open and every listener bound: the node can do its job from now on.
     let (health, health_service) = dinomo_node_common::health::Health::new().await;
     health.set(true).await;
-    let shutdown = health.on_shutdown(shutdown);
+    let shutdown = health.on_shutdown(async move {
+        // A backup answering with a newer term means another primary took over: stop.
+        let deposed = async {
+            if deposed.await.is_err() {
+                // Every backup attached: nothing can depose this node from here on.
+                std::future::pending::<()>().await;
+            }
+        };
+        tokio::select! {
+            _ = shutdown => {}
+            _ = deposed => {}
+        }
+    });
     let (stopping_tx, stopping_rx) = tokio::sync::oneshot::channel::<()>();
     let signal = async move {
         shutdown.await;
@@ -218,6 +236,7 @@ pub async fn run(
         .map_err(|e| DpmError::Config(format!("TLS: {e}")))?
         .add_service(health_service)
         .add_service(svc)
+        .add_service(ReplicaServiceServer::new(replica.clone()))
         .serve_with_incoming_shutdown(dinomo_proto::nodelay_incoming(listener), signal);
     let served = tokio::select! {
         r = serve => r,
@@ -233,10 +252,100 @@ pub async fn run(
     let _ = gauges.await; // releases its handle on the NIC
     drop(detach);
     drop(nic);
+    if let ReplicaGrpc::Primary(p) = &replica {
+        p.shutdown();
+    }
     let d = dpm.clone();
     tokio::task::spawn_blocking(move || d.shutdown()).await.ok();
     served.map_err(|e| DpmError::Config(format!("gRPC server failed: {e}")))?;
     tracing::info!("dpm-node stopped");
+    Ok(())
+}
+
+/// Starts replication when the config names backups: takes the next replica term, then
+/// attaches each backup in the background (retrying every second while it cannot be reached).
+/// The returned future completes if a backup refuses this primary's term: another primary has
+/// taken over, and this one must stop.
+async fn start_replication(
+    dpm: &Arc<Dpm>,
+    grpc: SocketAddr,
+) -> Result<(ReplicaGrpc, tokio::sync::oneshot::Receiver<()>)> {
+    let (deposed_tx, deposed) = tokio::sync::oneshot::channel();
+    if dpm.config.backups.is_empty() {
+        drop(deposed_tx); // the receiver then waits forever (see its use)
+        return Ok((ReplicaGrpc::Standalone, deposed));
+    }
+    let address = dinomo_node_common::address::advertise_address("listen", grpc, "")
+        .map_err(DpmError::Config)?;
+    let opts = ReplicatorOptions {
+        ack_timeout: dpm.config.replica_ack_timeout,
+    };
+    let (d, security) = (dpm.clone(), dpm.config.security.clone());
+    let primary = tokio::task::spawn_blocking(move || Primary::start(d, address, security, opts))
+        .await
+        .map_err(|e| DpmError::Config(format!("starting replication panicked: {e}")))??;
+    tracing::info!(term = primary.term(), backups = ?dpm.config.backups, "replication on: attaching the backups");
+    let deposed_tx = Arc::new(parking_lot::Mutex::new(Some(deposed_tx)));
+    for backup in dpm.config.backups.clone() {
+        let (primary, deposed_tx) = (primary.clone(), deposed_tx.clone());
+        tokio::spawn(async move {
+            loop {
+                match primary.add_backup(&backup).await {
+                    Ok(()) => return,
+                    Err(DpmError::Replication(why)) if why.contains("stale") => {
+                        tracing::error!(%backup, reason = %why, "a newer primary attached this backup: stopping");
+                        if let Some(tx) = deposed_tx.lock().take() {
+                            let _ = tx.send(());
+                        }
+                        return;
+                    }
+                    Err(e) => {
+                        tracing::warn!(%backup, error = %e, "cannot attach the backup yet; retrying in 1 s");
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                    }
+                }
+            }
+        });
+    }
+    Ok((ReplicaGrpc::Primary(primary), deposed))
+}
+
+/// Runs a backup (see [`crate::replication::backup`]): the ReplicaService and health on the
+/// gRPC port; the fabric NIC starts when a primary attaches.
+async fn run_backup(
+    config: DpmConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    ready: impl FnOnce(&Running) + Send,
+) -> Result<()> {
+    let backup = Arc::new(Backup::new(
+        config.pool_path.clone(),
+        config.durability,
+        config.fabric_listen,
+        config.fabric_advertise.clone(),
+    )?);
+    let listener = tokio::net::TcpListener::bind(config.listen)
+        .await
+        .map_err(|e| DpmError::Config(format!("cannot listen on {}: {e}", config.listen)))?;
+    let running = Running {
+        grpc: listener.local_addr()?,
+        fabric: FabricEndpoint::Tcp(config.fabric_listen),
+    };
+    tracing::info!(grpc = %running.grpc, "dpm-node serving as a backup");
+    ready(&running);
+    let (health, health_service) = dinomo_node_common::health::Health::new().await;
+    health.set(true).await;
+    let shutdown = health.on_shutdown(shutdown);
+    let security = &config.security;
+    security.warn_if_insecure("dpm-node (backup)", running.grpc);
+    security
+        .server_builder()
+        .map_err(|e| DpmError::Config(format!("TLS: {e}")))?
+        .add_service(health_service)
+        .add_service(ReplicaServiceServer::new(ReplicaGrpc::Backup(backup)))
+        .serve_with_incoming_shutdown(dinomo_proto::nodelay_incoming(listener), shutdown)
+        .await
+        .map_err(|e| DpmError::Config(format!("gRPC server failed: {e}")))?;
+    tracing::info!("backup stopped");
     Ok(())
 }
 

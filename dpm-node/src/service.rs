@@ -82,6 +82,8 @@ pub fn to_status(e: DpmError) -> Status {
         | DpmError::CellsFull { .. }
         | DpmError::MetadataFull { .. }
         | DpmError::MetadataTooLarge { .. } => Status::resource_exhausted(msg),
+        DpmError::StaleTerm { .. } => Status::failed_precondition(msg),
+        DpmError::Replication(_) => Status::unavailable(msg),
         _ => Status::internal(msg),
     }
 }
@@ -108,10 +110,28 @@ impl DpmGrpc {
         f: impl FnOnce(&Dpm) -> Result<T, DpmError> + Send + 'static,
     ) -> Result<T, Status> {
         let dpm = self.dpm.clone();
-        tokio::task::spawn_blocking(move || f(&dpm))
+        let out = tokio::task::spawn_blocking(move || f(&dpm))
             .await
             .map_err(|e| Status::internal(format!("DPM task failed: {e}")))?
-            .map_err(to_status)
+            .map_err(to_status)?;
+        self.replicated().await?;
+        Ok(out)
+    }
+
+    /// Waits until what this node persisted so far is at every backup that must acknowledge
+    /// (at once without replication): an answer never reports, or shows, a change that the
+    /// primary's loss could still take back.
+    async fn replicated(&self) -> Result<(), Status> {
+        self.dpm
+            .pool()
+            .region()
+            .mirror_barrier()
+            .await
+            .map_err(|e| {
+                Status::unavailable(format!(
+                    "the memory node's backups did not acknowledge ({e}); the outcome is unknown"
+                ))
+            })
     }
 }
 
@@ -204,9 +224,9 @@ impl DpmService for DpmGrpc {
         req: Request<pb::PendingSegmentsRequest>,
     ) -> Result<Response<pb::PendingSegmentsResponse>, Status> {
         let kn = req.into_inner().kn_id;
-        Ok(Response::new(pb::PendingSegmentsResponse {
-            pending_ids: self.dpm.pending_segment_ids(kn),
-        }))
+        let pending_ids = self.dpm.pending_segment_ids(kn);
+        self.replicated().await?;
+        Ok(Response::new(pb::PendingSegmentsResponse { pending_ids }))
     }
 
     async fn confirm_serving(
@@ -353,9 +373,9 @@ impl DpmService for DpmGrpc {
         req: Request<pb::GetMetadataRequest>,
     ) -> Result<Response<pb::GetMetadataResponse>, Status> {
         let name = req.into_inner().name;
-        Ok(Response::new(pb::GetMetadataResponse {
-            value: self.dpm.get_metadata(&name),
-        }))
+        let value = self.dpm.get_metadata(&name);
+        self.replicated().await?;
+        Ok(Response::new(pb::GetMetadataResponse { value }))
     }
 
     async fn list_metadata(
@@ -366,6 +386,7 @@ impl DpmService for DpmGrpc {
         let (entries, left_out) = self
             .dpm
             .list_metadata_bounded(&prefix, limits::MAX_LIST_BYTES);
+        self.replicated().await?;
         let entries = entries
             .into_iter()
             .map(|(name, value)| pb::MetadataEntry { name, value })

@@ -31,6 +31,25 @@ pub fn validate(region: &PmRegion, ops: &[Op]) -> Result<()> {
     Ok(())
 }
 
+/// Applies operations like [`apply`], ordered against the region's mirror (see
+/// [`crate::mirror`]): a post that changes the region runs under the mirror gate shared, so its
+/// stores are recorded before any reader can take the gate; a read-only post takes the gate
+/// exclusively once it has read. The caller then waits for [`PmRegion::mirror_barrier`] before
+/// it answers. Without a mirror this is [`apply`].
+pub fn apply_mirrored(region: &PmRegion, ops: &[Op]) -> Result<Vec<Completion>> {
+    if !region.is_mirrored() {
+        return apply(region, ops);
+    }
+    if crate::mirror::mutates(ops) {
+        let _shared = region.mirror_gate().read();
+        apply(region, ops)
+    } else {
+        let out = apply(region, ops);
+        drop(region.mirror_gate().write());
+        out
+    }
+}
+
 /// Applies validated operations in order.
 pub fn apply(region: &PmRegion, ops: &[Op]) -> Result<Vec<Completion>> {
     validate(region, ops)?;

@@ -16,6 +16,7 @@ pub mod error;
 pub mod exec;
 pub mod fault;
 pub mod grants;
+pub mod mirror;
 pub mod op;
 pub mod pm;
 pub mod powerloss;

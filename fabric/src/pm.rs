@@ -34,8 +34,12 @@ use std::os::unix::fs::{FileTypeExt, MetadataExt};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 use std::sync::atomic::{fence, AtomicU64, Ordering};
+use std::sync::Arc;
+
+use parking_lot::RwLock;
 
 use crate::error::{FabricError, Result};
+use crate::mirror::PersistMirror;
 use crate::powerloss::{PersistHook, PowerLossImage, PowerLossStats, Shadow};
 
 /// How stores to the region are made durable.
@@ -115,6 +119,10 @@ pub struct PmRegion {
     path: PathBuf,
     /// The persisted lines, in `SimulatedPowerLoss` mode only.
     shadow: Option<Shadow>,
+    /// Where persists are also shipped (a replicated memory node's backups), if anywhere.
+    mirror: RwLock<Option<Arc<dyn PersistMirror>>>,
+    /// Orders fabric posts against the mirror's records (see [`crate::mirror`]).
+    gate: RwLock<()>,
     _file: File,
 }
 
@@ -303,6 +311,8 @@ impl PmRegion {
             durability,
             path: path.to_path_buf(),
             shadow: None,
+            mirror: RwLock::new(None),
+            gate: RwLock::new(()),
             _file: file,
         };
         if durability == Durability::SimulatedPowerLoss {
@@ -409,8 +419,43 @@ impl PmRegion {
         Ok(unsafe { AtomicU64::from_ptr(self.base.as_ptr().add(offset as usize).cast()) })
     }
 
-    /// Makes `[offset, offset + len)` durable according to the region's mode.
+    /// Makes `[offset, offset + len)` durable according to the region's mode, and records it
+    /// with the region's mirror, if one is installed (which does not wait for the replicas:
+    /// see [`PmRegion::mirror_barrier`]).
     pub fn persist(&self, offset: u64, len: u64) -> Result<()> {
+        self.persist_local(offset, len)?;
+        let mirror = self.mirror.read().clone();
+        match mirror {
+            Some(m) => m.record(self, offset, len),
+            None => Ok(()),
+        }
+    }
+
+    /// Installs (or removes) the mirror that every later persist is recorded with.
+    pub fn set_mirror(&self, mirror: Option<Arc<dyn PersistMirror>>) {
+        *self.mirror.write() = mirror;
+    }
+
+    /// True when a mirror is installed.
+    pub fn is_mirrored(&self) -> bool {
+        self.mirror.read().is_some()
+    }
+
+    /// Resolves once every persist recorded so far is durable at the mirror's replicas that
+    /// must acknowledge (at once when no mirror is installed).
+    pub fn mirror_barrier(&self) -> crate::mirror::BarrierFuture {
+        match self.mirror.read().clone() {
+            Some(m) => m.barrier(),
+            None => Box::pin(std::future::ready(Ok(()))),
+        }
+    }
+
+    /// The gate that orders fabric posts against the mirror's records (see [`crate::mirror`]).
+    pub fn mirror_gate(&self) -> &RwLock<()> {
+        &self.gate
+    }
+
+    fn persist_local(&self, offset: u64, len: u64) -> Result<()> {
         self.check(offset, len)?;
         match self.durability {
             Durability::Dax(instr) => {

@@ -124,7 +124,11 @@ const S_ACCESS: u8 = 1;
 const S_BOUNDS: u8 = 2;
 const S_ALIGN: u8 = 3;
 const S_OTHER: u8 = 4;
+/// A transient failure at the memory node (its replicas did not acknowledge): the post's
+/// outcome is unknown, and the caller may retry on a new session. Decoded as
+/// [`FabricError::Transport`]; a version-2 peer that predates it reads a protocol error.
 const S_WINDOW: u8 = 5;
+const S_TRANSPORT: u8 = 6;
 
 fn proto(msg: impl Into<String>) -> FabricError {
     FabricError::Protocol(msg.into())
@@ -389,6 +393,7 @@ pub fn encode_response(id: u64, result: &Result<Vec<Completion>>) -> Bytes {
                 FabricError::OutsideWindow { slot, offset, len } => {
                     (S_WINDOW, *slot, *offset, *len)
                 }
+                FabricError::Transport(_) | FabricError::TimedOut { .. } => (S_TRANSPORT, 0, 0, 0),
                 _ => (S_OTHER, 0, 0, 0),
             };
             let msg = e.to_string();
@@ -497,6 +502,7 @@ pub fn decode_response(mut b: Bytes) -> Result<(u64, Result<Vec<Completion>>)> {
             offset: a,
             len: bb,
         },
+        S_TRANSPORT => FabricError::Transport(format!("at the memory node: {msg}")),
         _ => FabricError::Protocol(format!("remote error: {msg}")),
     };
     Ok((id, Err(err)))
@@ -852,12 +858,19 @@ async fn serve_conn(
         // The hold spans the key and window checks and the apply, so a revoke or a window
         // close (a fence) that returns has seen every post checked against the old grant
         // applied; it is released before answering.
-        let result = grants.hold(key).and_then(|_hold| {
+        let mut result = grants.hold(key).and_then(|_hold| {
             exec::validate(region, &ops)?;
             grants.check_window(key, &ops)?;
             grants.run_post_hook(key);
-            exec::apply(region, &ops)
+            exec::apply_mirrored(region, &ops)
         });
+        // A replicated memory node answers only once what the post changed (and what it read)
+        // is at every backup that must acknowledge; otherwise the outcome is unknown.
+        if result.is_ok() {
+            if let Err(e) = region.mirror_barrier().await {
+                result = Err(e);
+            }
+        }
         w.write_all(&encode_response(id, &result))
             .await
             .map_err(FrameError::Io)?;

@@ -68,6 +68,12 @@ pub static TABLE: &[Rule] = rules! {
         "GetMetadata": NODE_MONITOR_ADMIN,
         "ListMetadata": MONITOR_ADMIN, "Stats": MONITOR_ADMIN,
     }
+    "dinomo.dpm.v1.ReplicaService" {
+        // The primary dpm-node attaches its backups with its node identity.
+        "Attach": NODE,
+        "Status": NODE_MONITOR_ADMIN,
+        "AddBackup": MONITOR_ADMIN, "RemoveBackup": MONITOR_ADMIN,
+    }
     "grpc.health.v1.Health" {
         "Check": ANY, "Watch": ANY,
     }

@@ -7,6 +7,7 @@ mod fence_window;
 mod powerloss;
 mod process;
 mod publication;
+mod replication;
 mod service;
 mod verbs;
 mod write_window;

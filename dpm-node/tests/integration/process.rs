@@ -61,6 +61,10 @@ impl DpmProcess {
             .expect("connecting to dpm-node")
     }
 
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
     /// SIGKILL: no shutdown code runs.
     pub fn kill9(&mut self) {
         let _ = self.child.kill();

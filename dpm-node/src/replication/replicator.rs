@@ -1,0 +1,492 @@
+//! The primary's side of replication: a [`PersistMirror`] that ships every persisted line of
+//! the pool to each backup, in one order, with one-sided WRITEs over the tcp fabric.
+//!
+//! Invariants:
+//! - Records are numbered under one lock, and their bytes are copied from the live pool under
+//!   that lock, so a later record of a line never carries older bytes than an earlier one.
+//! - Each backup has one sender thread, one fabric connection, and one post in flight; the
+//!   backup's NIC applies a connection's posts in order, and the ops of a post in order. So a
+//!   backup holds, at every moment, the bytes of a prefix of its records (the last post maybe
+//!   in part): a state the primary's pool went through, with some lines newer, which is what a
+//!   power failure of the primary may leave; recovery handles it.
+//! - A backup joins `Syncing`: it gets every record from the moment it is added, and the sender
+//!   copies the whole pool to it through the same queue (chunks that are all zeroes are skipped:
+//!   a backup starts from a fresh, zero-filled pool). It is `InSync` once the last chunk is
+//!   acknowledged; only then does [`PersistMirror::barrier`] wait for it.
+//! - A backup whose WRITE fails or times out becomes `Failed` and stays so: every barrier fails
+//!   (nothing more is acknowledged as durable) until someone with the authority to shrink the
+//!   replica set removes it ([`Replicator::remove`]) or adds it again. The primary never drops
+//!   a backup by itself: a primary cut off from its backups must stop, not go on alone.
+
+use std::collections::VecDeque;
+use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use dinomo_fabric::mirror::{BarrierFuture, PersistMirror};
+use dinomo_fabric::tcp::TcpFabric;
+use dinomo_fabric::{AccessKey, Fabric, FabricError, Op, PmRegion};
+use parking_lot::{Condvar, Mutex};
+use tokio::sync::watch;
+
+/// Bytes of one resync chunk (one WRITE).
+const CHUNK: u64 = 1 << 20;
+/// Most bytes queued for one backup before recording waits (backpressure).
+const MAX_QUEUED_BYTES: u64 = 64 << 20;
+/// Most bytes and operations in one post to a backup.
+const MAX_POST_BYTES: u64 = 16 << 20;
+const MAX_POST_OPS: usize = 1024;
+
+/// How long a backup may take to acknowledge before it is marked failed.
+#[derive(Debug, Clone, Copy)]
+pub struct ReplicatorOptions {
+    pub ack_timeout: Duration,
+}
+
+impl Default for ReplicatorOptions {
+    fn default() -> Self {
+        ReplicatorOptions {
+            ack_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Where a backup stands.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Phase {
+    /// Getting the whole pool; not waited for.
+    Syncing,
+    /// Holds every acknowledged byte; every barrier waits for it.
+    InSync,
+    /// A WRITE failed: barriers fail until it is removed or added again.
+    Failed(String),
+}
+
+impl Phase {
+    pub fn name(&self) -> &'static str {
+        match self {
+            Phase::Syncing => "syncing",
+            Phase::InSync => "in-sync",
+            Phase::Failed(_) => "failed",
+        }
+    }
+}
+
+/// One backup's state, as [`Replicator::status`] reports it.
+#[derive(Debug, Clone)]
+pub struct BackupStatus {
+    /// The backup's gRPC address (its name in the replica set).
+    pub address: String,
+    pub phase: Phase,
+    /// Records queued or in flight (how far behind it is).
+    pub behind_records: u64,
+    pub behind_bytes: u64,
+    /// Bytes written to it since it was added (records and resync chunks).
+    pub bytes_sent: u64,
+    /// Bytes of the whole-pool copy (non-zero chunks) and how long it took until in sync.
+    pub resync_bytes: u64,
+    pub resync_ms: Option<u64>,
+}
+
+struct Record {
+    seq: u64,
+    offset: u64,
+    data: Bytes,
+}
+
+#[derive(Default)]
+struct Queue {
+    records: VecDeque<Record>,
+    bytes: u64,
+    /// Seq of the last record queued for this backup.
+    last_queued: u64,
+}
+
+struct Backup {
+    address: String,
+    queue: Mutex<Queue>,
+    /// Signalled when records are queued (to the sender) or taken (to recorders that wait).
+    queue_cv: Condvar,
+    acked: AtomicU64,
+    phase: Mutex<Phase>,
+    stop: AtomicBool,
+    bytes_sent: AtomicU64,
+    resync_bytes: AtomicU64,
+    resync_ms: Mutex<Option<u64>>,
+}
+
+impl Backup {
+    fn fail(&self, why: String, changes: &watch::Sender<u64>) {
+        let mut p = self.phase.lock();
+        if !matches!(*p, Phase::Failed(_)) {
+            tracing::error!(backup = %self.address, reason = %why, "backup failed: nothing is acknowledged as durable until it is removed from the replica set or added again");
+            *p = Phase::Failed(why);
+        }
+        drop(p);
+        let mut q = self.queue.lock();
+        q.records.clear();
+        q.bytes = 0;
+        drop(q);
+        self.queue_cv.notify_all();
+        changes.send_modify(|v| *v += 1);
+    }
+}
+
+/// The primary's replicator: install it on the pool's region with
+/// [`PmRegion::set_mirror`], then [`Replicator::add`] backups.
+pub struct Replicator {
+    region: Arc<PmRegion>,
+    opts: ReplicatorOptions,
+    /// Next record's seq and the backups, under one lock (see the invariants).
+    state: Mutex<State>,
+    /// Bumped at every acknowledgement and phase change; barriers wait on it.
+    changes: watch::Sender<u64>,
+}
+
+struct State {
+    next_seq: u64,
+    backups: Vec<Arc<Backup>>,
+}
+
+impl std::fmt::Debug for Replicator {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Replicator")
+            .field("backups", &self.status().len())
+            .finish()
+    }
+}
+
+impl Replicator {
+    pub fn new(region: Arc<PmRegion>, opts: ReplicatorOptions) -> Arc<Self> {
+        Arc::new(Replicator {
+            region,
+            opts,
+            state: Mutex::new(State {
+                next_seq: 1,
+                backups: Vec::new(),
+            }),
+            changes: watch::channel(0).0,
+        })
+    }
+
+    /// Starts replicating to the backup at `address` whose NIC is `nic` and which granted
+    /// `key`: from now on every record is queued for it, and its sender copies the whole pool
+    /// to it in the background. A backup of the same address is replaced.
+    pub fn add(self: &Arc<Self>, address: &str, nic: SocketAddr, key: AccessKey) {
+        let backup = Arc::new(Backup {
+            address: address.to_string(),
+            queue: Mutex::new(Queue::default()),
+            queue_cv: Condvar::new(),
+            acked: AtomicU64::new(0),
+            phase: Mutex::new(Phase::Syncing),
+            stop: AtomicBool::new(false),
+            bytes_sent: AtomicU64::new(0),
+            resync_bytes: AtomicU64::new(0),
+            resync_ms: Mutex::new(None),
+        });
+        {
+            let mut st = self.state.lock();
+            if let Some(i) = st.backups.iter().position(|b| b.address == address) {
+                let old = st.backups.remove(i);
+                old.stop.store(true, Ordering::Release);
+                old.queue_cv.notify_all();
+            }
+            st.backups.push(backup.clone());
+        }
+        self.changes.send_modify(|v| *v += 1);
+        let me = self.clone();
+        std::thread::Builder::new()
+            .name(format!("replicate {address}"))
+            .spawn(move || me.run_sender(backup, nic, key))
+            .expect("spawning a replication thread");
+        tracing::info!(backup = %address, %nic, "backup added: copying the pool to it");
+    }
+
+    /// Stops replicating to `address` (it failed, or is being replaced). True if it was there.
+    pub fn remove(&self, address: &str) -> bool {
+        let removed = {
+            let mut st = self.state.lock();
+            st.backups
+                .iter()
+                .position(|b| b.address == address)
+                .map(|i| st.backups.remove(i))
+        };
+        let Some(b) = removed else { return false };
+        b.stop.store(true, Ordering::Release);
+        b.queue_cv.notify_all();
+        self.changes.send_modify(|v| *v += 1);
+        tracing::warn!(backup = %address, "backup removed from the replica set");
+        true
+    }
+
+    /// Stops every sender (the node is stopping).
+    pub fn shutdown(&self) {
+        let backups = std::mem::take(&mut self.state.lock().backups);
+        for b in backups {
+            b.stop.store(true, Ordering::Release);
+            b.queue_cv.notify_all();
+        }
+        self.changes.send_modify(|v| *v += 1);
+    }
+
+    pub fn status(&self) -> Vec<BackupStatus> {
+        let backups = self.state.lock().backups.clone();
+        backups
+            .iter()
+            .map(|b| {
+                let q = b.queue.lock();
+                BackupStatus {
+                    address: b.address.clone(),
+                    phase: b.phase.lock().clone(),
+                    behind_records: q
+                        .last_queued
+                        .saturating_sub(b.acked.load(Ordering::Acquire)),
+                    behind_bytes: q.bytes,
+                    bytes_sent: b.bytes_sent.load(Ordering::Relaxed),
+                    resync_bytes: b.resync_bytes.load(Ordering::Relaxed),
+                    resync_ms: *b.resync_ms.lock(),
+                }
+            })
+            .collect()
+    }
+
+    /// Queues `data` at `offset` for `targets` under the state lock (the caller holds it).
+    fn enqueue(st: &mut State, targets: &[Arc<Backup>], offset: u64, data: Bytes) {
+        let seq = st.next_seq;
+        st.next_seq += 1;
+        for b in targets {
+            let mut q = b.queue.lock();
+            q.bytes += data.len() as u64;
+            q.last_queued = seq;
+            q.records.push_back(Record {
+                seq,
+                offset,
+                data: data.clone(),
+            });
+            drop(q);
+            b.queue_cv.notify_all();
+        }
+    }
+
+    fn live(st: &State) -> Vec<Arc<Backup>> {
+        st.backups
+            .iter()
+            .filter(|b| !matches!(*b.phase.lock(), Phase::Failed(_)))
+            .cloned()
+            .collect()
+    }
+
+    /// Copies `[offset, offset + len)` of the live pool (64-byte lines, whole).
+    fn copy_lines(region: &PmRegion, offset: u64, len: u64) -> dinomo_fabric::Result<(u64, Bytes)> {
+        let start = offset & !63;
+        let end = (offset + len).div_ceil(64) * 64;
+        let end = end.min(region.len());
+        let mut buf = vec![0u8; (end - start) as usize];
+        region.read(start, &mut buf)?;
+        Ok((start, Bytes::from(buf)))
+    }
+
+    /// Waits while `b`'s queue holds more than `limit` bytes (its sender is behind).
+    fn wait_below(&self, b: &Backup, limit: u64) {
+        let deadline = Instant::now() + self.opts.ack_timeout;
+        let mut q = b.queue.lock();
+        while q.bytes > limit && !b.stop.load(Ordering::Acquire) {
+            if b.queue_cv.wait_until(&mut q, deadline).timed_out() {
+                drop(q);
+                b.fail(
+                    format!(
+                        "{} bytes stayed queued for {:?}: the backup does not keep up",
+                        limit, self.opts.ack_timeout
+                    ),
+                    &self.changes,
+                );
+                return;
+            }
+        }
+    }
+
+    fn run_sender(self: Arc<Self>, b: Arc<Backup>, nic: SocketAddr, key: AccessKey) {
+        let rt = match tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        {
+            Ok(rt) => rt,
+            Err(e) => return b.fail(format!("runtime: {e}"), &self.changes),
+        };
+        if let Err(e) = rt.block_on(self.send_all(&b, nic, key)) {
+            if !b.stop.load(Ordering::Acquire) {
+                b.fail(e.to_string(), &self.changes);
+            }
+        }
+    }
+
+    async fn send_all(
+        &self,
+        b: &Arc<Backup>,
+        nic: SocketAddr,
+        key: AccessKey,
+    ) -> dinomo_fabric::Result<()> {
+        let fabric = tokio::time::timeout(self.opts.ack_timeout, TcpFabric::connect(nic, key))
+            .await
+            .map_err(|_| FabricError::TimedOut {
+                after_ms: self.opts.ack_timeout.as_millis() as u64,
+            })??;
+        // The whole pool, chunk by chunk, through the queue (ordered with the records).
+        let started = Instant::now();
+        let mut sync_until = 0;
+        let mut off = 0;
+        while off < self.region.len() {
+            if b.stop.load(Ordering::Acquire) {
+                return Ok(());
+            }
+            let len = CHUNK.min(self.region.len() - off);
+            {
+                let mut st = self.state.lock();
+                let (start, data) = Self::copy_lines(&self.region, off, len)?;
+                if data.iter().any(|&x| x != 0) {
+                    b.resync_bytes
+                        .fetch_add(data.len() as u64, Ordering::Relaxed);
+                    Self::enqueue(&mut st, std::slice::from_ref(b), start, data);
+                    sync_until = st.next_seq - 1;
+                }
+            }
+            off += len;
+            // Keep the copy a few chunks ahead of the sender, not the whole pool.
+            while b.queue.lock().bytes > 8 * CHUNK {
+                self.send_some(b, &fabric).await?;
+            }
+        }
+        loop {
+            if b.stop.load(Ordering::Acquire) {
+                return Ok(());
+            }
+            if b.phase.lock().clone() == Phase::Syncing
+                && b.acked.load(Ordering::Acquire) >= sync_until
+            {
+                *b.phase.lock() = Phase::InSync;
+                let ms = started.elapsed().as_millis() as u64;
+                *b.resync_ms.lock() = Some(ms);
+                self.changes.send_modify(|v| *v += 1);
+                tracing::info!(backup = %b.address, resync_bytes = b.resync_bytes.load(Ordering::Relaxed), resync_ms = ms, "backup in sync: acknowledgements wait for it from now on");
+            }
+            self.send_some(b, &fabric).await?;
+        }
+    }
+
+    /// Posts what is queued for `b` (waiting up to 100 ms for something), one post, and
+    /// records its acknowledgement.
+    async fn send_some(&self, b: &Backup, fabric: &TcpFabric) -> dinomo_fabric::Result<()> {
+        let batch: Vec<Record> = {
+            let mut q = b.queue.lock();
+            if q.records.is_empty() && !b.stop.load(Ordering::Acquire) {
+                b.queue_cv.wait_for(&mut q, Duration::from_millis(100));
+            }
+            let mut out = Vec::new();
+            let mut bytes = 0;
+            while let Some(r) = q.records.front() {
+                if !out.is_empty()
+                    && (out.len() >= MAX_POST_OPS || bytes + r.data.len() as u64 > MAX_POST_BYTES)
+                {
+                    break;
+                }
+                bytes += r.data.len() as u64;
+                out.push(q.records.pop_front().expect("front exists"));
+            }
+            out
+        };
+        let Some(last) = batch.last().map(|r| r.seq) else {
+            return Ok(());
+        };
+        let bytes: u64 = batch.iter().map(|r| r.data.len() as u64).sum();
+        let ops: Vec<Op> = batch
+            .into_iter()
+            .map(|r| Op::Write {
+                offset: r.offset,
+                data: r.data,
+            })
+            .collect();
+        tokio::time::timeout(self.opts.ack_timeout, fabric.post(&ops))
+            .await
+            .map_err(|_| FabricError::TimedOut {
+                after_ms: self.opts.ack_timeout.as_millis() as u64,
+            })??;
+        b.bytes_sent.fetch_add(bytes, Ordering::Relaxed);
+        b.acked.store(last, Ordering::Release);
+        {
+            let mut q = b.queue.lock();
+            q.bytes = q.bytes.saturating_sub(bytes);
+        }
+        b.queue_cv.notify_all();
+        self.changes.send_modify(|v| *v += 1);
+        Ok(())
+    }
+}
+
+impl PersistMirror for Replicator {
+    fn record(&self, region: &PmRegion, offset: u64, len: u64) -> dinomo_fabric::Result<()> {
+        let targets = {
+            let mut st = self.state.lock();
+            let targets = Self::live(&st);
+            if targets.is_empty() {
+                return Ok(());
+            }
+            let (start, data) = Self::copy_lines(region, offset, len)?;
+            Self::enqueue(&mut st, &targets, start, data);
+            targets
+        };
+        for b in &targets {
+            if b.queue.lock().bytes > MAX_QUEUED_BYTES {
+                self.wait_below(b, MAX_QUEUED_BYTES);
+            }
+        }
+        Ok(())
+    }
+
+    fn barrier(&self) -> BarrierFuture {
+        // What each backup that must acknowledge has been given so far.
+        let targets: Vec<(Arc<Backup>, u64)> = {
+            let st = self.state.lock();
+            st.backups
+                .iter()
+                .filter(|b| !matches!(*b.phase.lock(), Phase::Syncing))
+                .map(|b| (b.clone(), b.queue.lock().last_queued))
+                .collect()
+        };
+        let mut changes = self.changes.subscribe();
+        let timeout = self.opts.ack_timeout;
+        Box::pin(async move {
+            let wait = async {
+                loop {
+                    let mut done = true;
+                    for (b, target) in &targets {
+                        if b.stop.load(Ordering::Acquire) {
+                            continue; // removed from the set: no longer waited for
+                        }
+                        if let Phase::Failed(why) = &*b.phase.lock() {
+                            return Err(FabricError::Transport(format!(
+                                "backup {} failed ({why}): not acknowledged as durable",
+                                b.address
+                            )));
+                        }
+                        if b.acked.load(Ordering::Acquire) < *target {
+                            done = false;
+                        }
+                    }
+                    if done {
+                        return Ok(());
+                    }
+                    if changes.changed().await.is_err() {
+                        return Err(FabricError::Transport("the replicator stopped".into()));
+                    }
+                }
+            };
+            tokio::time::timeout(timeout, wait)
+                .await
+                .map_err(|_| FabricError::TimedOut {
+                    after_ms: timeout.as_millis() as u64,
+                })?
+        })
+    }
+}

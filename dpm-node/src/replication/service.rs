@@ -1,0 +1,137 @@
+//! ReplicaService over gRPC, for each role a dpm-node can have: a primary with backups, a
+//! primary without (answers Status only), and a backup.
+
+use std::sync::Arc;
+
+use dinomo_proto::dpm as pb;
+use dinomo_proto::dpm::replica_service_server::ReplicaService;
+use tonic::{Request, Response, Status};
+
+use super::{Backup, Phase, Primary};
+use crate::service::to_status;
+
+/// The role this node answers ReplicaService as.
+#[derive(Debug, Clone)]
+pub enum ReplicaGrpc {
+    /// A primary started without backups: replication is off.
+    Standalone,
+    Primary(Arc<Primary>),
+    Backup(Arc<Backup>),
+}
+
+fn not_a_backup() -> Status {
+    Status::failed_precondition(
+        "this dpm-node is a primary, not a backup: only a node started with --role backup \
+         takes a primary's writes",
+    )
+}
+
+impl ReplicaGrpc {
+    async fn status_now(&self) -> pb::ReplicaStatusResponse {
+        let pid = std::process::id();
+        match self {
+            ReplicaGrpc::Standalone => pb::ReplicaStatusResponse {
+                role: "primary".into(),
+                pid,
+                ..Default::default()
+            },
+            ReplicaGrpc::Primary(p) => pb::ReplicaStatusResponse {
+                role: "primary".into(),
+                term: p.term(),
+                primary: String::new(),
+                backups: p
+                    .backups()
+                    .into_iter()
+                    .map(|b| pb::BackupState {
+                        address: b.address,
+                        state: b.phase.name().into(),
+                        detail: match &b.phase {
+                            Phase::Failed(why) => why.clone(),
+                            _ => String::new(),
+                        },
+                        behind_records: b.behind_records,
+                        behind_bytes: b.behind_bytes,
+                        bytes_sent: b.bytes_sent,
+                        resync_bytes: b.resync_bytes,
+                        resync_ms: b.resync_ms.unwrap_or(0),
+                    })
+                    .collect(),
+                pid,
+            },
+            ReplicaGrpc::Backup(b) => pb::ReplicaStatusResponse {
+                role: "backup".into(),
+                term: b.term().await,
+                primary: b.primary().await,
+                backups: Vec::new(),
+                pid,
+            },
+        }
+    }
+
+    fn primary(&self) -> Result<&Arc<Primary>, Status> {
+        match self {
+            ReplicaGrpc::Primary(p) => Ok(p),
+            ReplicaGrpc::Standalone => Err(Status::failed_precondition(
+                "replication is off on this dpm-node: start it with --backup ADDRESS (and the \
+                 tcp fabric) to replicate its pool",
+            )),
+            ReplicaGrpc::Backup(_) => Err(Status::failed_precondition(
+                "this dpm-node is a backup: ask its primary",
+            )),
+        }
+    }
+}
+
+#[tonic::async_trait]
+impl ReplicaService for ReplicaGrpc {
+    async fn attach(
+        &self,
+        req: Request<pb::AttachRequest>,
+    ) -> Result<Response<pb::AttachResponse>, Status> {
+        let ReplicaGrpc::Backup(b) = self else {
+            return Err(not_a_backup());
+        };
+        let r = req.into_inner();
+        let a = b
+            .attach(r.term, r.pool_bytes, &r.primary)
+            .await
+            .map_err(to_status)?;
+        Ok(Response::new(pb::AttachResponse {
+            fabric: a.fabric,
+            slot: a.key.slot,
+            generation: a.key.generation,
+            secret: a.key.secret.to_vec(),
+        }))
+    }
+
+    async fn status(
+        &self,
+        _req: Request<pb::ReplicaStatusRequest>,
+    ) -> Result<Response<pb::ReplicaStatusResponse>, Status> {
+        Ok(Response::new(self.status_now().await))
+    }
+
+    async fn add_backup(
+        &self,
+        req: Request<pb::BackupRequest>,
+    ) -> Result<Response<pb::ReplicaStatusResponse>, Status> {
+        let p = self.primary()?;
+        let address = req.into_inner().address;
+        p.add_backup(&address).await.map_err(to_status)?;
+        Ok(Response::new(self.status_now().await))
+    }
+
+    async fn remove_backup(
+        &self,
+        req: Request<pb::BackupRequest>,
+    ) -> Result<Response<pb::ReplicaStatusResponse>, Status> {
+        let p = self.primary()?;
+        let address = req.into_inner().address;
+        if !p.remove_backup(&address) {
+            return Err(Status::not_found(format!(
+                "{address} is not a backup of this primary"
+            )));
+        }
+        Ok(Response::new(self.status_now().await))
+    }
+}

@@ -1,0 +1,365 @@
+//! Replication of the memory node (docs/decisions/0007-dpm-replication.md), with real
+//! processes: a primary and two backups; what the primary acknowledged is in every backup's
+//! pool after the primary is killed, and a promoted backup fences the old primary.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use dinomo_dpm_node::config::DpmConfigFile;
+use dinomo_dpm_node::segments::SegmentGrant;
+use dinomo_dpm_node::testkit::{LogRecord, LogWriter, SegmentSource};
+use dinomo_dpm_node::{Dpm, DpmError};
+use dinomo_fabric::tcp::TcpFabric;
+use dinomo_fabric::AccessKey;
+use dinomo_layout::log::LogOp;
+use dinomo_proto::dpm::dpm_service_client::DpmServiceClient;
+use dinomo_proto::dpm::replica_service_client::ReplicaServiceClient;
+use dinomo_proto::dpm::{
+    AllocateSegmentRequest, PutMetadataRequest, RegisterKnRequest, ReplicaStatusRequest,
+    ReplicaStatusResponse, SealSegmentRequest,
+};
+use tonic::transport::Channel;
+
+use super::process::DpmProcess;
+
+fn config(dir: &Path, name: &str, extra: &str) -> (PathBuf, PathBuf) {
+    let sub = dir.join(name);
+    std::fs::create_dir_all(&sub).unwrap();
+    let pool = sub.join("pool");
+    let cfg = sub.join("dpm.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "pool_path = {pool:?}\npool_size = \"64MiB\"\nsegment_size = \"128KiB\"\n\
+             listen = \"127.0.0.1:0\"\nfabric_listen = \"127.0.0.1:0\"\nmetrics_listen = \"\"\n\
+             initial_index_buckets = 256\ngc_interval_ms = 5\n{extra}\n"
+        ),
+    )
+    .unwrap();
+    (cfg, pool)
+}
+
+async fn replica_status(addr: std::net::SocketAddr) -> ReplicaStatusResponse {
+    ReplicaServiceClient::connect(format!("http://{addr}"))
+        .await
+        .unwrap()
+        .status(ReplicaStatusRequest {})
+        .await
+        .unwrap()
+        .into_inner()
+}
+
+/// Waits until the primary reports `n` backups, all in sync.
+async fn wait_in_sync(primary: std::net::SocketAddr, n: usize) -> ReplicaStatusResponse {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let s = replica_status(primary).await;
+        if s.backups.len() == n && s.backups.iter().all(|b| b.state == "in-sync") {
+            return s;
+        }
+        assert!(Instant::now() < deadline, "backups not in sync: {s:?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// A KN's segment calls over gRPC.
+struct GrpcSource {
+    client: tokio::sync::Mutex<DpmServiceClient<Channel>>,
+    kn: u32,
+    epoch: u64,
+}
+
+#[async_trait]
+impl SegmentSource for GrpcSource {
+    async fn allocate(&self) -> dinomo_dpm_node::Result<SegmentGrant> {
+        let r = self
+            .client
+            .lock()
+            .await
+            .allocate_segment(AllocateSegmentRequest {
+                kn_id: self.kn,
+                epoch: self.epoch,
+                stream: 0,
+                deletes_only: false,
+            })
+            .await
+            .map_err(|s| DpmError::Replication(s.to_string()))?
+            .into_inner();
+        Ok(SegmentGrant {
+            segment_id: r.segment_id,
+            offset: r.offset,
+            len: r.len,
+            chain_seq: r.chain_seq,
+            first_batch: r.first_batch,
+            chain_seed: r.chain_seed,
+        })
+    }
+    async fn seal(&self, segment: u64) -> dinomo_dpm_node::Result<u64> {
+        Ok(self
+            .client
+            .lock()
+            .await
+            .seal_segment(SealSegmentRequest {
+                kn_id: self.kn,
+                epoch: self.epoch,
+                segment_id: segment,
+            })
+            .await
+            .map_err(|s| DpmError::Replication(s.to_string()))?
+            .into_inner()
+            .pending_segments)
+    }
+}
+
+/// Registers a KN at `dpm` and returns its log writer over the tcp fabric.
+async fn kn_writer(dpm: &DpmProcess) -> (u32, LogWriter<TcpFabric, GrpcSource>) {
+    let mut client = dpm.client().await;
+    let r = client
+        .register_kn(RegisterKnRequest {
+            pid: 0,
+            pid_namespace: 0,
+            kn_id: Some(1),
+            endpoint: "127.0.0.1:1".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner();
+    let f = r.fabric.unwrap();
+    let key = AccessKey {
+        slot: f.grant_slot,
+        generation: f.grant_generation,
+        secret: f.grant_secret.as_slice().try_into().unwrap(),
+    };
+    let fabric = TcpFabric::connect(f.address.parse().unwrap(), key)
+        .await
+        .unwrap();
+    let source = GrpcSource {
+        client: tokio::sync::Mutex::new(client),
+        kn: r.kn_id,
+        epoch: r.epoch,
+    };
+    (r.kn_id, LogWriter::new(fabric, source))
+}
+
+fn record(i: u32) -> LogRecord {
+    LogRecord {
+        op: LogOp::Put,
+        version: u64::from(i) + 1,
+        key: format!("key-{i}").into_bytes(),
+        value: format!("value-{i}-{}", "x".repeat(200)).into_bytes(),
+    }
+}
+
+/// Opens a backup's pool as a primary would after a failover, merges what the KN left open,
+/// and returns how many of `keys` records are missing or wrong, and the metadata entry.
+fn check_pool(pool: &Path, kn: u32, keys: u32) -> (Vec<u32>, Option<Vec<u8>>) {
+    let mut file = DpmConfigFile::in_process(pool);
+    file.create = false;
+    let dpm: Arc<Dpm> = Dpm::open(file.validate().unwrap()).unwrap();
+    dpm.merge_all(kn, true).unwrap();
+    let bad = (0..keys)
+        .filter(|&i| {
+            let r = record(i);
+            dpm.lookup(&r.key).unwrap().map(|f| f.value) != Some(r.value)
+        })
+        .collect();
+    let meta = dpm.get_metadata("test/replicated");
+    dpm.shutdown();
+    (bad, meta)
+}
+
+/// Every batch the primary acknowledged, and a metadata write, are in both backups' pools
+/// after the primary is killed; each backup's pool opens as a primary's (recovery) with them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acknowledged_batches_survive_the_primary_in_every_backup() {
+    let dir = tempfile::tempdir().unwrap();
+    let (c1, pool1) = config(dir.path(), "b1", "role = \"backup\"");
+    let (c2, pool2) = config(dir.path(), "b2", "role = \"backup\"");
+    let mut b1 = DpmProcess::start(&c1, &dir.path().join("b1.log"));
+    let mut b2 = DpmProcess::start(&c2, &dir.path().join("b2.log"));
+    let (cp, _) = config(
+        dir.path(),
+        "p",
+        &format!(
+            "fabric = \"tcp\"\nbackups = [\"{}\", \"{}\"]",
+            b1.grpc, b2.grpc
+        ),
+    );
+    let mut primary = DpmProcess::start(&cp, &dir.path().join("p.log"));
+    let s = wait_in_sync(primary.grpc, 2).await;
+    assert_eq!(s.role, "primary");
+    assert!(s.term >= 1, "{s:?}");
+    for b in [&b1, &b2] {
+        let bs = replica_status(b.grpc).await;
+        assert_eq!((bs.role.as_str(), bs.term), ("backup", s.term), "{bs:?}");
+    }
+
+    let (kn, mut w) = kn_writer(&primary).await;
+    const KEYS: u32 = 400;
+    for chunk in (0..KEYS).collect::<Vec<_>>().chunks(8) {
+        let recs: Vec<LogRecord> = chunk.iter().map(|&i| record(i)).collect();
+        w.append(&recs).await.unwrap();
+    }
+    primary
+        .client()
+        .await
+        .put_metadata(PutMetadataRequest {
+            name: "test/replicated".into(),
+            value: Some(b"yes".to_vec()),
+        })
+        .await
+        .unwrap();
+    let s = replica_status(primary.grpc).await;
+    for b in &s.backups {
+        assert_eq!(b.state, "in-sync", "{s:?}");
+        assert!(b.bytes_sent > 0 && b.resync_bytes > 0, "{s:?}");
+    }
+
+    primary.kill9();
+    b1.kill9();
+    b2.kill9();
+    for pool in [&pool1, &pool2] {
+        let (bad, meta) = check_pool(pool, kn, KEYS);
+        assert!(
+            bad.is_empty(),
+            "{} of {KEYS} acknowledged records missing in {} (first: key-{})",
+            bad.len(),
+            pool.display(),
+            bad[0]
+        );
+        assert_eq!(meta.as_deref(), Some(&b"yes"[..]), "{}", pool.display());
+    }
+}
+
+/// A backup promoted (started as a primary on its pool) takes the next term and attaches the
+/// other backup: from then on the old primary, still running, acknowledges nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_promoted_backup_fences_the_old_primary() {
+    let dir = tempfile::tempdir().unwrap();
+    let (c1, _) = config(dir.path(), "b1", "role = \"backup\"");
+    let (c2, pool2) = config(dir.path(), "b2", "role = \"backup\"");
+    let b1 = DpmProcess::start(&c1, &dir.path().join("b1.log"));
+    let mut b2 = DpmProcess::start(&c2, &dir.path().join("b2.log"));
+    let (cp, _) = config(
+        dir.path(),
+        "p",
+        &format!(
+            "fabric = \"tcp\"\nbackups = [\"{}\", \"{}\"]\nreplica_ack_timeout_ms = 1000",
+            b1.grpc, b2.grpc
+        ),
+    );
+    let old = DpmProcess::start(&cp, &dir.path().join("p.log"));
+    let s = wait_in_sync(old.grpc, 2).await;
+    let (_, mut w) = kn_writer(&old).await;
+    w.append(&[record(0)]).await.unwrap();
+
+    // Promote b2: stop it, start a primary on its pool that replicates to b1.
+    b2.kill9();
+    let cn = dir.path().join("n.toml");
+    std::fs::write(
+        &cn,
+        format!(
+            "pool_path = {pool2:?}\ncreate = false\nlisten = \"127.0.0.1:0\"\n\
+             fabric_listen = \"127.0.0.1:0\"\nmetrics_listen = \"\"\nfabric = \"tcp\"\n\
+             backups = [\"{}\"]\n",
+            b1.grpc
+        ),
+    )
+    .unwrap();
+    let new = DpmProcess::start(&cn, &dir.path().join("n.log"));
+    let ns = wait_in_sync(new.grpc, 1).await;
+    assert!(ns.term > s.term, "new term {} after {}", ns.term, s.term);
+    assert_eq!(replica_status(b1.grpc).await.term, ns.term);
+
+    // The old primary's writes are no longer acknowledged: b1 revoked its key, b2 is gone.
+    let e = w.append(&[record(1)]).await;
+    assert!(
+        e.is_err(),
+        "the old primary acknowledged a write after the promotion"
+    );
+    // And the new primary serves its KN.
+    let (_, mut w2) = kn_writer(&new).await;
+    w2.append(&[record(2)]).await.unwrap();
+}
+
+/// A backup that stops answering (SIGSTOP) holds back every acknowledgement: the KN's WRITE
+/// fails (outcome unknown) instead of being acknowledged on the primary alone, and so does a
+/// control call, until the backup is removed from the set; added again, it is copied anew.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_backup_holds_acknowledgements_until_it_is_removed() {
+    let dir = tempfile::tempdir().unwrap();
+    let (c1, _) = config(dir.path(), "b1", "role = \"backup\"");
+    let (c2, _) = config(dir.path(), "b2", "role = \"backup\"");
+    let b1 = DpmProcess::start(&c1, &dir.path().join("b1.log"));
+    let b2 = DpmProcess::start(&c2, &dir.path().join("b2.log"));
+    let (cp, _) = config(
+        dir.path(),
+        "p",
+        &format!(
+            "fabric = \"tcp\"\nbackups = [\"{}\", \"{}\"]\nreplica_ack_timeout_ms = 800",
+            b1.grpc, b2.grpc
+        ),
+    );
+    let primary = DpmProcess::start(&cp, &dir.path().join("p.log"));
+    wait_in_sync(primary.grpc, 2).await;
+    let (_, mut w) = kn_writer(&primary).await;
+    w.append(&[record(0)]).await.unwrap();
+
+    // SAFETY: signals to our own child.
+    unsafe { libc::kill(b1.pid() as i32, libc::SIGSTOP) };
+    let t = Instant::now();
+    let e = w.append(&[record(1)]).await;
+    unsafe { libc::kill(b1.pid() as i32, libc::SIGCONT) };
+    assert!(
+        e.is_err(),
+        "acknowledged while a backup in sync was stopped"
+    );
+    assert!(
+        t.elapsed() >= Duration::from_millis(700),
+        "{:?}",
+        t.elapsed()
+    );
+    let s = replica_status(primary.grpc).await;
+    let failed: Vec<_> = s.backups.iter().filter(|b| b.state == "failed").collect();
+    assert_eq!(failed.len(), 1, "{s:?}");
+    assert_eq!(failed[0].address, b1.grpc.to_string());
+    // A control call is not acknowledged either.
+    let put = primary
+        .client()
+        .await
+        .put_metadata(PutMetadataRequest {
+            name: "test/x".into(),
+            value: Some(b"1".to_vec()),
+        })
+        .await;
+    assert_eq!(put.unwrap_err().code(), tonic::Code::Unavailable);
+
+    // Removed: the primary acknowledges with the other backup alone.
+    let mut rc = ReplicaServiceClient::connect(format!("http://{}", primary.grpc))
+        .await
+        .unwrap();
+    rc.remove_backup(dinomo_proto::dpm::BackupRequest {
+        address: b1.grpc.to_string(),
+    })
+    .await
+    .unwrap();
+    // The KN's session ended with its failed WRITE (a torn tail): a new registration.
+    let (_, mut w) = kn_writer(&primary).await;
+    w.append(&[record(2)]).await.unwrap();
+    // Added again: copied from scratch, then in sync.
+    rc.add_backup(dinomo_proto::dpm::BackupRequest {
+        address: b1.grpc.to_string(),
+    })
+    .await
+    .unwrap();
+    let s = wait_in_sync(primary.grpc, 2).await;
+    let b = s
+        .backups
+        .iter()
+        .find(|b| b.address == b1.grpc.to_string())
+        .unwrap();
+    assert!(b.resync_bytes > 0 && b.resync_ms > 0, "{b:?}");
+    w.append(&[record(3)]).await.unwrap();
+}
