@@ -1,4 +1,7 @@
-//! `dinomo admin`: the monitor's admin actions (add, remove or fail a KV node) and its status.
+//! `dinomo admin`: the monitor's admin actions (add, remove or fail a KV node) and its status,
+//! and failing the dpm-node primary (see [`crate::fail_dpm`]).
+
+use std::time::Duration;
 
 use anyhow::Context;
 use clap::{Args, Subcommand};
@@ -31,6 +34,21 @@ pub enum Action {
         /// The KV node's id.
         kn: u32,
     },
+    /// Kill the dpm-node primary abruptly (SIGKILL, an experiment; it must run on this host
+    /// and have backups in sync): `dinomo up --dpm-replicas N` promotes a backup. Prints the
+    /// failover time until the new primary answers and until a write (of the key
+    /// "dinomo/fail-dpm/probe") is acknowledged again.
+    FailDpm {
+        /// The dpm-node's address.
+        #[arg(long, env = "DINOMO_DPM", default_value = "127.0.0.1:7700")]
+        dpm: String,
+        /// A routing node, for the write that proves the cluster writes again.
+        #[arg(long, env = "DINOMO_ROUTING", default_value = "127.0.0.1:7900")]
+        routing: String,
+        /// How long to wait for the backups to be in sync, and then for the failover.
+        #[arg(long, default_value_t = 60)]
+        timeout_secs: u64,
+    },
     /// The monitor's view: KNs, occupancy, latencies, replicated keys, recent decisions.
     Status,
     /// Replace the policy parameters at run time from a TOML file (a [policy] table, as in
@@ -42,6 +60,17 @@ pub enum Action {
 }
 
 pub async fn run(a: AdminArgs) -> anyhow::Result<()> {
+    if let Action::FailDpm {
+        dpm,
+        routing,
+        timeout_secs,
+    } = &a.action
+    {
+        // The probe write is a client's call: the admin identity may not write keys.
+        let writer = a.security.client("client")?;
+        return crate::fail_dpm::run(dpm, routing, writer, Duration::from_secs(*timeout_secs))
+            .await;
+    }
     let channel = dinomo_security::Security::of_process()
         .endpoint(&a.monitor, dinomo_security::Service::Monitor)?
         .connect()
@@ -53,6 +82,7 @@ pub async fn run(a: AdminArgs) -> anyhow::Result<()> {
         Action::AddKn => m.add_kn(AddKnRequest {}).await,
         Action::RemoveKn { kn } => m.remove_kn(KnRequest { kn_id: kn }).await,
         Action::FailKn { kn } => m.fail_kn(KnRequest { kn_id: kn }).await,
+        Action::FailDpm { .. } => unreachable!("handled above"),
         Action::SetPolicy { file } => {
             let toml = std::fs::read_to_string(&file)
                 .with_context(|| format!("reading {}", file.display()))?;

@@ -6,6 +6,7 @@
 
 mod admin;
 mod credentials;
+mod fail_dpm;
 mod kv;
 mod scenario;
 mod status;

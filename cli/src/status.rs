@@ -7,7 +7,8 @@ use anyhow::Context;
 use clap::Args;
 use dinomo_client::Client;
 use dinomo_proto::dpm::dpm_service_client::DpmServiceClient;
-use dinomo_proto::dpm::StatsRequest;
+use dinomo_proto::dpm::replica_service_client::ReplicaServiceClient;
+use dinomo_proto::dpm::{BackupState, ReplicaStatusRequest, ReplicaStatusResponse, StatsRequest};
 use dinomo_proto::kv::kv_service_client::KvServiceClient;
 use dinomo_proto::kv::KnStatsRequest;
 
@@ -149,7 +150,63 @@ pub async fn run(a: StatusArgs) -> anyhow::Result<()> {
         }
         Err(e) => println!("dpm-node {}: unreachable: {e}", a.dpm),
     }
+    match replica_status(&a.dpm).await {
+        Ok(r) if r.backups.is_empty() => println!(
+            "  replicas: none (a single dpm-node; `dinomo up --dpm-replicas 3` replicates it)"
+        ),
+        Ok(r) => {
+            println!(
+                "  replicas: primary {} (term {}) and {} backups:",
+                a.dpm,
+                r.term,
+                r.backups.len()
+            );
+            for b in &r.backups {
+                println!("{}", backup_line(b));
+            }
+        }
+        // An older dpm-node without the ReplicaService, or one that is starting.
+        Err(e) => println!("  replicas: unknown ({e})"),
+    }
     Ok(())
+}
+
+async fn replica_status(dpm: &str) -> anyhow::Result<ReplicaStatusResponse> {
+    let ch = Security::of_process()
+        .endpoint(dpm, Service::Dpm)?
+        .connect_timeout(Duration::from_secs(1))
+        .connect()
+        .await?;
+    Ok(ReplicaServiceClient::new(ch)
+        .status(ReplicaStatusRequest {})
+        .await?
+        .into_inner())
+}
+
+/// One backup as `dinomo status` prints it: its state and how far behind the primary it is.
+fn backup_line(b: &BackupState) -> String {
+    let mut line = format!("    backup {:<21} {:<8}", b.address, b.state);
+    match b.state.as_str() {
+        "in-sync" => line.push_str(&format!(
+            " behind {} records ({} B); copied in {} ms ({:.1} MiB); {:.1} MiB sent",
+            b.behind_records,
+            b.behind_bytes,
+            b.resync_ms,
+            b.resync_bytes as f64 / 1048576.0,
+            b.bytes_sent as f64 / 1048576.0
+        )),
+        "catching-up" => line.push_str(&format!(
+            " copied; acknowledgements wait for it; {} records ({} B) to go before it may be \
+             promoted",
+            b.behind_records, b.behind_bytes
+        )),
+        "syncing" => line.push_str(&format!(
+            " copying the pool: {:.1} MiB so far; not counted for acknowledgements yet",
+            b.bytes_sent as f64 / 1048576.0
+        )),
+        _ => line.push_str(&format!(" {}", b.detail)),
+    }
+    line
 }
 
 #[cfg(test)]
@@ -160,5 +217,34 @@ mod tests {
     fn no_per_key_figure_without_keys() {
         assert_eq!(per_key(8 << 20, 0), "");
         assert_eq!(per_key(1000, 8), ", 125.0 B/key");
+    }
+
+    #[test]
+    fn a_backup_line_says_how_far_behind_it_is() {
+        let b = BackupState {
+            address: "127.0.0.1:7720".into(),
+            state: "in-sync".into(),
+            behind_records: 3,
+            behind_bytes: 192,
+            resync_ms: 40,
+            resync_bytes: 2 << 20,
+            bytes_sent: 3 << 20,
+            ..Default::default()
+        };
+        let line = backup_line(&b);
+        assert!(
+            line.contains("in-sync") && line.contains("behind 3 records (192 B)"),
+            "{line}"
+        );
+        let f = BackupState {
+            state: "failed".into(),
+            detail: "no completion within 5000 ms".into(),
+            ..b
+        };
+        assert!(
+            backup_line(&f).contains("no completion"),
+            "{}",
+            backup_line(&f)
+        );
     }
 }

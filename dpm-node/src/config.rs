@@ -96,7 +96,8 @@ pub struct DpmConfigFile {
     /// Needs `fabric = "tcp"`. Every acknowledgement then waits for every backup in sync.
     pub backups: Vec<String>,
     /// Milliseconds a backup may take to acknowledge a WRITE before it counts as failed (the
-    /// primary then acknowledges nothing until it is removed or added again).
+    /// primary then acknowledges nothing until it is removed or added again). Below the KNs'
+    /// fabric deadline (5 s), so a KN hears of a failed backup before it gives up its session.
     pub replica_ack_timeout_ms: u64,
 }
 
@@ -146,7 +147,7 @@ impl Default for DpmConfigFile {
             verify_accounting: false,
             role: ReplicaRole::Primary,
             backups: Vec::new(),
-            replica_ack_timeout_ms: 5000,
+            replica_ack_timeout_ms: 2000,
         }
     }
 }

@@ -94,8 +94,8 @@ pub enum DpmError {
     /// A primary of an older replica term asked a backup to take its writes: a newer primary
     /// attached since (docs/decisions/0007-dpm-replication.md).
     #[error(
-        "replica term {given} is stale: this backup accepted term {current} since, so a newer \
-         primary exists; this primary must stop"
+        "replica term {given} is refused: this backup accepted term {current} from another \
+         primary, so a newer (or competing) primary exists; this primary must stop"
     )]
     StaleTerm { given: u64, current: u64 },
     /// A replication request reached a node in the other role, or the replicas did not

@@ -199,7 +199,7 @@ pub async fn run(
         grpc: listener.local_addr()?,
         fabric,
     };
-    let (replica, deposed) = start_replication(&dpm, running.grpc).await?;
+    let replica = start_replication(&dpm, running.grpc).await?;
     tracing::info!(grpc = %running.grpc, fabric = %running.fabric, kind = ?dpm.config.fabric, "dpm-node serving");
     ready(&running);
 
@@ -211,12 +211,16 @@ pub async fn run(
     // The pool is open and every listener bound: the node can do its job from now on.
     let (health, health_service) = dinomo_node_common::health::Health::new().await;
     health.set(true).await;
+    let deposed_by = replica.clone();
     let shutdown = health.on_shutdown(async move {
-        // A backup answering with a newer term means another primary took over: stop.
+        // Another primary took over: stop (nothing is acknowledged any more anyway).
         let deposed = async {
-            if deposed.await.is_err() {
-                // Every backup attached: nothing can depose this node from here on.
-                std::future::pending::<()>().await;
+            match &deposed_by {
+                ReplicaGrpc::Primary(p) => {
+                    let why = p.deposed().await;
+                    tracing::error!(reason = %why, "stopping: deposed");
+                }
+                _ => std::future::pending::<()>().await,
             }
         };
         tokio::select! {
@@ -263,17 +267,11 @@ pub async fn run(
 }
 
 /// Starts replication when the config names backups: takes the next replica term, then
-/// attaches each backup in the background (retrying every second while it cannot be reached).
-/// The returned future completes if a backup refuses this primary's term: another primary has
-/// taken over, and this one must stop.
-async fn start_replication(
-    dpm: &Arc<Dpm>,
-    grpc: SocketAddr,
-) -> Result<(ReplicaGrpc, tokio::sync::oneshot::Receiver<()>)> {
-    let (deposed_tx, deposed) = tokio::sync::oneshot::channel();
+/// attaches each backup in the background (retrying every second while it cannot be reached;
+/// nothing is acknowledged before one has accepted the term).
+async fn start_replication(dpm: &Arc<Dpm>, grpc: SocketAddr) -> Result<ReplicaGrpc> {
     if dpm.config.backups.is_empty() {
-        drop(deposed_tx); // the receiver then waits forever (see its use)
-        return Ok((ReplicaGrpc::Standalone, deposed));
+        return Ok(ReplicaGrpc::Standalone);
     }
     let address = dinomo_node_common::address::advertise_address("listen", grpc, "")
         .map_err(DpmError::Config)?;
@@ -285,18 +283,16 @@ async fn start_replication(
         .await
         .map_err(|e| DpmError::Config(format!("starting replication panicked: {e}")))??;
     tracing::info!(term = primary.term(), backups = ?dpm.config.backups, "replication on: attaching the backups");
-    let deposed_tx = Arc::new(parking_lot::Mutex::new(Some(deposed_tx)));
     for backup in dpm.config.backups.clone() {
-        let (primary, deposed_tx) = (primary.clone(), deposed_tx.clone());
+        let primary = primary.clone();
         tokio::spawn(async move {
             loop {
                 match primary.add_backup(&backup).await {
                     Ok(()) => return,
-                    Err(DpmError::Replication(why)) if why.contains("stale") => {
-                        tracing::error!(%backup, reason = %why, "a newer primary attached this backup: stopping");
-                        if let Some(tx) = deposed_tx.lock().take() {
-                            let _ = tx.send(());
-                        }
+                    // Deposed (the primary stops) or stopping.
+                    Err(DpmError::StaleTerm { .. }) => return,
+                    Err(e) if primary.ended() => {
+                        tracing::debug!(%backup, error = %e, "not attaching: replication ended");
                         return;
                     }
                     Err(e) => {
@@ -307,7 +303,7 @@ async fn start_replication(
             }
         });
     }
-    Ok((ReplicaGrpc::Primary(primary), deposed))
+    Ok(ReplicaGrpc::Primary(primary))
 }
 
 /// Runs a backup (see [`crate::replication::backup`]): the ReplicaService and health on the

@@ -105,17 +105,26 @@ impl DpmGrpc {
         }
     }
 
+    /// Runs `f` on the blocking pool, then waits for the backups ([`DpmGrpc::replicated`]).
     async fn blocking<T: Send + 'static>(
         &self,
         f: impl FnOnce(&Dpm) -> Result<T, DpmError> + Send + 'static,
     ) -> Result<T, Status> {
-        let dpm = self.dpm.clone();
-        let out = tokio::task::spawn_blocking(move || f(&dpm))
-            .await
-            .map_err(|e| Status::internal(format!("DPM task failed: {e}")))?
-            .map_err(to_status)?;
+        let out = self.blocking_local(f).await?;
         self.replicated().await?;
         Ok(out)
+    }
+
+    /// Runs `f` on the blocking pool (the caller waits for the backups itself).
+    async fn blocking_local<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&Dpm) -> Result<T, DpmError> + Send + 'static,
+    ) -> Result<T, Status> {
+        let dpm = self.dpm.clone();
+        tokio::task::spawn_blocking(move || f(&dpm))
+            .await
+            .map_err(|e| Status::internal(format!("DPM task failed: {e}")))?
+            .map_err(to_status)
     }
 
     /// Waits until what this node persisted so far is at every backup that must acknowledge
@@ -189,9 +198,22 @@ impl DpmService for DpmGrpc {
         let stream = u16::try_from(r.stream).map_err(|_| {
             Status::invalid_argument(format!("stream {} is out of range (0..65536)", r.stream))
         })?;
+        let (kn, epoch) = (r.kn_id, r.epoch);
         let g = self
-            .blocking(move |d| d.allocate_segment(r.kn_id, stream, r.epoch, r.deletes_only))
+            .blocking_local(move |d| d.allocate_segment(kn, stream, epoch, r.deletes_only))
             .await?;
+        if let Err(status) = self.replicated().await {
+            // The KN never hears of this segment: seal it, or its log's merge would stop at
+            // an open segment no one writes (as the DPM's own error paths do).
+            let id = g.segment_id;
+            if let Err(e) = self
+                .blocking_local(move |d| d.seal_segment(kn, epoch, id))
+                .await
+            {
+                tracing::warn!(kn, segment = id, error = %e, "sealing a segment whose allocation was not acknowledged");
+            }
+            return Err(status);
+        }
         Ok(Response::new(pb::AllocateSegmentResponse {
             segment_id: g.segment_id,
             offset: g.offset,

@@ -33,21 +33,25 @@ pub fn validate(region: &PmRegion, ops: &[Op]) -> Result<()> {
 
 /// Applies operations like [`apply`], ordered against the region's mirror (see
 /// [`crate::mirror`]): a post that changes the region runs under the mirror gate shared, so its
-/// stores are recorded before any reader can take the gate; a read-only post takes the gate
-/// exclusively once it has read. The caller then waits for [`PmRegion::mirror_barrier`] before
+/// stores are recorded before any reader can take the gate; a post that reads takes the gate
+/// exclusively once it has applied. The caller then waits for [`PmRegion::mirror_barrier`] before
 /// it answers. Without a mirror this is [`apply`].
 pub fn apply_mirrored(region: &PmRegion, ops: &[Op]) -> Result<Vec<Completion>> {
     if !region.is_mirrored() {
         return apply(region, ops);
     }
-    if crate::mirror::mutates(ops) {
+    let out = if crate::mirror::mutates(ops) {
         let _shared = region.mirror_gate().read();
         apply(region, ops)
     } else {
-        let out = apply(region, ops);
+        apply(region, ops)
+    };
+    // A READ may have seen another post's store whose record is still being made: wait for
+    // the changes in progress (the exclusive gate), so the barrier that follows covers them.
+    if ops.iter().any(|op| matches!(op, Op::Read { .. })) {
         drop(region.mirror_gate().write());
-        out
     }
+    out
 }
 
 /// Applies validated operations in order.

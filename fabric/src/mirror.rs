@@ -15,9 +15,9 @@
 //! Visibility: a READ must not observe a store that may still be lost with the primary (a KN
 //! that read another KN's CAS on an indirect cell would serve a value the replicas never got).
 //! A post that changes the region runs under [`PmRegion::mirror_gate`] shared, so its stores
-//! and their records are made together; a post that only reads takes the gate exclusively once
-//! it has read, which waits for the changes in progress to be recorded, and then waits for the
-//! barrier like a write. Stores of the memory node's own CPU (merge, GC, metadata) are not
+//! and their records are made together; a post that reads (only, or also) takes the gate
+//! exclusively once it has applied, which waits for the changes in progress to be recorded,
+//! and then waits for the barrier like a write. Stores of the memory node's own CPU (merge, GC, metadata) are not
 //! gated: what a KN may read of them is either rebuilt by recovery (index pieces) or answered
 //! through the control path, which waits for the barrier.
 

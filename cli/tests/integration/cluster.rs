@@ -358,7 +358,10 @@ impl MonitoredCluster {
 /// `up --help`; KN ids up to `max_kns`, for KNs added later) is free right now.
 pub(crate) fn up_port_base(max_kns: u16) -> u16 {
     // dpm, fabric, routing, monitor (BASE-100), and their metrics.
-    let mut offsets = vec![0i32, 1, 200, -100, 2000, 2200, 1900];
+    // And the dpm-node backups of `--dpm-replicas` (BASE+20.., metrics BASE+2020..).
+    let mut offsets = vec![
+        0i32, 1, 200, -100, 2000, 2200, 1900, 20, 21, 22, 23, 2020, 2022,
+    ];
     for i in 1..=i32::from(max_kns) {
         offsets.extend([100 + i, 2100 + i]);
     }
@@ -377,7 +380,10 @@ pub(crate) fn up_port_base(max_kns: u16) -> u16 {
 /// Which node of an [`UpCluster`] a process is.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Role {
+    /// The dpm-node (the primary, with `--dpm-replicas`).
     Dpm,
+    /// A dpm-node backup (`--dpm-replicas`).
+    DpmBackup,
     Routing,
     Monitor,
     Kn(u32),
@@ -423,14 +429,27 @@ impl UpCluster {
     /// The KNs write through `fabric` (`shm` or `tcp`); `monitor_toml` None: the embedded
     /// defaults.
     pub fn start_on(fabric: &str, kns: u32, max_kns: u16, monitor_toml: Option<&str>) -> UpCluster {
-        Self::start_with(fabric, kns, max_kns, monitor_toml, false)
+        Self::start_with(fabric, kns, max_kns, monitor_toml, false, &[])
+    }
+
+    /// [`UpCluster::start_on`] tcp with the dpm-node replicated (`--dpm-replicas`).
+    pub fn start_replicated(kns: u32, replicas: u32, monitor_toml: Option<&str>) -> UpCluster {
+        let r = replicas.to_string();
+        Self::start_with(
+            "tcp",
+            kns,
+            kns as u16,
+            monitor_toml,
+            false,
+            &["--dpm-replicas", &r],
+        )
     }
 
     /// [`UpCluster::start_on`] shm, as a new user runs it: with TLS (`up` makes the
     /// credentials under its data directory), from the data directory's parent as the current
     /// directory.
     pub fn start_tls(kns: u32) -> UpCluster {
-        Self::start_with("shm", kns, kns as u16, None, true)
+        Self::start_with("shm", kns, kns as u16, None, true, &[])
     }
 
     fn start_with(
@@ -439,6 +458,7 @@ impl UpCluster {
         max_kns: u16,
         monitor_toml: Option<&str>,
         tls: bool,
+        extra: &[&str],
     ) -> UpCluster {
         let dir = tempfile::tempdir().unwrap();
         let mut args: Vec<String> = [
@@ -456,6 +476,7 @@ impl UpCluster {
             fabric,
         ]
         .iter()
+        .chain(extra)
         .map(|s| s.to_string())
         .collect();
         if let Some(toml) = monitor_toml {
@@ -643,6 +664,9 @@ impl UpCluster {
                 .map(|a| String::from_utf8_lossy(a).into_owned())
                 .collect();
             let role = match args.get(1).map(String::as_str) {
+                Some("dpm-node") if args.windows(2).any(|w| w == ["--role", "backup"]) => {
+                    Role::DpmBackup
+                }
                 Some("dpm-node") => Role::Dpm,
                 Some("routing-node") => Role::Routing,
                 Some("monitor") => Role::Monitor,

@@ -5,6 +5,7 @@
 
 mod cluster;
 mod deploy;
+mod dpm_failover;
 mod e2e;
 mod external;
 mod monitor;

@@ -56,6 +56,12 @@ const RPCS: &[(Service, &str, Kind, &str)] = &[
     (Service::Dpm, "/dinomo.dpm.v1.DpmService/GetMetadata", Kind::Unary, "nma"),
     (Service::Dpm, "/dinomo.dpm.v1.DpmService/ListMetadata", Kind::Unary, "ma"),
     (Service::Dpm, "/dinomo.dpm.v1.DpmService/Stats", Kind::Unary, "ma"),
+    // A dpm-node without backups: the calls a node or the admin may make reach the handler,
+    // which answers FAILED_PRECONDITION (replication is off).
+    (Service::Dpm, "/dinomo.dpm.v1.ReplicaService/Attach", Kind::Unary, "n"),
+    (Service::Dpm, "/dinomo.dpm.v1.ReplicaService/Status", Kind::Unary, "nma"),
+    (Service::Dpm, "/dinomo.dpm.v1.ReplicaService/AddBackup", Kind::Unary, "ma"),
+    (Service::Dpm, "/dinomo.dpm.v1.ReplicaService/RemoveBackup", Kind::Unary, "ma"),
     (Service::Dpm, "/grpc.health.v1.Health/Check", Kind::Unary, "cnma"),
     (Service::Dpm, "/grpc.health.v1.Health/Watch", Kind::ServerStream, "cnma"),
     // Last: it takes the monitor's leadership away.

@@ -7,8 +7,9 @@
 //! primary: the recovery that runs after a power failure.
 //!
 //! Invariants:
-//! - The term only grows, and is durable (`<pool>.term`) before an attach is answered: a
-//!   primary of an older term is refused, even after a restart of the backup.
+//! - The term only grows, and is durable (`<pool>.term`, with the primary instance that took
+//!   it) before an attach is answered: a primary of an older term, or of the same term but
+//!   another instance, is refused, even after a restart of the backup.
 //! - An attach revokes every key of the backup's grant table before anything else, so once it
 //!   returns, no WRITE of the previous primary lands any more (the revoke waits for posts in
 //!   progress, as for KNs).
@@ -44,6 +45,8 @@ pub struct Backup {
 #[derive(Debug, Default)]
 struct State {
     term: u64,
+    /// The primary instance that attached with `term`.
+    instance: u64,
     primary: String,
     nic: Option<TcpNic>,
     region: Option<Arc<PmRegion>>,
@@ -64,23 +67,36 @@ fn term_path(pool: &Path) -> PathBuf {
 
 /// The term a backup of `pool` accepted last (0 if none).
 pub fn read_term(pool: &Path) -> Result<u64> {
+    read_term_instance(pool).map(|(t, _)| t)
+}
+
+/// The term a backup of `pool` accepted last and the primary instance it came from.
+fn read_term_instance(pool: &Path) -> Result<(u64, u64)> {
+    let bad = |s: &str| DpmError::BadPool {
+        path: term_path(pool).display().to_string(),
+        detail: format!("holds {s:?}, not \"TERM INSTANCE\""),
+    };
     match std::fs::read_to_string(term_path(pool)) {
-        Ok(s) => s.trim().parse().map_err(|_| DpmError::BadPool {
-            path: term_path(pool).display().to_string(),
-            detail: format!("holds {s:?}, not a term"),
-        }),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(0),
+        Ok(s) => {
+            let mut it = s.split_whitespace().map(str::parse::<u64>);
+            match (it.next(), it.next()) {
+                (Some(Ok(t)), Some(Ok(i))) => Ok((t, i)),
+                (Some(Ok(t)), None) => Ok((t, 0)),
+                _ => Err(bad(&s)),
+            }
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok((0, 0)),
         Err(e) => Err(e.into()),
     }
 }
 
-fn write_term(pool: &Path, term: u64) -> Result<()> {
+fn write_term(pool: &Path, term: u64, instance: u64) -> Result<()> {
     let path = term_path(pool);
     let tmp = path.with_extension("term.new");
     {
         use std::io::Write as _;
         let mut f = std::fs::File::create(&tmp)?;
-        writeln!(f, "{term}")?;
+        writeln!(f, "{term} {instance}")?;
         f.sync_all()?;
     }
     std::fs::rename(&tmp, &path)?;
@@ -105,7 +121,7 @@ impl Backup {
         fabric_listen: SocketAddr,
         fabric_advertise: String,
     ) -> Result<Self> {
-        let term = read_term(&pool_path)?;
+        let (term, instance) = read_term_instance(&pool_path)?;
         let grants = Arc::new(GrantTable::create(&GrantTable::path_for(&pool_path), 4)?);
         tracing::info!(pool = %pool_path.display(), term, "backup ready: waiting for a primary to attach");
         Ok(Backup {
@@ -116,6 +132,7 @@ impl Backup {
             grants,
             state: tokio::sync::Mutex::new(State {
                 term,
+                instance,
                 ..State::default()
             }),
         })
@@ -129,10 +146,16 @@ impl Backup {
         self.state.lock().await.primary.clone()
     }
 
-    /// Becomes the backup of `primary` for `term` (see the module doc).
-    pub async fn attach(&self, term: u64, pool_bytes: u64, primary: &str) -> Result<Attached> {
+    /// Becomes the backup of `primary` (instance `instance`) for `term` (see the module doc).
+    pub async fn attach(
+        &self,
+        term: u64,
+        instance: u64,
+        pool_bytes: u64,
+        primary: &str,
+    ) -> Result<Attached> {
         let mut st = self.state.lock().await;
-        if term < st.term {
+        if term < st.term || (term == st.term && instance != st.instance) {
             return Err(DpmError::StaleTerm {
                 given: term,
                 current: st.term,
@@ -143,8 +166,9 @@ impl Backup {
                 "a backup pool of {pool_bytes} bytes: expected a multiple of 4096 up to {MAX_POOL_BYTES}"
             )));
         }
-        write_term(&self.pool_path, term)?;
+        write_term(&self.pool_path, term, instance)?;
         st.term = term;
+        st.instance = instance;
         // The previous primary's WRITEs end here (the revoke waits for posts in progress).
         self.grants.revoke_all()?;
         st.nic = None;

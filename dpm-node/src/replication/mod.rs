@@ -10,7 +10,11 @@
 //! opening it as a primary (the recovery that runs after a power failure).
 //!
 //! Terms fence primaries: a primary takes the next term at start ([`Primary::start`]) and
-//! attaches each backup with it; a backup refuses a term older than one it accepted.
+//! attaches each backup with it; a backup refuses a term older than one it accepted, or the
+//! same term from another primary instance. A primary acknowledges nothing before a backup
+//! accepted its term, and stops (deposed) when a backup refuses it, or when a backup it
+//! writes to turns out to belong to a newer primary (its key revoked by that primary's
+//! attach): it cannot go on alone, even if asked to drop that backup.
 //!
 //! Replication needs the tcp fabric: on shm the KNs store into the pool file themselves and on
 //! verbs the RNIC does, so the primary never sees their WRITEs to ship them.
@@ -40,6 +44,10 @@ use crate::error::{DpmError, Result};
 pub struct Primary {
     dpm: Arc<Dpm>,
     term: u64,
+    /// Drawn at start: tells this process from another primary that took the same term.
+    instance: u64,
+    /// Set (with the reason) once another primary is known to have taken over.
+    deposed: tokio::sync::watch::Sender<Option<String>>,
     /// This node's gRPC address, as backups are told.
     address: String,
     security: Security,
@@ -60,49 +68,94 @@ impl Primary {
         let region = dpm.pool().region().clone();
         let replicator = Replicator::new(region.clone(), opts);
         region.set_mirror(Some(replicator.clone()));
-        Ok(Arc::new(Primary {
+        let primary = Arc::new(Primary {
             dpm,
             term,
+            instance: rand::random::<u64>() | 1,
+            deposed: tokio::sync::watch::channel(None).0,
             address,
             security,
             replicator,
-        }))
+        });
+        tokio::spawn(watch_failed_backups(Arc::downgrade(&primary)));
+        Ok(primary)
+    }
+
+    /// Resolves with the reason once this primary is deposed (see the module doc).
+    pub async fn deposed(&self) -> String {
+        let mut rx = self.deposed.subscribe();
+        let why = match rx.wait_for(Option::is_some).await {
+            Ok(v) => v.clone(),
+            Err(_) => None,
+        };
+        match why {
+            Some(why) => why,
+            // The sender lives as long as `self`.
+            None => std::future::pending().await,
+        }
+    }
+
+    /// Stops acknowledging for good: another primary has taken over.
+    fn depose(&self, why: String) {
+        tracing::error!(reason = %why, "deposed: another primary has taken over; this dpm-node acknowledges nothing more and stops");
+        self.replicator.end(&format!("deposed: {why}"));
+        self.deposed.send_if_modified(|d| {
+            let first = d.is_none();
+            if first {
+                *d = Some(why.clone());
+            }
+            first
+        });
     }
 
     pub fn term(&self) -> u64 {
         self.term
     }
 
+    /// Whether this primary stopped acknowledging for good (stopping or deposed).
+    pub fn ended(&self) -> bool {
+        self.replicator.ended().is_some()
+    }
+
     /// Attaches the backup at `address` (its gRPC address) with this primary's term and starts
     /// copying the pool to it. Refused (FAILED_PRECONDITION from the backup) when a newer
     /// primary attached it.
     pub async fn add_backup(&self, address: &str) -> Result<()> {
-        let channel = self
-            .security
-            .endpoint(address, dinomo_security::Service::Dpm)
-            .map_err(|e| DpmError::InvalidArgument(format!("backup address {address:?}: {e}")))?
-            .connect_timeout(Duration::from_secs(2))
-            .timeout(Duration::from_secs(30))
-            .connect()
-            .await
-            .map_err(|e| {
-                DpmError::Replication(format!("cannot reach the backup at {address}: {e}"))
-            })?;
+        if let Some(why) = self.replicator.ended() {
+            return Err(DpmError::Replication(why));
+        }
+        let mut client = self.client(address, Duration::from_secs(30)).await?;
         let pool_bytes = self.dpm.pool().region().len();
-        let r = ReplicaServiceClient::new(channel)
+        let r = client
             .attach(pb::AttachRequest {
                 term: self.term,
+                instance: self.instance,
                 pool_bytes,
                 primary: self.address.clone(),
             })
-            .await
-            .map_err(|s| {
-                DpmError::Replication(format!(
-                    "the backup at {address} refused to attach: {}",
+            .await;
+        let r = match r {
+            Ok(r) => r.into_inner(),
+            // A newer primary attached it, or it is a primary itself (promoted).
+            Err(s) if s.code() == tonic::Code::FailedPrecondition => {
+                let why = format!(
+                    "the backup at {address} refused term {}: {}",
+                    self.term,
                     s.message()
-                ))
-            })?
-            .into_inner();
+                );
+                self.depose(why.clone());
+                return Err(DpmError::StaleTerm {
+                    given: self.term,
+                    current: 0,
+                });
+            }
+            Err(s) => {
+                return Err(DpmError::Replication(format!(
+                    "the backup at {address} did not attach: {}",
+                    s.message()
+                )))
+            }
+        };
         let nic: SocketAddr = tokio::net::lookup_host(&r.fabric)
             .await
             .ok()
@@ -128,6 +181,44 @@ impl Primary {
         Ok(())
     }
 
+    async fn client(
+        &self,
+        address: &str,
+        timeout: Duration,
+    ) -> Result<ReplicaServiceClient<tonic::transport::Channel>> {
+        let channel = self
+            .security
+            .endpoint(address, dinomo_security::Service::Dpm)
+            .map_err(|e| DpmError::InvalidArgument(format!("backup address {address:?}: {e}")))?
+            .connect_timeout(Duration::from_secs(2))
+            .timeout(timeout)
+            .connect()
+            .await
+            .map_err(|e| {
+                DpmError::Replication(format!("cannot reach the backup at {address}: {e}"))
+            })?;
+        Ok(ReplicaServiceClient::new(channel))
+    }
+
+    /// Whether the backup at `address` now belongs to another primary (a newer term, or it
+    /// was promoted). `None`: it cannot be asked.
+    async fn taken_over(&self, address: &str) -> Option<String> {
+        let s = self
+            .client(address, Duration::from_secs(2))
+            .await
+            .ok()?
+            .status(pb::ReplicaStatusRequest {})
+            .await
+            .ok()?
+            .into_inner();
+        (s.role != "backup" || s.term > self.term).then(|| {
+            format!(
+                "the backup at {address} is now a {} of term {} (this primary's term is {})",
+                s.role, s.term, self.term
+            )
+        })
+    }
+
     pub fn remove_backup(&self, address: &str) -> bool {
         self.replicator.remove(address)
     }
@@ -136,9 +227,37 @@ impl Primary {
         self.replicator.status()
     }
 
-    /// Stops shipping (the node is stopping).
+    /// Stops for good (the node is stopping): barriers fail from now on, so nothing more is
+    /// acknowledged; the KNs' grants are revoked (which waits for their posts in progress:
+    /// answered with an error) before the mirror is removed, so no post is ever applied and
+    /// acknowledged on this node alone.
     pub fn shutdown(&self) {
+        self.replicator.end("this dpm-node is stopping");
+        if let Err(e) = self.dpm.grants().revoke_all() {
+            tracing::warn!(error = %e, "revoking the KNs' grants at stop");
+        }
         self.dpm.pool().region().set_mirror(None);
-        self.replicator.shutdown();
+    }
+}
+
+/// Asks every backup that failed whether another primary took it over (its key refused):
+/// then this primary is deposed. A backup that crashed or restarted is not (its term is not
+/// newer); it stays failed until removed or added again.
+async fn watch_failed_backups(primary: std::sync::Weak<Primary>) {
+    loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let Some(p) = primary.upgrade() else { return };
+        if p.replicator.ended().is_some() {
+            return;
+        }
+        for b in p.replicator.status() {
+            if !matches!(b.phase, Phase::Failed { .. }) {
+                continue;
+            }
+            if let Some(why) = p.taken_over(&b.address).await {
+                p.depose(why);
+                return;
+            }
+        }
     }
 }

@@ -39,6 +39,28 @@ const MAX_QUEUED_BYTES: u64 = 64 << 20;
 const MAX_POST_BYTES: u64 = 16 << 20;
 const MAX_POST_OPS: usize = 1024;
 
+/// Copies `[offset, offset + out.len())` (8-byte aligned) with 8-byte atomic loads, as the
+/// CPU writes words back: a word being CASed concurrently is copied old or new, never torn.
+fn read_words(region: &PmRegion, offset: u64, out: &mut [u8]) -> dinomo_fabric::Result<()> {
+    region.check(offset, out.len() as u64)?;
+    debug_assert!(offset.is_multiple_of(8) && out.len().is_multiple_of(8));
+    for (i, w) in out.chunks_exact_mut(8).enumerate() {
+        let v = region.word(offset + 8 * i as u64)?.load(Ordering::Acquire);
+        w.copy_from_slice(&v.to_le_bytes());
+    }
+    Ok(())
+}
+
+/// Whether `b` holds only zero bytes (compared a word at a time).
+fn is_zero(b: &[u8]) -> bool {
+    let words = b.chunks_exact(8);
+    let tail = words.remainder();
+    words
+        .map(|w| u64::from_ne_bytes(w.try_into().expect("8 bytes")))
+        .all(|w| w == 0)
+        && tail.iter().all(|&x| x == 0)
+}
+
 /// How long a backup may take to acknowledge before it is marked failed.
 #[derive(Debug, Clone, Copy)]
 pub struct ReplicatorOptions {
@@ -56,21 +78,40 @@ impl Default for ReplicatorOptions {
 /// Where a backup stands.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Phase {
-    /// Getting the whole pool; not waited for.
+    /// Getting the whole pool; not waited for, holds nothing anyone was told is durable.
     Syncing,
-    /// Holds every acknowledged byte; every barrier waits for it.
+    /// The whole pool is copied; every barrier begun from now on waits for it, and once it
+    /// acknowledges `until` (every record queued before this phase began, so also those that
+    /// barriers which did not wait for it acknowledged) it is in sync.
+    CatchingUp { until: u64 },
+    /// Holds every acknowledged byte: every barrier waits for it, and it may be promoted.
     InSync,
-    /// A WRITE failed: barriers fail until it is removed or added again.
-    Failed(String),
+    /// A WRITE failed. If barriers waited for it (`counted`), they fail until it is removed
+    /// or added again; a backup that failed while syncing held nothing and blocks nothing.
+    Failed { why: String, counted: bool },
 }
 
 impl Phase {
     pub fn name(&self) -> &'static str {
         match self {
             Phase::Syncing => "syncing",
+            Phase::CatchingUp { .. } => "catching-up",
             Phase::InSync => "in-sync",
-            Phase::Failed(_) => "failed",
+            Phase::Failed { .. } => "failed",
         }
+    }
+
+    /// Whether barriers wait for (or fail because of) this backup.
+    fn counted(&self) -> bool {
+        match self {
+            Phase::Syncing => false,
+            Phase::CatchingUp { .. } | Phase::InSync => true,
+            Phase::Failed { counted, .. } => *counted,
+        }
+    }
+
+    fn failed(&self) -> bool {
+        matches!(self, Phase::Failed { .. })
     }
 }
 
@@ -120,9 +161,14 @@ struct Backup {
 impl Backup {
     fn fail(&self, why: String, changes: &watch::Sender<u64>) {
         let mut p = self.phase.lock();
-        if !matches!(*p, Phase::Failed(_)) {
-            tracing::error!(backup = %self.address, reason = %why, "backup failed: nothing is acknowledged as durable until it is removed from the replica set or added again");
-            *p = Phase::Failed(why);
+        if !p.failed() {
+            let counted = p.counted();
+            if counted {
+                tracing::error!(backup = %self.address, reason = %why, "backup failed: nothing is acknowledged as durable until it is removed from the replica set or added again");
+            } else {
+                tracing::warn!(backup = %self.address, reason = %why, "backup failed while its copy was being made; acknowledgements never waited for it");
+            }
+            *p = Phase::Failed { why, counted };
         }
         drop(p);
         let mut q = self.queue.lock();
@@ -143,6 +189,12 @@ pub struct Replicator {
     state: Mutex<State>,
     /// Bumped at every acknowledgement and phase change; barriers wait on it.
     changes: watch::Sender<u64>,
+    /// Why barriers fail from now on, whatever the backups: this node stops acknowledging
+    /// (it is stopping, or a newer primary took over).
+    ended: Arc<Mutex<Option<String>>>,
+    /// Whether a backup has accepted this primary's term: until then nothing is acknowledged
+    /// (a primary that serves before it fenced the others could be an old one).
+    term_confirmed: AtomicBool,
 }
 
 struct State {
@@ -168,13 +220,28 @@ impl Replicator {
                 backups: Vec::new(),
             }),
             changes: watch::channel(0).0,
+            ended: Arc::new(Mutex::new(None)),
+            term_confirmed: AtomicBool::new(false),
         })
+    }
+
+    /// From now on every barrier fails with `why` (the node stops, or was deposed); senders
+    /// stop. Posts already waiting get the error too.
+    pub fn end(&self, why: &str) {
+        self.ended.lock().get_or_insert_with(|| why.to_string());
+        self.shutdown();
+    }
+
+    /// Why barriers fail for good, if they do.
+    pub fn ended(&self) -> Option<String> {
+        self.ended.lock().clone()
     }
 
     /// Starts replicating to the backup at `address` whose NIC is `nic` and which granted
     /// `key`: from now on every record is queued for it, and its sender copies the whole pool
     /// to it in the background. A backup of the same address is replaced.
     pub fn add(self: &Arc<Self>, address: &str, nic: SocketAddr, key: AccessKey) {
+        self.term_confirmed.store(true, Ordering::Release);
         let backup = Arc::new(Backup {
             address: address.to_string(),
             queue: Mutex::new(Queue::default()),
@@ -273,7 +340,7 @@ impl Replicator {
     fn live(st: &State) -> Vec<Arc<Backup>> {
         st.backups
             .iter()
-            .filter(|b| !matches!(*b.phase.lock(), Phase::Failed(_)))
+            .filter(|b| !b.phase.lock().failed())
             .cloned()
             .collect()
     }
@@ -284,7 +351,7 @@ impl Replicator {
         let end = (offset + len).div_ceil(64) * 64;
         let end = end.min(region.len());
         let mut buf = vec![0u8; (end - start) as usize];
-        region.read(start, &mut buf)?;
+        read_words(region, start, &mut buf)?;
         Ok((start, Bytes::from(buf)))
     }
 
@@ -337,6 +404,7 @@ impl Replicator {
         let started = Instant::now();
         let mut sync_until = 0;
         let mut off = 0;
+        let mut chunk = vec![0u8; CHUNK as usize];
         while off < self.region.len() {
             if b.stop.load(Ordering::Acquire) {
                 return Ok(());
@@ -344,11 +412,12 @@ impl Replicator {
             let len = CHUNK.min(self.region.len() - off);
             {
                 let mut st = self.state.lock();
-                let (start, data) = Self::copy_lines(&self.region, off, len)?;
-                if data.iter().any(|&x| x != 0) {
-                    b.resync_bytes
-                        .fetch_add(data.len() as u64, Ordering::Relaxed);
-                    Self::enqueue(&mut st, std::slice::from_ref(b), start, data);
+                let chunk = &mut chunk[..len as usize];
+                read_words(&self.region, off, chunk)?;
+                if !is_zero(chunk) {
+                    b.resync_bytes.fetch_add(len, Ordering::Relaxed);
+                    let data = Bytes::copy_from_slice(chunk);
+                    Self::enqueue(&mut st, std::slice::from_ref(b), off, data);
                     sync_until = st.next_seq - 1;
                 }
             }
@@ -359,20 +428,45 @@ impl Replicator {
             }
         }
         loop {
-            if b.stop.load(Ordering::Acquire) {
+            if b.stop.load(Ordering::Acquire) || b.phase.lock().failed() {
                 return Ok(());
             }
-            if b.phase.lock().clone() == Phase::Syncing
-                && b.acked.load(Ordering::Acquire) >= sync_until
-            {
-                *b.phase.lock() = Phase::InSync;
-                let ms = started.elapsed().as_millis() as u64;
-                *b.resync_ms.lock() = Some(ms);
-                self.changes.send_modify(|v| *v += 1);
-                tracing::info!(backup = %b.address, resync_bytes = b.resync_bytes.load(Ordering::Relaxed), resync_ms = ms, "backup in sync: acknowledgements wait for it from now on");
-            }
+            self.advance(b, sync_until, started);
             self.send_some(b, &fabric).await?;
         }
+    }
+
+    /// Moves `b` on once the copy is acknowledged: Syncing -> CatchingUp (barriers wait for it
+    /// from the moment the phase changes, under the state lock, so every record queued later
+    /// is waited for) -> InSync once it holds everything queued before that.
+    fn advance(&self, b: &Backup, sync_until: u64, started: Instant) {
+        let acked = b.acked.load(Ordering::Acquire);
+        let changed = {
+            let _st = self.state.lock();
+            let mut p = b.phase.lock();
+            match *p {
+                Phase::Syncing if acked >= sync_until => {
+                    *p = Phase::CatchingUp {
+                        until: b.queue.lock().last_queued,
+                    };
+                    true
+                }
+                Phase::CatchingUp { until } if acked >= until => {
+                    *p = Phase::InSync;
+                    true
+                }
+                _ => false,
+            }
+        };
+        if !changed {
+            return;
+        }
+        if *b.phase.lock() == Phase::InSync {
+            let ms = started.elapsed().as_millis() as u64;
+            *b.resync_ms.lock() = Some(ms.max(1));
+            tracing::info!(backup = %b.address, resync_bytes = b.resync_bytes.load(Ordering::Relaxed), resync_ms = ms, "backup in sync: it holds every acknowledged byte and may be promoted");
+        }
+        self.changes.send_modify(|v| *v += 1);
     }
 
     /// Posts what is queued for `b` (waiting up to 100 ms for something), one post, and
@@ -424,6 +518,14 @@ impl Replicator {
     }
 }
 
+impl Replicator {
+    /// A check of [`Replicator::ended`] a barrier future can own.
+    fn ended_flag(&self) -> impl Fn() -> Option<String> + Send + 'static {
+        let ended = self.ended.clone();
+        move || ended.lock().clone()
+    }
+}
+
 impl PersistMirror for Replicator {
     fn record(&self, region: &PmRegion, offset: u64, len: u64) -> dinomo_fabric::Result<()> {
         let targets = {
@@ -436,24 +538,40 @@ impl PersistMirror for Replicator {
             Self::enqueue(&mut st, &targets, start, data);
             targets
         };
-        for b in &targets {
-            if b.queue.lock().bytes > MAX_QUEUED_BYTES {
-                self.wait_below(b, MAX_QUEUED_BYTES);
+        // Backpressure for the node's own threads (merge, GC). A runtime thread (the NIC, a
+        // control call) never blocks here: it waits for the barrier next, asynchronously, so
+        // what it can queue is bounded by the posts in flight.
+        if tokio::runtime::Handle::try_current().is_err() {
+            for b in &targets {
+                if b.queue.lock().bytes > MAX_QUEUED_BYTES {
+                    self.wait_below(b, MAX_QUEUED_BYTES);
+                }
             }
         }
         Ok(())
     }
 
     fn barrier(&self) -> BarrierFuture {
+        if let Some(why) = self.ended() {
+            return Box::pin(std::future::ready(Err(FabricError::Transport(why))));
+        }
+        if !self.term_confirmed.load(Ordering::Acquire) {
+            return Box::pin(std::future::ready(Err(FabricError::Transport(
+                "no backup has accepted this primary's term yet: nothing is acknowledged \
+                 until one has (it fences older primaries)"
+                    .into(),
+            ))));
+        }
         // What each backup that must acknowledge has been given so far.
         let targets: Vec<(Arc<Backup>, u64)> = {
             let st = self.state.lock();
             st.backups
                 .iter()
-                .filter(|b| !matches!(*b.phase.lock(), Phase::Syncing))
+                .filter(|b| b.phase.lock().counted())
                 .map(|b| (b.clone(), b.queue.lock().last_queued))
                 .collect()
         };
+        let ended = self.ended_flag();
         let mut changes = self.changes.subscribe();
         let timeout = self.opts.ack_timeout;
         Box::pin(async move {
@@ -464,7 +582,10 @@ impl PersistMirror for Replicator {
                         if b.stop.load(Ordering::Acquire) {
                             continue; // removed from the set: no longer waited for
                         }
-                        if let Phase::Failed(why) = &*b.phase.lock() {
+                        if let Some(why) = ended() {
+                            return Err(FabricError::Transport(why));
+                        }
+                        if let Phase::Failed { why, .. } = &*b.phase.lock() {
                             return Err(FabricError::Transport(format!(
                                 "backup {} failed ({why}): not acknowledged as durable",
                                 b.address

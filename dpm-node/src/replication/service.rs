@@ -46,7 +46,7 @@ impl ReplicaGrpc {
                         address: b.address,
                         state: b.phase.name().into(),
                         detail: match &b.phase {
-                            Phase::Failed(why) => why.clone(),
+                            Phase::Failed { why, .. } => why.clone(),
                             _ => String::new(),
                         },
                         behind_records: b.behind_records,
@@ -93,7 +93,7 @@ impl ReplicaService for ReplicaGrpc {
         };
         let r = req.into_inner();
         let a = b
-            .attach(r.term, r.pool_bytes, &r.primary)
+            .attach(r.term, r.instance, r.pool_bytes, &r.primary)
             .await
             .map_err(to_status)?;
         Ok(Response::new(pb::AttachResponse {

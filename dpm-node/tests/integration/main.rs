@@ -8,6 +8,7 @@ mod powerloss;
 mod process;
 mod publication;
 mod replication;
+mod replication_fencing;
 mod service;
 mod verbs;
 mod write_window;

@@ -61,6 +61,18 @@ impl DpmProcess {
             .expect("connecting to dpm-node")
     }
 
+    /// Whether the process exits (by itself) within `t`.
+    pub fn exits_within(&mut self, t: Duration) -> bool {
+        let deadline = std::time::Instant::now() + t;
+        while std::time::Instant::now() < deadline {
+            if matches!(self.child.try_wait(), Ok(Some(_))) {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        false
+    }
+
     pub fn pid(&self) -> u32 {
         self.child.id()
     }

@@ -234,7 +234,8 @@ async fn acknowledged_batches_survive_the_primary_in_every_backup() {
 }
 
 /// A backup promoted (started as a primary on its pool) takes the next term and attaches the
-/// other backup: from then on the old primary, still running, acknowledges nothing.
+/// other backup: from then on the old primary, still running, acknowledges nothing, and stops
+/// once it finds the backup taken over.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_promoted_backup_fences_the_old_primary() {
     let dir = tempfile::tempdir().unwrap();
@@ -250,7 +251,7 @@ async fn a_promoted_backup_fences_the_old_primary() {
             b1.grpc, b2.grpc
         ),
     );
-    let old = DpmProcess::start(&cp, &dir.path().join("p.log"));
+    let mut old = DpmProcess::start(&cp, &dir.path().join("p.log"));
     let s = wait_in_sync(old.grpc, 2).await;
     let (_, mut w) = kn_writer(&old).await;
     w.append(&[record(0)]).await.unwrap();
@@ -282,6 +283,12 @@ async fn a_promoted_backup_fences_the_old_primary() {
     // And the new primary serves its KN.
     let (_, mut w2) = kn_writer(&new).await;
     w2.append(&[record(2)]).await.unwrap();
+    // The old primary learns it was deposed (b1 now answers with a newer term) and stops.
+    assert!(
+        old.exits_within(Duration::from_secs(15)),
+        "the deposed primary still runs; log:\n{}",
+        std::fs::read_to_string(dir.path().join("p.log")).unwrap_or_default()
+    );
 }
 
 /// A backup that stops answering (SIGSTOP) holds back every acknowledgement: the KN's WRITE

@@ -15,6 +15,8 @@ use anyhow::{bail, Context};
 use clap::Args;
 use dinomo_client::admin;
 
+mod replicas;
+
 #[derive(Debug, Args, Clone)]
 pub struct UpArgs {
     #[command(flatten)]
@@ -66,8 +68,15 @@ pub struct UpArgs {
     /// fastest on one machine), tcp (the dpm-node's software NIC on BASE+1, as KNs on other
     /// hosts without RDMA would) or verbs (one-sided RDMA, the side channel on BASE+1; needs a
     /// binary built with `--features rdma` and an RDMA device, e.g. Soft-RoCE's rxe0).
-    #[arg(long, default_value = "shm", value_parser = ["shm", "tcp", "verbs"])]
-    pub fabric: String,
+    /// Default: shm, or tcp with --dpm-replicas above 1.
+    #[arg(long, value_parser = ["shm", "tcp", "verbs"])]
+    pub fabric: Option<String>,
+    /// Memory-node replicas: 1 (no replication), or a primary and N-1 backups, each with its
+    /// own pool in the data directory (backup i serves at BASE+20+2(i-1)). A write is
+    /// acknowledged once it is on every backup in sync; when the primary dies, a backup in sync
+    /// takes its place (see docs/decisions/0007-dpm-replication.md). Needs the tcp fabric.
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=i64::from(replicas::MAX_REPLICAS)))]
+    pub dpm_replicas: u32,
     /// RDMA device of the dpm-node and the KV nodes with --fabric verbs (default:
     /// $DINOMO_RDMA_DEVICE, else the first device).
     #[arg(long)]
@@ -224,13 +233,24 @@ pub async fn run(a: UpArgs) -> anyhow::Result<()> {
     if a.kns == 0 {
         bail!("--kns must be at least 1");
     }
-    if a.fabric == "verbs" && !cfg!(feature = "rdma") {
+    let fabric = a
+        .fabric
+        .clone()
+        .unwrap_or_else(|| if a.dpm_replicas > 1 { "tcp" } else { "shm" }.to_string());
+    if a.dpm_replicas > 1 && fabric != "tcp" {
+        bail!(
+            "--dpm-replicas {} needs --fabric tcp: on {fabric} the KV nodes write the pool \
+             without the dpm-node seeing it, so it cannot copy their writes to its backups",
+            a.dpm_replicas
+        );
+    }
+    if fabric == "verbs" && !cfg!(feature = "rdma") {
         bail!(
             "--fabric verbs: this dinomo binary was built without the `rdma` cargo feature; \
              rebuild it with `cargo build --release -p dinomo-cli --features rdma`"
         );
     }
-    if a.rdma_device.is_some() && a.fabric != "verbs" {
+    if a.rdma_device.is_some() && fabric != "verbs" {
         bail!("--rdma-device applies only to --fabric verbs");
     }
     // The monitor listens on BASE-100, and port 0 would mean "any port".
@@ -263,10 +283,9 @@ pub async fn run(a: UpArgs) -> anyhow::Result<()> {
         dpm_args.extend(["--rdma-device".into(), d.clone()]);
     }
     let mut nodes = Vec::new();
+    let mut replica_set: Option<replicas::ReplicaSet> = None;
     let result = async {
-        let (n, _) = spawn(
-            "dpm-node",
-            &[
+        let primary_args = [
                 "dpm-node".into(),
                 "--pool".into(),
                 pool.display().to_string(),
@@ -277,7 +296,7 @@ pub async fn run(a: UpArgs) -> anyhow::Result<()> {
                 "--listen".into(),
                 dpm.clone(),
                 "--fabric".into(),
-                a.fabric.clone(),
+                fabric.clone(),
                 "--fabric-listen".into(),
                 port(1)?,
                 "--metrics-listen".into(),
@@ -285,10 +304,24 @@ pub async fn run(a: UpArgs) -> anyhow::Result<()> {
             ]
             .into_iter()
             .chain(dpm_args)
-            .collect::<Vec<_>>(),
-            &logs.join("dpm-node.log"),
-        )?;
-        nodes.push(n);
+            .collect::<Vec<_>>();
+        if a.dpm_replicas > 1 {
+            replica_set = Some(
+                replicas::ReplicaSet::start(replicas::SetSpec {
+                    replicas: a.dpm_replicas,
+                    port_base: b,
+                    data_dir: &a.data_dir,
+                    logs: &logs,
+                    primary_args,
+                    pool: pool.clone(),
+                    node_args: secured.node_args("dpm")?,
+                })
+                .await?,
+            );
+        } else {
+            let (n, _) = spawn("dpm-node", &primary_args, &logs.join("dpm-node.log"))?;
+            nodes.push(n);
+        }
         let routing = port(200)?;
         let (n, _) = spawn(
             "routing-node",
@@ -362,12 +395,18 @@ pub async fn run(a: UpArgs) -> anyhow::Result<()> {
         println!(
             "Dinomo is up ({} KV nodes, {} fabric, pool {}, data in {}).",
             a.kns,
-            a.fabric,
+            fabric,
             pool.display(),
             a.data_dir.display()
         );
         println!("  routing node   {routing}    <- clients connect here (dinomo kv --routing {routing} ...)");
         println!("  dpm-node       {dpm}    (metrics http://{}/metrics)", port(2000)?);
+        if let Some(set) = &replica_set {
+            println!(
+                "  dpm backups    {}    (in sync; `dinomo status` shows the replica set, `dinomo admin fail-dpm` kills the primary)",
+                set.backup_addrs().join(" ")
+            );
+        }
         println!("  monitor        {monitor}    (dinomo admin --monitor {monitor} status|add-kn|remove-kn N|fail-kn N)");
         for k in &map.kns {
             println!("  kv-node {}      {}    (metrics http://127.0.0.1:{}/metrics)", k.id, k.endpoint, u32::from(kn_metrics_base) + k.id);
@@ -386,6 +425,9 @@ pub async fn run(a: UpArgs) -> anyhow::Result<()> {
     .await;
     if let Err(e) = result {
         stop(&mut nodes);
+        if let Some(set) = replica_set {
+            set.stop();
+        }
         return Err(e);
     }
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
@@ -400,11 +442,20 @@ pub async fn run(a: UpArgs) -> anyhow::Result<()> {
                 if let Some(gave_up) = supervise(&mut nodes) {
                     break Some(gave_up);
                 }
+                if let Some(set) = &mut replica_set {
+                    if let Err(e) = set.supervise().await {
+                        eprintln!("{e:#}");
+                        break Some("the dpm-node replica set".to_string());
+                    }
+                }
             }
         }
     };
     println!("stopping...");
     stop(&mut nodes);
+    if let Some(set) = replica_set {
+        set.stop();
+    }
     match exited {
         Some(name) => bail!(
             "{name} kept exiting and could not be restarted; the cluster was stopped (see {})",

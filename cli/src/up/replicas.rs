@@ -1,0 +1,344 @@
+//! `dinomo up --dpm-replicas N`: the memory node as a replica set of local processes, a primary
+//! and N-1 backups (docs/decisions/0007-dpm-replication.md), and what `up` does when one dies.
+//!
+//! Layout: the primary always serves at the dpm-node's addresses (BASE, fabric BASE+1) from
+//! `<data>/dinomo.pool`, so KNs, the routing node and the monitor find the new primary where
+//! the old one was, as they find a restarted dpm-node (on Kubernetes, a Service selecting the
+//! primary does the same). Backup i (1-based) serves gRPC at BASE+20+2(i-1) and its fabric NIC
+//! at the next port, from `<data>/dpm-backup-i.pool`.
+//!
+//! Supervision, every round:
+//! - the primary's ReplicaStatus is read, and the backups it reports in sync are remembered;
+//! - a backup whose process exited, or that the primary reports failed, is removed from the
+//!   set (so the primary acknowledges again), started again, and added back (copied anew);
+//! - a primary whose process exited is replaced by a backup that was in sync at the last
+//!   round (failover): that backup is stopped, its pool and the dead primary's swap names, a new
+//!   primary starts on it at the primary's addresses (taking the next term, which fences the
+//!   old one at every backup) and a fresh backup takes the promoted one's place. The dead
+//!   primary's pool is never read again: this is what losing its machine would leave. With no
+//!   backup in sync (all were still copying), the primary is restarted on its own pool.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::time::{Duration, Instant};
+
+use anyhow::Context;
+use dinomo_proto::dpm::replica_service_client::ReplicaServiceClient;
+use dinomo_proto::dpm::{BackupRequest, ReplicaStatusRequest, ReplicaStatusResponse};
+
+use super::{spawn, Node};
+
+/// Most replicas `up` starts (the ports BASE+20.. hold 2 per backup below BASE+100).
+pub const MAX_REPLICAS: u32 = 5;
+
+/// Failovers (and in-place restarts) of the primary allowed per minute before `up` gives up.
+const MAX_PRIMARY_RESTARTS: usize = 8;
+
+struct BackupSlot {
+    index: u32,
+    addr: String,
+    args: Vec<String>,
+    pool: PathBuf,
+    log: PathBuf,
+    node: Node,
+}
+
+/// The dpm-node replica set `up` runs.
+pub(crate) struct ReplicaSet {
+    primary: Node,
+    pool: PathBuf,
+    dpm_addr: String,
+    backups: Vec<BackupSlot>,
+    /// Backups the primary reported in sync at the last round.
+    in_sync: BTreeSet<String>,
+    primary_restarts: Vec<Instant>,
+}
+
+/// How `up` starts the set.
+pub(crate) struct SetSpec<'a> {
+    pub replicas: u32,
+    pub port_base: u16,
+    pub data_dir: &'a Path,
+    pub logs: &'a Path,
+    /// The primary's arguments (without `--backup`).
+    pub primary_args: Vec<String>,
+    /// The pool of the primary.
+    pub pool: PathBuf,
+    /// Credentials flags for a dpm-node.
+    pub node_args: Vec<String>,
+}
+
+fn port(base: u16, off: u16) -> anyhow::Result<String> {
+    Ok(format!(
+        "127.0.0.1:{}",
+        base.checked_add(off).context("--port-base too high")?
+    ))
+}
+
+fn sibling(path: &Path, suffix: &str) -> PathBuf {
+    let mut p = path.as_os_str().to_owned();
+    p.push(suffix);
+    PathBuf::from(p)
+}
+
+/// Swaps the names of two pools and of their term files.
+fn swap_pools(a: &Path, b: &Path) -> anyhow::Result<()> {
+    for suffix in ["", ".term"] {
+        let (a, b) = (sibling(a, suffix), sibling(b, suffix));
+        let tmp = sibling(&a, ".swap");
+        let rename = |from: &Path, to: &Path| match std::fs::rename(from, to) {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            r => r.with_context(|| format!("renaming {} to {}", from.display(), to.display())),
+        };
+        rename(&a, &tmp)?;
+        rename(&b, &a)?;
+        rename(&tmp, &b)?;
+    }
+    Ok(())
+}
+
+async fn status(addr: &str) -> anyhow::Result<ReplicaStatusResponse> {
+    let ch = dinomo_security::Security::of_process()
+        .endpoint(addr, dinomo_security::Service::Dpm)?
+        .connect_timeout(Duration::from_millis(500))
+        .timeout(Duration::from_secs(2))
+        .connect()
+        .await?;
+    Ok(ReplicaServiceClient::new(ch)
+        .status(ReplicaStatusRequest {})
+        .await?
+        .into_inner())
+}
+
+async fn change_set(dpm: &str, backup: &str, add: bool) -> anyhow::Result<()> {
+    let ch = dinomo_security::Security::of_process()
+        .endpoint(dpm, dinomo_security::Service::Dpm)?
+        .connect_timeout(Duration::from_millis(500))
+        .timeout(Duration::from_secs(30))
+        .connect()
+        .await?;
+    let mut c = ReplicaServiceClient::new(ch);
+    let req = BackupRequest {
+        address: backup.to_string(),
+    };
+    if add {
+        c.add_backup(req).await?;
+    } else {
+        c.remove_backup(req).await?;
+    }
+    Ok(())
+}
+
+impl ReplicaSet {
+    /// Starts the backups, then the primary, and waits until every backup is in sync.
+    pub async fn start(spec: SetSpec<'_>) -> anyhow::Result<Self> {
+        let mut backups = Vec::new();
+        for i in 1..spec.replicas {
+            let off = 20 + 2 * (i as u16 - 1);
+            let addr = port(spec.port_base, off)?;
+            let pool = spec.data_dir.join(format!("dpm-backup-{i}.pool"));
+            let mut args: Vec<String> = vec![
+                "dpm-node".into(),
+                "--role".into(),
+                "backup".into(),
+                "--pool".into(),
+                pool.display().to_string(),
+                "--listen".into(),
+                addr.clone(),
+                "--fabric-listen".into(),
+                port(spec.port_base, off + 1)?,
+                "--metrics-listen".into(),
+                port(spec.port_base, 2000 + off)?,
+            ];
+            args.extend(spec.node_args.iter().cloned());
+            let log = spec.logs.join(format!("dpm-backup-{i}.log"));
+            let (node, _) = spawn(&format!("dpm-node backup {i}"), &args, &log)?;
+            backups.push(BackupSlot {
+                index: i,
+                addr,
+                args,
+                pool,
+                log,
+                node,
+            });
+        }
+        let mut args = spec.primary_args;
+        for b in &backups {
+            args.extend(["--backup".into(), b.addr.clone()]);
+        }
+        let log = spec.logs.join("dpm-node.log");
+        let (primary, _) = spawn("dpm-node", &args, &log)?;
+        let dpm_addr = port(spec.port_base, 0)?;
+        let mut set = ReplicaSet {
+            primary,
+            pool: spec.pool,
+            dpm_addr,
+            backups,
+            in_sync: BTreeSet::new(),
+            primary_restarts: Vec::new(),
+        };
+        set.wait_in_sync(Duration::from_secs(120)).await?;
+        Ok(set)
+    }
+
+    /// Waits until the primary reports every backup in sync.
+    pub async fn wait_in_sync(&mut self, within: Duration) -> anyhow::Result<()> {
+        let deadline = Instant::now() + within;
+        loop {
+            let last = status(&self.dpm_addr).await;
+            if let Ok(s) = &last {
+                if s.backups.len() == self.backups.len()
+                    && s.backups.iter().all(|b| b.state == "in-sync")
+                {
+                    self.in_sync = s.backups.iter().map(|b| b.address.clone()).collect();
+                    return Ok(());
+                }
+            }
+            if Instant::now() > deadline {
+                anyhow::bail!(
+                    "the dpm-node backups are not in sync after {} s: {last:?}",
+                    within.as_secs()
+                );
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// One supervision round (see the module doc). `Err`: the set cannot be kept up.
+    pub async fn supervise(&mut self) -> anyhow::Result<()> {
+        if let Ok(Some(status)) = self.primary.child.try_wait() {
+            return self.replace_primary(&format!("{status}")).await;
+        }
+        let Ok(s) = status(&self.dpm_addr).await else {
+            return Ok(()); // starting or stopping: the next round sees
+        };
+        self.in_sync = s
+            .backups
+            .iter()
+            .filter(|b| b.state == "in-sync")
+            .map(|b| b.address.clone())
+            .collect();
+        let listed = |addr: &str| s.backups.iter().find(|b| b.address == addr);
+        for i in 0..self.backups.len() {
+            let exited = matches!(self.backups[i].node.child.try_wait(), Ok(Some(_)));
+            match listed(&self.backups[i].addr) {
+                _ if exited => self.replace_backup(i, true).await?,
+                Some(b) if b.state == "failed" => self.replace_backup(i, false).await?,
+                // Running but not in the set (its attach failed, or the primary restarted
+                // without it being reachable): the primary retries attaching the backups of
+                // its command line; one added later is added again here.
+                None if !self.primary_lists_at_start(&self.backups[i].addr) => {
+                    if let Err(e) = change_set(&self.dpm_addr, &self.backups[i].addr, true).await {
+                        eprintln!("adding dpm-node backup {}: {e:#}", self.backups[i].index);
+                    }
+                }
+                _ => {}
+            }
+        }
+        Ok(())
+    }
+
+    /// Whether the primary was started with `addr` as a backup (it attaches those itself,
+    /// retrying until it can).
+    fn primary_lists_at_start(&self, addr: &str) -> bool {
+        self.primary.args.iter().any(|a| a == addr)
+    }
+
+    async fn replace_backup(&mut self, i: usize, exited: bool) -> anyhow::Result<()> {
+        let b = &mut self.backups[i];
+        eprintln!(
+            "dpm-node backup {} {}: removing it from the replica set, starting it again and \
+             copying the pool to it (see {})",
+            b.index,
+            if exited { "exited" } else { "failed" },
+            b.log.display()
+        );
+        self.in_sync.remove(&b.addr);
+        if let Err(e) = change_set(&self.dpm_addr, &b.addr, false).await {
+            eprintln!("  (removing it: {e:#})");
+        }
+        if !exited {
+            let _ = b.node.child.kill();
+        }
+        let _ = b.node.child.wait();
+        match spawn(&b.node.name, &b.args, &b.log) {
+            Ok((node, _)) => b.node = node,
+            Err(e) => {
+                eprintln!("  (starting it: {e:#}; retrying)");
+                return Ok(());
+            }
+        }
+        if let Err(e) = change_set(&self.dpm_addr, &b.addr, true).await {
+            // The next rounds add it once the primary can (see `supervise`).
+            eprintln!("  (adding it again: {e:#}; retrying)");
+        }
+        Ok(())
+    }
+
+    async fn replace_primary(&mut self, exit: &str) -> anyhow::Result<()> {
+        let t0 = Instant::now();
+        self.primary_restarts
+            .retain(|t| t0.duration_since(*t) < Duration::from_secs(60));
+        if self.primary_restarts.len() >= MAX_PRIMARY_RESTARTS {
+            anyhow::bail!("the dpm-node primary died {MAX_PRIMARY_RESTARTS} times within a minute");
+        }
+        self.primary_restarts.push(t0);
+        let in_sync = &self.in_sync;
+        let candidate = self
+            .backups
+            .iter_mut()
+            .position(|b| in_sync.contains(&b.addr) && matches!(b.node.child.try_wait(), Ok(None)));
+        let Some(i) = candidate else {
+            eprintln!(
+                "dpm-node primary exited ({exit}) while no backup was in sync: restarting it \
+                 on its own pool"
+            );
+            self.primary.restart()?;
+            return Ok(());
+        };
+        let b = &mut self.backups[i];
+        eprintln!(
+            "dpm-node primary exited ({exit}): promoting backup {} ({}), in sync at the last \
+             check",
+            b.index, b.addr
+        );
+        let _ = b.node.child.kill();
+        let _ = b.node.child.wait();
+        swap_pools(&self.pool, &b.pool)?;
+        self.in_sync.clear();
+        // From here the primary's pool is the promoted one: if its start fails, the next
+        // round restarts it in place (no backup is in sync any more).
+        let (fresh, _) = spawn(&self.primary.name, &self.primary.args, &self.primary.log)?;
+        self.primary.child = fresh.child;
+        // The promoted backup's place: a fresh backup (its pool, the dead primary's old file,
+        // is emptied when the new primary attaches it). If it does not start, the next round
+        // sees it exited and tries again.
+        match spawn(&b.node.name, &b.args, &b.log) {
+            Ok((node, _)) => b.node = node,
+            Err(e) => eprintln!("starting a new backup {}: {e:#}; retrying", b.index),
+        }
+        let term = status(&self.dpm_addr).await.map(|s| s.term).unwrap_or(0);
+        eprintln!(
+            "dpm-node failover done in {} ms: the new primary (term {term}) serves at {}; its \
+             backups are being copied in the background",
+            t0.elapsed().as_millis(),
+            self.dpm_addr
+        );
+        Ok(())
+    }
+
+    /// Stops the primary, then the backups.
+    pub fn stop(self) {
+        let mut nodes = vec![];
+        for b in self.backups {
+            nodes.push(b.node);
+        }
+        nodes.push(self.primary);
+        super::stop(&mut nodes);
+    }
+
+    /// The backups' addresses, for `up`'s banner.
+    pub fn backup_addrs(&self) -> Vec<String> {
+        self.backups.iter().map(|b| b.addr.clone()).collect()
+    }
+}
