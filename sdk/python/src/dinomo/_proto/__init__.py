@@ -1,0 +1,1 @@
+"""Generated gRPC stubs (tools/gen_stubs.py from proto/proto/*.proto): do not edit."""
