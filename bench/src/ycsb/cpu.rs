@@ -127,7 +127,8 @@ fn order(name: &str) -> u8 {
 
 /// The name of a Dinomo node process (or of a Redis server) from its NUL-separated command
 /// line, `None` for any other process: `dinomo kv-node --kn-id 2 ...` or `kv-node --kn-id=2` is "kv-node 2",
-/// `dinomo dpm-node ...` or `dpm-node` is "dpm-node"; `dinomo up`, `dinomo bench` and the
+/// `dinomo dpm-node ...` or `dpm-node` is "dpm-node" ("dpm-node backup" with `--role backup`);
+/// `dinomo up`, `dinomo bench` and the
 /// like are not nodes.
 pub fn node_name(cmdline: &[u8]) -> Option<String> {
     let args: Vec<&str> = cmdline
@@ -149,6 +150,10 @@ pub fn node_name(cmdline: &[u8]) -> Option<String> {
     };
     if !ROLES.contains(&role) {
         return None;
+    }
+    if role == "dpm-node" && rest.windows(2).any(|w| w == ["--role", "backup"]) {
+        // A backup of a replicated memory node (`dinomo up --dpm-replicas`).
+        return Some("dpm-node backup".to_string());
     }
     if role != "kv-node" {
         return Some(role.to_string());
@@ -203,7 +208,7 @@ mod tests {
 
     #[test]
     fn nodes_are_named_from_their_command_lines() {
-        let cases: [(&[u8], Option<&str>); 8] = [
+        let cases: [(&[u8], Option<&str>); 9] = [
             (
                 b"/usr/bin/dinomo\0kv-node\0--kn-id\x002\0--listen\0x\0",
                 Some("kv-node 2"),
@@ -214,6 +219,10 @@ mod tests {
                 Some("dpm-node"),
             ),
             (b"/opt/dpm-node\0", Some("dpm-node")),
+            (
+                b"dinomo\0dpm-node\0--role\0backup\0--pool\0b\0",
+                Some("dpm-node backup"),
+            ),
             (b"dinomo\0routing-node\0", Some("routing-node")),
             (b"dinomo\0up\0--kns\x002\0", None),
             (b"dinomo\0bench\0", None),

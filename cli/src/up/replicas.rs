@@ -31,7 +31,9 @@ use super::{spawn, Node};
 /// Most replicas `up` starts (the ports BASE+20.. hold 2 per backup below BASE+100).
 pub const MAX_REPLICAS: u32 = 5;
 
-/// Failovers (and in-place restarts) of the primary allowed per minute before `up` gives up.
+/// In-place restarts of the primary allowed per minute before `up` gives up (a primary that
+/// keeps dying on its own pool). Promotions are not counted: each needs a backup that was in
+/// sync, so a whole copy of the pool since the last one, which bounds their rate already.
 const MAX_PRIMARY_RESTARTS: usize = 8;
 
 struct BackupSlot {
@@ -277,18 +279,21 @@ impl ReplicaSet {
 
     async fn replace_primary(&mut self, exit: &str) -> anyhow::Result<()> {
         let t0 = Instant::now();
-        self.primary_restarts
-            .retain(|t| t0.duration_since(*t) < Duration::from_secs(60));
-        if self.primary_restarts.len() >= MAX_PRIMARY_RESTARTS {
-            anyhow::bail!("the dpm-node primary died {MAX_PRIMARY_RESTARTS} times within a minute");
-        }
-        self.primary_restarts.push(t0);
         let in_sync = &self.in_sync;
         let candidate = self
             .backups
             .iter_mut()
             .position(|b| in_sync.contains(&b.addr) && matches!(b.node.child.try_wait(), Ok(None)));
         let Some(i) = candidate else {
+            self.primary_restarts
+                .retain(|t| t0.duration_since(*t) < Duration::from_secs(60));
+            if self.primary_restarts.len() >= MAX_PRIMARY_RESTARTS {
+                anyhow::bail!(
+                    "the dpm-node primary died {MAX_PRIMARY_RESTARTS} times within a minute with \
+                     no backup in sync to take its place"
+                );
+            }
+            self.primary_restarts.push(t0);
             eprintln!(
                 "dpm-node primary exited ({exit}) while no backup was in sync: restarting it \
                  on its own pool"
