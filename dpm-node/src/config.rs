@@ -390,6 +390,43 @@ mod tests {
     }
 
     #[test]
+    fn replication_is_refused_where_it_cannot_work() {
+        let bad = [
+            (
+                "backups = [\"127.0.0.1:7720\"]",
+                "replication needs fabric = \"tcp\"",
+            ),
+            (
+                "fabric = \"tcp\"\nrole = \"backup\"\nbackups = [\"127.0.0.1:7720\"]",
+                "a backup has no backups",
+            ),
+            (
+                "fabric = \"tcp\"\nbackups = [\"nowhere\"]",
+                "not a backup's gRPC address",
+            ),
+            ("replica_ack_timeout_ms = 0", "at least 1"),
+        ];
+        for (text, want) in bad {
+            let e = DpmConfigFile::from_toml(text, "t")
+                .unwrap()
+                .validate()
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(want), "{text}: {e}");
+        }
+        let e = DpmConfigFile::from_toml("role = \"witness\"", "t").unwrap_err();
+        assert!(e.to_string().contains("expected primary or backup"), "{e}");
+        let ok = DpmConfigFile::from_toml(
+            "fabric = \"tcp\"\nbackups = [\"127.0.0.1:7720\", \"127.0.0.1:7722\"]",
+            "t",
+        )
+        .unwrap()
+        .validate()
+        .unwrap();
+        assert_eq!(ok.backups.len(), 2);
+    }
+
+    #[test]
     fn unknown_fields_and_bad_values_are_refused() {
         let e = DpmConfigFile::from_toml("pool_sise = \"1GiB\"", "dpm.toml").unwrap_err();
         assert!(e.to_string().contains("unknown field `pool_sise`"), "{e}");
