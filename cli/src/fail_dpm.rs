@@ -7,28 +7,13 @@
 use std::time::{Duration, Instant};
 
 use anyhow::{bail, Context};
-use dinomo_proto::dpm::replica_service_client::ReplicaServiceClient;
-use dinomo_proto::dpm::{ReplicaStatusRequest, ReplicaStatusResponse};
-use dinomo_security::{Security, Service};
+use dinomo_security::Security;
 
 /// The key the probe writes (its value: the time of the failover, for the record).
 pub const PROBE_KEY: &str = "dinomo/fail-dpm/probe";
 
 /// How long every backup must have been in sync before the primary is killed.
 const IN_SYNC_FOR: Duration = Duration::from_millis(600);
-
-async fn status(dpm: &str) -> anyhow::Result<ReplicaStatusResponse> {
-    let ch = Security::of_process()
-        .endpoint(dpm, Service::Dpm)?
-        .connect_timeout(Duration::from_millis(500))
-        .timeout(Duration::from_secs(2))
-        .connect()
-        .await?;
-    Ok(ReplicaServiceClient::new(ch)
-        .status(ReplicaStatusRequest {})
-        .await?
-        .into_inner())
-}
 
 pub async fn run(
     dpm: &str,
@@ -42,7 +27,7 @@ pub async fn run(
     // none it knows to be in sync.
     let mut in_sync_since: Option<Instant> = None;
     let before = loop {
-        let s = status(dpm)
+        let s = crate::status::replica_status(dpm)
             .await
             .with_context(|| format!("asking the dpm-node at {dpm} for its replica set"))?;
         if s.term == 0 {
@@ -87,7 +72,7 @@ pub async fn run(
         before.term
     );
     let new = loop {
-        match status(dpm).await {
+        match crate::status::replica_status(dpm).await {
             Ok(s) if s.term > before.term && s.pid as i32 != pid => break s,
             _ if Instant::now() > deadline => bail!(
                 "no new primary answered at {dpm} within {} s",

@@ -171,10 +171,13 @@ pub async fn run(a: StatusArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn replica_status(dpm: &str) -> anyhow::Result<ReplicaStatusResponse> {
+/// The dpm-node's ReplicaStatus (its role, term and backups), as the process's identity asks
+/// (`dinomo status`, `up --dpm-replicas`, `admin fail-dpm`).
+pub(crate) async fn replica_status(dpm: &str) -> anyhow::Result<ReplicaStatusResponse> {
     let ch = Security::of_process()
         .endpoint(dpm, Service::Dpm)?
-        .connect_timeout(Duration::from_secs(1))
+        .connect_timeout(Duration::from_millis(500))
+        .timeout(Duration::from_secs(2))
         .connect()
         .await?;
     Ok(ReplicaServiceClient::new(ch)

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use dinomo_proto::dpm::replica_service_client::ReplicaServiceClient;
-use dinomo_proto::dpm::{BackupRequest, ReplicaStatusRequest, ReplicaStatusResponse};
+use dinomo_proto::dpm::BackupRequest;
 
 use super::{spawn, Node};
 
@@ -97,19 +97,6 @@ fn swap_pools(a: &Path, b: &Path) -> anyhow::Result<()> {
         rename(&tmp, &b)?;
     }
     Ok(())
-}
-
-async fn status(addr: &str) -> anyhow::Result<ReplicaStatusResponse> {
-    let ch = dinomo_security::Security::of_process()
-        .endpoint(addr, dinomo_security::Service::Dpm)?
-        .connect_timeout(Duration::from_millis(500))
-        .timeout(Duration::from_secs(2))
-        .connect()
-        .await?;
-    Ok(ReplicaServiceClient::new(ch)
-        .status(ReplicaStatusRequest {})
-        .await?
-        .into_inner())
 }
 
 async fn change_set(dpm: &str, backup: &str, add: bool) -> anyhow::Result<()> {
@@ -187,7 +174,7 @@ impl ReplicaSet {
     pub async fn wait_in_sync(&mut self, within: Duration) -> anyhow::Result<()> {
         let deadline = Instant::now() + within;
         loop {
-            let last = status(&self.dpm_addr).await;
+            let last = crate::status::replica_status(&self.dpm_addr).await;
             if let Ok(s) = &last {
                 if s.backups.len() == self.backups.len()
                     && s.backups.iter().all(|b| b.state == "in-sync")
@@ -211,7 +198,7 @@ impl ReplicaSet {
         if let Ok(Some(status)) = self.primary.child.try_wait() {
             return self.replace_primary(&format!("{status}")).await;
         }
-        let Ok(s) = status(&self.dpm_addr).await else {
+        let Ok(s) = crate::status::replica_status(&self.dpm_addr).await else {
             return Ok(()); // starting or stopping: the next round sees
         };
         self.in_sync = s
@@ -322,7 +309,10 @@ impl ReplicaSet {
             Ok((node, _)) => b.node = node,
             Err(e) => eprintln!("starting a new backup {}: {e:#}; retrying", b.index),
         }
-        let term = status(&self.dpm_addr).await.map(|s| s.term).unwrap_or(0);
+        let term = crate::status::replica_status(&self.dpm_addr)
+            .await
+            .map(|s| s.term)
+            .unwrap_or(0);
         eprintln!(
             "dpm-node failover done in {} ms: the new primary (term {term}) serves at {}; its \
              backups are being copied in the background",
