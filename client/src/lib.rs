@@ -516,7 +516,12 @@ impl Client {
             let (owner, version, node) = self.route(op.key());
             *last_kn = owner;
             let last = match node {
-                None => format!("no KV node owns the key under map version {version}"),
+                None => {
+                    // No owner in this map (between the removal of a cluster's last KN and the
+                    // start of its replacement): only a newer map helps.
+                    let _ = self.refresh_map(Some(version)).await;
+                    format!("no KV node owns the key under map version {version}")
+                }
                 Some(node) => {
                     let node = node?;
                     let endpoint = node.endpoint();
