@@ -229,7 +229,7 @@ impl Replicator {
     /// stop. Posts already waiting get the error too.
     pub fn end(&self, why: &str) {
         self.ended.lock().get_or_insert_with(|| why.to_string());
-        self.shutdown();
+        self.stop_senders();
     }
 
     /// Why barriers fail for good, if they do.
@@ -288,8 +288,9 @@ impl Replicator {
         true
     }
 
-    /// Stops every sender (the node is stopping).
-    pub fn shutdown(&self) {
+    /// Stops every sender. Only through [`Replicator::end`]: with no backup left, a barrier
+    /// that did not fail first would pass.
+    fn stop_senders(&self) {
         let backups = std::mem::take(&mut self.state.lock().backups);
         for b in backups {
             b.stop.store(true, Ordering::Release);

@@ -245,7 +245,7 @@ async fn an_allocation_answered_unavailable_leaves_no_open_segment() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     region.set_mirror(None);
-    rep.shutdown();
+    rep.end("the test is over");
 }
 
 /// When a replicated primary stops (SIGTERM, or deposed by a newer term), `server::run` drops
