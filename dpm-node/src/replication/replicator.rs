@@ -187,8 +187,9 @@ pub struct Replicator {
     opts: ReplicatorOptions,
     /// Next record's seq and the backups, under one lock (see the invariants).
     state: Mutex<State>,
-    /// Bumped at every acknowledgement and phase change; barriers wait on it.
-    changes: watch::Sender<u64>,
+    /// Bumped at every acknowledgement and phase change; barriers wait on it (shared with
+    /// the barrier futures, which fail the backups they timed out waiting for).
+    changes: Arc<watch::Sender<u64>>,
     /// Why barriers fail from now on, whatever the backups: this node stops acknowledging
     /// (it is stopping, or a newer primary took over).
     ended: Arc<Mutex<Option<String>>>,
@@ -219,7 +220,7 @@ impl Replicator {
                 next_seq: 1,
                 backups: Vec::new(),
             }),
-            changes: watch::channel(0).0,
+            changes: Arc::new(watch::channel(0).0),
             ended: Arc::new(Mutex::new(None)),
             term_confirmed: AtomicBool::new(false),
         })
@@ -573,6 +574,7 @@ impl PersistMirror for Replicator {
                 .collect()
         };
         let ended = self.ended_flag();
+        let notify = self.changes.clone();
         let mut changes = self.changes.subscribe();
         let timeout = self.opts.ack_timeout;
         Box::pin(async move {
@@ -604,11 +606,79 @@ impl PersistMirror for Replicator {
                     }
                 }
             };
-            tokio::time::timeout(timeout, wait)
-                .await
-                .map_err(|_| FabricError::TimedOut {
-                    after_ms: timeout.as_millis() as u64,
-                })?
+            match tokio::time::timeout(timeout, wait).await {
+                Ok(done) => done,
+                Err(_) => {
+                    // The backups still behind fail now, not when their own post times out:
+                    // that post may have begun later and may yet succeed, and a backup that
+                    // made an acknowledgement fail must not stay counted as in sync.
+                    for (b, target) in &targets {
+                        if !b.stop.load(Ordering::Acquire)
+                            && b.acked.load(Ordering::Acquire) < *target
+                        {
+                            b.fail(format!("did not acknowledge within {timeout:?}"), &notify);
+                        }
+                    }
+                    Err(FabricError::TimedOut {
+                        after_ms: timeout.as_millis() as u64,
+                    })
+                }
+            }
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use dinomo_fabric::pm::DurabilityRequest;
+
+    /// A backup counted as in sync, with no sender: nothing it is given is ever acknowledged.
+    fn silent_in_sync_backup(r: &Replicator, address: &str) -> Arc<Backup> {
+        let b = Arc::new(Backup {
+            address: address.to_string(),
+            queue: Mutex::new(Queue::default()),
+            queue_cv: Condvar::new(),
+            acked: AtomicU64::new(0),
+            phase: Mutex::new(Phase::InSync),
+            stop: AtomicBool::new(false),
+            bytes_sent: AtomicU64::new(0),
+            resync_bytes: AtomicU64::new(0),
+            resync_ms: Mutex::new(None),
+        });
+        r.state.lock().backups.push(b.clone());
+        r.term_confirmed.store(true, Ordering::Release);
+        b
+    }
+
+    /// A barrier that times out fails the backup it waited for, so the next barrier fails at
+    /// once and the status says which backup is to blame. It used to leave the backup in sync
+    /// until its own post timed out: a post begun later could still succeed (the backup
+    /// resumed), and the backup that made an acknowledgement fail stayed "in-sync".
+    #[tokio::test]
+    async fn a_barrier_that_times_out_fails_the_backups_still_behind() {
+        let dir = tempfile::tempdir().unwrap();
+        let region = Arc::new(
+            PmRegion::create(
+                &dir.path().join("pool"),
+                1 << 20,
+                DurabilityRequest::ProcessCrash,
+            )
+            .unwrap(),
+        );
+        let r = Replicator::new(
+            region.clone(),
+            ReplicatorOptions {
+                ack_timeout: Duration::from_millis(50),
+            },
+        );
+        let behind = silent_in_sync_backup(&r, "behind:1");
+        r.record(&region, 0, 64).unwrap();
+        let e = r.barrier().await.unwrap_err();
+        assert!(matches!(e, FabricError::TimedOut { .. }), "{e:?}");
+        assert!(behind.phase.lock().failed(), "{:?}", behind.phase.lock());
+        let t = Instant::now();
+        assert!(r.barrier().await.is_err());
+        assert!(t.elapsed() < Duration::from_millis(50), "{:?}", t.elapsed());
     }
 }
