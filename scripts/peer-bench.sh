@@ -17,6 +17,7 @@
 #   --threads N       runtime threads of the bench process, for both targets (default: the
 #                     bench's own default, one per core)
 #   --kn-threads N    runtime threads per KV node (default: `dinomo up`'s, cores / KNs)
+#   --shards N        shards per KV node (default: `dinomo up`'s)
 #   --warmup S        seconds of warm-up before each measured run (default 2)
 #   --duration S      seconds measured per workload (default 8)
 #   --workloads LIST  run workloads after the load (default a,b,c)
@@ -43,7 +44,7 @@ usage() { sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; }
 
 dinomo=target/release/dinomo records=50000 value_size=1000 clients=8 outstanding=4 warmup=2 connections=1
 duration=8 workloads=a,b,c kns=2 base=27700 out=target/peer-bench threads="" kn_threads=""
-kv_transport=wire insecure=0
+kv_transport=wire insecure=0 shards=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --dinomo) dinomo=$2; shift 2 ;;
@@ -54,6 +55,7 @@ while [ $# -gt 0 ]; do
     --connections) connections=$2; shift 2 ;;
     --threads) threads=$2; shift 2 ;;
     --kn-threads) kn_threads=$2; shift 2 ;;
+    --shards) shards=$2; shift 2 ;;
     --warmup) warmup=$2; shift 2 ;;
     --duration) duration=$2; shift 2 ;;
     --workloads) workloads=$2; shift 2 ;;
@@ -87,6 +89,7 @@ redis-server --port "$redis_port" --bind 127.0.0.1 --dir "$work/redis" --appendo
 up_extra=()
 [ -n "$kn_threads" ] && up_extra=(--kn-threads "$kn_threads")
 [ "$insecure" = 1 ] && up_extra+=(--insecure)
+[ -n "$shards" ] && up_extra+=(--shards "$shards")
 "$dinomo" up --data-dir "$work/dinomo" --kns "$kns" --port-base "$base" "${up_extra[@]}" \
   >"$out/up.out" 2>"$out/up.err" &
 up_pid=$!

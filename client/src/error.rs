@@ -22,6 +22,11 @@ pub enum ClientError {
     /// same write right away won't help.
     #[error("resource exhausted: {0}")]
     ResourceExhausted(String),
+    /// The cluster refused this caller's identity (no client certificate, or one whose role
+    /// may not make this call): nothing was applied, and retrying with the same credentials
+    /// won't help. The message names the call and the role it needs.
+    #[error("permission denied: {0}")]
+    PermissionDenied(String),
     /// The deadline passed while the cluster was unavailable or reconfiguring.
     #[error("deadline exceeded after {attempts} attempts; last error: {last}")]
     DeadlineExceeded { attempts: u32, last: String },

@@ -6,6 +6,8 @@
 //! the client refreshes its map and retries with a bounded, jittered backoff until the request's
 //! deadline. A write whose outcome cannot be known (the node or the connection died while it
 //! was in flight) is never retried blindly: it fails with [`ClientError::OutcomeUnknown`].
+//! A caller the cluster's access layer refuses (no certificate, or a role that may not call
+//! the KV service) gets [`ClientError::PermissionDenied`] at once: nothing was applied.
 //! Clones share the map and the connection pool: one HTTP/2 channel per node, and on it one
 //! long-lived `Pipeline` stream (`stream`) that carries every operation of this client to that
 //! node, so that operations in flight together share frames and system calls instead of each
@@ -268,6 +270,12 @@ fn channel(
 }
 
 /// Was this status produced by a KV node (not by the transport)?
+/// Whether `s` is the access layer's refusal of this caller (no identity, or a role that may
+/// not make the call).
+fn refused(s: &tonic::Status) -> bool {
+    matches!(s.code(), Code::PermissionDenied | Code::Unauthenticated)
+}
+
 fn from_kn(s: &tonic::Status) -> bool {
     s.metadata().get(dinomo_proto::KN_ANSWER_TRAILER).is_some()
 }
@@ -561,6 +569,19 @@ impl Client {
                                 }
                                 _ => x.message,
                             }
+                        }
+                        // The access layer refused this caller before any handler ran (the
+                        // KV wire's hello, or gRPC's interceptor): nothing was applied, and
+                        // the same credentials will be refused again.
+                        Err(s) if refused(&s) => {
+                            let m = s.message();
+                            return Err(ClientError::PermissionDenied(
+                                if m.starts_with(endpoint) {
+                                    m.to_string()
+                                } else {
+                                    format!("{endpoint}: {m}")
+                                },
+                            ));
                         }
                         Err(s) if from_kn(&s) => match s.code() {
                             Code::InvalidArgument

@@ -64,6 +64,7 @@ impl From<ClientError> for OpError {
             ClientError::InvalidArgument(_) => "invalid_argument",
             ClientError::ResourceExhausted(_) => OpError::RESOURCE_EXHAUSTED,
             ClientError::OutcomeUnknown(_) => "outcome_unknown",
+            ClientError::PermissionDenied(_) => "permission_denied",
             ClientError::DeadlineExceeded { .. } => "deadline_exceeded",
             ClientError::NoMap(_) => "no_map",
             ClientError::Other(_) => "other",

@@ -461,6 +461,24 @@ async fn a_new_user_runs_the_readme_commands_unchanged_over_tls() {
         client.get("greeting").await.unwrap().as_deref(),
         Some(&b"hello"[..])
     );
+    // The admin identity may read the map but not call the KV service: the SDK says so at
+    // once (PermissionDenied, nothing applied), not "outcome unknown" after retries.
+    let mut admin = dinomo_client::ClientConfig::new(&[&routing]);
+    admin.security = Security::Mutual(std::sync::Arc::new(
+        Identity::load(&creds, "admin").unwrap(),
+    ));
+    admin.report_latency = false;
+    let as_admin = dinomo_client::Client::connect_with(admin).await.unwrap();
+    match as_admin.put("greeting", "overwritten").await {
+        Err(dinomo_client::ClientError::PermissionDenied(m)) => {
+            assert!(m.contains("needs role client"), "{m}")
+        }
+        other => panic!("expected PermissionDenied, got {other:?}"),
+    }
+    assert_eq!(
+        client.get("greeting").await.unwrap().as_deref(),
+        Some(&b"hello"[..])
+    );
     let mut plain = dinomo_client::ClientConfig::new(&[&routing]);
     plain.security = Security::Insecure;
     plain.deadline = Duration::from_secs(2);

@@ -209,3 +209,90 @@ async fn an_insert_lost_behind_a_proxy_saying_connect_is_not_retried() {
         "expected OutcomeUnknown after one attempt; got {r:?} after {n} attempts"
     );
 }
+
+/// A KN whose access layer refuses every call (as the interceptor does for a certificate of
+/// the wrong role), counting the calls.
+struct Refusing(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+fn refused() -> Status {
+    Status::permission_denied(
+        "/dinomo.kv.KvService/Pipeline needs role client; this caller is monitor",
+    )
+}
+
+#[tonic::async_trait]
+impl KvService for Refusing {
+    async fn get(&self, _: Request<kv::GetRequest>) -> Result<Response<kv::GetResponse>, Status> {
+        Err(refused())
+    }
+    async fn put(&self, _: Request<kv::PutRequest>) -> Result<Response<kv::PutResponse>, Status> {
+        Err(refused())
+    }
+    async fn delete(
+        &self,
+        _: Request<kv::DeleteRequest>,
+    ) -> Result<Response<kv::DeleteResponse>, Status> {
+        Err(refused())
+    }
+    async fn batch(
+        &self,
+        _: Request<kv::BatchRequest>,
+    ) -> Result<Response<kv::BatchResponse>, Status> {
+        Err(refused())
+    }
+    type PipelineStream = KvStream;
+    async fn pipeline(
+        &self,
+        _: Request<tonic::Streaming<kv::KvRequest>>,
+    ) -> Result<Response<KvStream>, Status> {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Err(refused())
+    }
+    async fn stats(
+        &self,
+        _: Request<kv::KnStatsRequest>,
+    ) -> Result<Response<kv::KnStatsResponse>, Status> {
+        Err(refused())
+    }
+    async fn prepare_map(
+        &self,
+        _: Request<kv::MapRequest>,
+    ) -> Result<Response<kv::MapReply>, Status> {
+        Err(refused())
+    }
+    async fn commit_map(
+        &self,
+        _: Request<kv::MapRequest>,
+    ) -> Result<Response<kv::MapReply>, Status> {
+        Err(refused())
+    }
+}
+
+/// The access layer refuses before any handler runs, so a refused write was not applied: it
+/// fails at once with PermissionDenied (it used to be OutcomeUnknown, which tells the caller
+/// to read the key back to find out; the Python SDK's author found it).
+#[tokio::test]
+async fn a_write_the_access_layer_refuses_is_permission_denied_not_unknown() {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let kn = l.local_addr().unwrap();
+    let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(KvServiceServer::new(Refusing(calls.clone())))
+            .serve_with_incoming(dinomo_proto::nodelay_incoming(l)),
+    );
+    let client = client_of(kn).await;
+    match client.insert("k", "v").await {
+        Err(ClientError::PermissionDenied(m)) => assert!(m.contains("needs role client"), "{m}"),
+        other => panic!("expected PermissionDenied, got {other:?}"),
+    }
+    match client.get("k").await {
+        Err(ClientError::PermissionDenied(_)) => {}
+        other => panic!("a refused read: expected PermissionDenied, got {other:?}"),
+    }
+    assert_eq!(
+        calls.load(std::sync::atomic::Ordering::SeqCst),
+        2,
+        "not retried"
+    );
+}
