@@ -240,6 +240,11 @@ expect_failure "fraction out of range (policy.over_utilized=1.5)" \
   "/monitor/config/policy/over_utilized" --set-json monitor.config.policy.over_utilized=1.5
 expect_render_failure "verbs without RDMA (dpm.fabric.kind=verbs, rdma.enabled=false)" \
   "needs rdma.enabled" --set dpm.fabric.kind=verbs
+expect_render_failure "backups on the verbs fabric (dpm.replication.backups=2, dpm.fabric.kind=verbs)" \
+  "dpm.replication.backups needs dpm.fabric.kind" -f "$chart/ci/rdma-on-values.yaml" \
+  --set dpm.fabric.kind=verbs --set dpm.replication.backups=2
+expect_failure "unknown anti-affinity (dpm.replication.antiAffinity=never)" \
+  "/dpm/replication/antiAffinity" --set dpm.replication.antiAffinity=never
 expect_render_failure "cross-field rule (kv.replicas above policy.max_kns)" \
   "kv.replicas must be within" --set kv.replicas=5 --set monitor.config.policy.max_kns=4
 expect_render_failure "cross-field rule (under_utilized >= over_utilized)" \
@@ -315,6 +320,8 @@ def struct_fields(name):
 
 def fields_of(text, where):
     fields = set(FIELD.findall(text))
+    # Fields whose flag is renamed (`#[arg(long = "backup")] pub backups: Vec<String>`).
+    fields |= {f.replace("-", "_") for f in re.findall(r'\blong\s*=\s*"([a-z0-9-]+)"', text)}
     for typ in re.findall(r"#\[command\(flatten\)\]\s*(?:///[^\n]*\n\s*)*(?:pub\s+)?[a-z_][a-z0-9_]*:\s*([A-Za-z0-9_:]+)", text):
         fields |= struct_fields(typ.rsplit("::", 1)[-1])
     return fields
@@ -337,7 +344,7 @@ chart_ids = {"dpm": "dpm", "kv": "kn", "routing": "routing", "monitor": "monitor
 if set(leaves) != set(chart_ids.values()):
     errors.append(f"security/src/issue.rs issues {sorted(leaves)}, the chart knows {sorted(chart_ids.values())}")
 # Pod component label -> the identity its pod presents.
-component_id = {"dpm": "dpm", "kn": "kv", "routing": "routing", "monitor": "monitor", "test": "client"}
+component_id = {"dpm": "dpm", "dpm-backup": "dpm", "kn": "kv", "routing": "routing", "monitor": "monitor", "test": "client"}
 creds_dir, admin_dir = "/etc/dinomo/credentials", "/etc/dinomo/admin-credentials"
 used_flags = {}
 
@@ -423,7 +430,8 @@ for path in sorted(glob.glob(os.path.join(out, "*.yaml"))):
         for p in pdbs:
             check(p["spec"]["selector"]["matchLabels"] == spec["selector"]["matchLabels"], f"{where}: PDB selects other pods than the KV StatefulSet")
         # The dpm-node address: the same in the monitor, the KNs and the dpm-node's own name.
-        dpm_sts = [d for d in docs if d["kind"] == "StatefulSet" and d is not sts]
+        dpm_sts = [d for d in docs if d["kind"] == "StatefulSet" and d is not sts
+                   and d["metadata"]["labels"].get("app.kubernetes.io/component") == "dpm"]
         if check(len(dpm_sts) == 1, f"{where}: expected one dpm-node StatefulSet"):
             dpm = dpm_sts[0]
             dc = dpm["spec"]["template"]["spec"]["containers"][0]
@@ -437,6 +445,25 @@ for path in sorted(glob.glob(os.path.join(out, "*.yaml"))):
             check(arg(dc, "--fabric") in ("tcp", "verbs"), f"{where}: dpm-node fabric {arg(dc, '--fabric')!r} is neither tcp nor verbs")
             fport = arg(dc, "--fabric-listen").rsplit(":", 1)[1]
             check(arg(dc, "--fabric-advertise") == f"{host}:{fport}", f"{where}: fabric advertised as {arg(dc, '--fabric-advertise')!r}, not {host}:{fport}")
+            # Backups: the primary attaches exactly the backup pods, by their stable names, and
+            # each advertises its own fabric NIC.
+            attached = [a.split("=", 1)[1] for a in args_of(dc) if a.startswith("--backup=")]
+            backup_sts = [d for d in docs if d["kind"] == "StatefulSet"
+                          and d["metadata"]["labels"].get("app.kubernetes.io/component") == "dpm-backup"]
+            check(len(backup_sts) == (1 if attached else 0), f"{where}: {len(backup_sts)} backup StatefulSets for {len(attached)} --backup flags")
+            for b in backup_sts:
+                bc = b["spec"]["template"]["spec"]["containers"][0]
+                bname, bsvc = b["metadata"]["name"], b["spec"]["serviceName"]
+                bport = int(arg(bc, "--listen").rsplit(":", 1)[1])
+                want = [f"{bname}-{i}.{bsvc}.{namespace}.svc:{bport}" for i in range(b["spec"]["replicas"])]
+                check(attached == want, f"{where}: the primary attaches {attached}, the backup pods are {want}")
+                check(arg(bc, "--role") == "backup" and arg(bc, "--fabric") == "tcp", f"{where}: {bname} is not a tcp backup")
+                bf = arg(bc, "--fabric-listen").rsplit(":", 1)[1]
+                check(arg(bc, "--fabric-advertise") == f"$(POD_NAME).{bsvc}.{namespace}.svc:{bf}", f"{where}: {bname} advertises {arg(bc, '--fabric-advertise')!r}")
+                check(any(e["name"] == "POD_NAME" and e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "metadata.name" for e in bc.get("env", [])),
+                      f"{where}: {bname}: POD_NAME is not the pod's name")
+                bs = one(docs, "Service", bsvc, where)
+                check(bs and bs["spec"].get("clusterIP") == "None", f"{where}: the backups' Service is not headless")
             for r in [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["labels"].get("app.kubernetes.io/component") == "routing"]:
                 rc = r["spec"]["template"]["spec"]["containers"][0]
                 check(arg(rc, "--dpm") == f"{host}:{dport}", f"{where}: routing --dpm {arg(rc, '--dpm')!r} != {host}:{dport}")
@@ -481,7 +508,8 @@ for path in sorted(glob.glob(os.path.join(out, "*.yaml"))):
         picked = [s for s in docs if s["kind"] == "Service"
                   and all(s["metadata"]["labels"].get(a) == b for a, b in sel.items())
                   and s["metadata"]["labels"].get("app.kubernetes.io/component") in comps]
-        check(len(picked) == 4, f"{where}: ServiceMonitor selects {len(picked)} Services, not 4")
+        want = 4 + any(s["kind"] == "Service" and s["metadata"]["labels"].get("app.kubernetes.io/component") == "dpm-backup" for s in docs)
+        check(len(picked) == want, f"{where}: ServiceMonitor selects {len(picked)} Services, not {want}")
         for s in picked:
             check(any(p.get("name") == "metrics" for p in s["spec"]["ports"]), f"{where}: Service {s['metadata']['name']} has no metrics port")
         check(all(e.get("port") == "metrics" for e in sm["spec"]["endpoints"]), f"{where}: ServiceMonitor endpoint is not the metrics port")

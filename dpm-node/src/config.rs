@@ -99,6 +99,12 @@ pub struct DpmConfigFile {
     /// primary then acknowledges nothing until it is removed or added again). Below the KNs'
     /// fabric deadline (5 s), so a KN hears of a failed backup before it gives up its session.
     pub replica_ack_timeout_ms: u64,
+    /// Whether a primary attaches a failed backup of its set anew, by itself, once it answers
+    /// again (restarted, or reachable again): its copy starts over, and until it is in sync
+    /// acknowledgements do not wait for it. For deployments where nothing else tends the set
+    /// (the Helm chart); `dinomo up` does it itself and leaves this off. Off: a failed backup
+    /// holds every acknowledgement until someone removes it or adds it again.
+    pub reattach_failed_backups: bool,
 }
 
 /// What a dpm-node is in a replica set.
@@ -148,6 +154,7 @@ impl Default for DpmConfigFile {
             role: ReplicaRole::Primary,
             backups: Vec::new(),
             replica_ack_timeout_ms: 2000,
+            reattach_failed_backups: false,
         }
     }
 }
@@ -210,6 +217,7 @@ pub struct DpmConfig {
     pub role: ReplicaRole,
     pub backups: Vec<String>,
     pub replica_ack_timeout: std::time::Duration,
+    pub reattach_failed_backups: bool,
     /// TLS and access checks on the gRPC port; from the command line (`--credentials`,
     /// `--insecure`), never from the file. A config built in process (tests) serves in plain
     /// text until told otherwise.
@@ -342,6 +350,7 @@ impl DpmConfigFile {
             role: self.role,
             backups: self.backups,
             replica_ack_timeout: std::time::Duration::from_millis(self.replica_ack_timeout_ms),
+            reattach_failed_backups: self.reattach_failed_backups,
             security: dinomo_security::Security::Insecure,
         })
     }

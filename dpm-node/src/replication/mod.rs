@@ -200,17 +200,22 @@ impl Primary {
         Ok(ReplicaServiceClient::new(channel))
     }
 
-    /// Whether the backup at `address` now belongs to another primary (a newer term, or it
-    /// was promoted). `None`: it cannot be asked.
-    async fn taken_over(&self, address: &str) -> Option<String> {
-        let s = self
-            .client(address, Duration::from_secs(2))
-            .await
-            .ok()?
-            .status(pb::ReplicaStatusRequest {})
-            .await
-            .ok()?
-            .into_inner();
+    /// What the backup at `address` says it is. `None`: it cannot be asked.
+    async fn ask_status(&self, address: &str) -> Option<pb::ReplicaStatusResponse> {
+        Some(
+            self.client(address, Duration::from_secs(2))
+                .await
+                .ok()?
+                .status(pb::ReplicaStatusRequest {})
+                .await
+                .ok()?
+                .into_inner(),
+        )
+    }
+
+    /// Why `s` (the status of the backup at `address`) shows another primary took it over (a
+    /// newer term, or it was promoted), if it does.
+    fn taken_over(&self, address: &str, s: &pb::ReplicaStatusResponse) -> Option<String> {
         (s.role != "backup" || s.term > self.term).then(|| {
             format!(
                 "the backup at {address} is now a {} of term {} (this primary's term is {})",
@@ -242,8 +247,12 @@ impl Primary {
 
 /// Asks every backup that failed whether another primary took it over (its key refused):
 /// then this primary is deposed. A backup that crashed or restarted is not (its term is not
-/// newer); it stays failed until removed or added again.
+/// newer); it stays failed until removed or added again, or, with `reattach_failed_backups`,
+/// until it answers again: then this primary attaches it anew (at most every
+/// [`REATTACH_EVERY`] per backup).
 async fn watch_failed_backups(primary: std::sync::Weak<Primary>) {
+    let mut last_attach: std::collections::HashMap<String, std::time::Instant> =
+        std::collections::HashMap::new();
     loop {
         tokio::time::sleep(Duration::from_millis(200)).await;
         let Some(p) = primary.upgrade() else { return };
@@ -254,10 +263,29 @@ async fn watch_failed_backups(primary: std::sync::Weak<Primary>) {
             if !matches!(b.phase, Phase::Failed { .. }) {
                 continue;
             }
-            if let Some(why) = p.taken_over(&b.address).await {
+            let Some(s) = p.ask_status(&b.address).await else {
+                continue; // unreachable: stays failed
+            };
+            if let Some(why) = p.taken_over(&b.address, &s) {
                 p.depose(why);
                 return;
+            }
+            if !p.dpm.config.reattach_failed_backups
+                || last_attach
+                    .get(&b.address)
+                    .is_some_and(|t| t.elapsed() < REATTACH_EVERY)
+            {
+                continue;
+            }
+            last_attach.insert(b.address.clone(), std::time::Instant::now());
+            tracing::warn!(backup = %b.address, "a failed backup answers again: attaching it anew (reattach_failed_backups); until its copy is in sync, acknowledgements do not wait for it");
+            if let Err(e) = p.add_backup(&b.address).await {
+                tracing::warn!(backup = %b.address, error = %e, "attaching the failed backup anew");
             }
         }
     }
 }
+
+/// Least time between two attaches of the same failed backup (a backup that keeps failing is
+/// not copied in a loop).
+const REATTACH_EVERY: Duration = Duration::from_secs(5);

@@ -370,3 +370,57 @@ async fn a_stopped_backup_holds_acknowledgements_until_it_is_removed() {
     assert!(b.resync_bytes > 0 && b.resync_ms > 0, "{b:?}");
     w.append(&[record(3)]).await.unwrap();
 }
+
+/// With `reattach_failed_backups` (what the Helm chart sets: nothing else tends the set
+/// there), a backup killed and started again on its address is attached anew by the primary
+/// itself: copied from scratch, in sync again, and writes are acknowledged, with no
+/// RemoveBackup or AddBackup call. (Without it, `a_stopped_backup_holds_acknowledgements_until
+/// _it_is_removed` shows the failed backup holding every acknowledgement.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_backup_is_attached_anew_when_reattach_is_on() {
+    let dir = tempfile::tempdir().unwrap();
+    // A fixed gRPC port: the restarted backup must answer where the primary looks for it.
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let (c1, _) = config(
+        dir.path(),
+        "b1",
+        &format!("role = \"backup\"\nlisten = \"127.0.0.1:{port}\""),
+    );
+    // `listen` appears twice otherwise: keep the last one only.
+    let text = std::fs::read_to_string(&c1).unwrap();
+    std::fs::write(&c1, text.replacen("listen = \"127.0.0.1:0\"\n", "", 1)).unwrap();
+    let mut b1 = DpmProcess::start(&c1, &dir.path().join("b1.log"));
+    let (cp, _) = config(
+        dir.path(),
+        "p",
+        &format!(
+            "fabric = \"tcp\"\nbackups = [\"{}\"]\nreplica_ack_timeout_ms = 800\n\
+             reattach_failed_backups = true",
+            b1.grpc
+        ),
+    );
+    let primary = DpmProcess::start(&cp, &dir.path().join("p.log"));
+    wait_in_sync(primary.grpc, 1).await;
+    let (_, mut w) = kn_writer(&primary).await;
+    w.append(&[record(0)]).await.unwrap();
+
+    b1.kill9();
+    assert!(
+        w.append(&[record(1)]).await.is_err(),
+        "acknowledged while the only backup in sync was dead"
+    );
+    let b1 = DpmProcess::start(&c1, &dir.path().join("b1-again.log"));
+    let s = wait_in_sync(primary.grpc, 1).await;
+    assert!(
+        s.backups[0].resync_bytes > 0,
+        "not copied anew: {:?}",
+        s.backups[0]
+    );
+    let (_, mut w) = kn_writer(&primary).await;
+    w.append(&[record(2)]).await.unwrap();
+    drop(b1);
+}

@@ -43,6 +43,17 @@ controller-revision-hash label that appends 11 characters). */}}
 {{- printf "%s:%d" (include "dinomo.dpm.host" .) (int64 .Values.dpm.port) -}}
 {{- end -}}
 
+{{/* The StatefulSet (and headless Service) of the dpm-node's backups. */}}
+{{- define "dinomo.dpmBackup.name" -}}
+{{- printf "%s-dpm-backup" (include "dinomo.fullname" .) -}}
+{{- end -}}
+
+{{/* The gRPC address of backup pod N. Call with (dict "ctx" $ "index" N). */}}
+{{- define "dinomo.dpmBackup.address" -}}
+{{- $name := include "dinomo.dpmBackup.name" .ctx -}}
+{{- printf "%s-%d.%s.%s.svc:%d" $name (int64 .index) $name .ctx.Release.Namespace (int64 .ctx.Values.dpm.port) -}}
+{{- end -}}
+
 {{/* The KV StatefulSet: the monitor's orchestrator.kubernetes.statefulset. */}}
 {{- define "dinomo.kv.name" -}}
 {{- printf "%s-kn" (include "dinomo.fullname" .) -}}
@@ -318,6 +329,9 @@ tls.existingSecrets.<id>. Call with (dict "ctx" $ "id" "dpm"). */}}
 {{- $f := .Values.monitor.config.failure -}}
 {{- if and (eq .Values.dpm.fabric.kind "verbs") (not .Values.rdma.enabled) -}}
 {{- fail "dpm.fabric.kind: \"verbs\" needs rdma.enabled: true (the pods need the RDMA device, network and IPC_LOCK)" -}}
+{{- end -}}
+{{- if and (gt (int64 .Values.dpm.replication.backups) 0) (ne .Values.dpm.fabric.kind "tcp") -}}
+{{- fail "dpm.replication.backups needs dpm.fabric.kind: \"tcp\" (on verbs the RDMA NIC stores the KV nodes' writes, so the primary never sees them to ship them to its backups; docs/decisions/0007)" -}}
 {{- end -}}
 {{- if ge (float64 $p.under_utilized) (float64 $p.over_utilized) -}}
 {{- fail "monitor.config.policy.under_utilized must be below over_utilized" -}}
