@@ -243,6 +243,10 @@ expect_render_failure "verbs without RDMA (dpm.fabric.kind=verbs, rdma.enabled=f
 expect_render_failure "backups on the verbs fabric (dpm.replication.backups=2, dpm.fabric.kind=verbs)" \
   "dpm.replication.backups needs dpm.fabric.kind" -f "$chart/ci/rdma-on-values.yaml" \
   --set dpm.fabric.kind=verbs --set dpm.replication.backups=2
+expect_render_failure "backups on device-DAX (dpm.replication.backups=1, dpm.pm.type=devdax)" \
+  "dpm.pm.type devdax is not offered" -f "$chart/ci/devdax-values.yaml" --set dpm.replication.backups=1
+expect_failure "ack timeout above the KNs' fabric deadline (dpm.replication.ackTimeoutMs=6000)" \
+  "/dpm/replication/ackTimeoutMs" --set dpm.replication.ackTimeoutMs=6000
 expect_failure "unknown anti-affinity (dpm.replication.antiAffinity=never)" \
   "/dpm/replication/antiAffinity" --set dpm.replication.antiAffinity=never
 expect_render_failure "cross-field rule (kv.replicas above policy.max_kns)" \

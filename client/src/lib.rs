@@ -269,13 +269,14 @@ fn channel(
         .connect_lazy())
 }
 
-/// Was this status produced by a KV node (not by the transport)?
 /// Whether `s` is the access layer's refusal of this caller (no identity, or a role that may
-/// not make the call).
+/// not make the call). Dinomo's nodes answer these codes only before any request runs: the
+/// KV wire in its hello, gRPC in the interceptor that admits a call.
 fn refused(s: &tonic::Status) -> bool {
     matches!(s.code(), Code::PermissionDenied | Code::Unauthenticated)
 }
 
+/// Was this status produced by a KV node (not by the transport)?
 fn from_kn(s: &tonic::Status) -> bool {
     s.metadata().get(dinomo_proto::KN_ANSWER_TRAILER).is_some()
 }

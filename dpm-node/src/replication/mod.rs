@@ -249,7 +249,8 @@ impl Primary {
 /// then this primary is deposed. A backup that crashed or restarted is not (its term is not
 /// newer); it stays failed until removed or added again, or, with `reattach_failed_backups`,
 /// until it answers again: then this primary attaches it anew (at most every
-/// [`REATTACH_EVERY`] per backup).
+/// [`REATTACH_EVERY`] per backup), unless it is itself such a fresh copy that failed before
+/// it was in sync.
 async fn watch_failed_backups(primary: std::sync::Weak<Primary>) {
     let mut last_attach: std::collections::HashMap<String, std::time::Instant> =
         std::collections::HashMap::new();
@@ -260,9 +261,9 @@ async fn watch_failed_backups(primary: std::sync::Weak<Primary>) {
             return;
         }
         for b in p.replicator.status() {
-            if !matches!(b.phase, Phase::Failed { .. }) {
+            let Phase::Failed { counted, .. } = b.phase else {
                 continue;
-            }
+            };
             let Some(s) = p.ask_status(&b.address).await else {
                 continue; // unreachable: stays failed
             };
@@ -270,7 +271,13 @@ async fn watch_failed_backups(primary: std::sync::Weak<Primary>) {
                 p.depose(why);
                 return;
             }
+            // A counted backup that failed before it was in sync is a copy made by an earlier
+            // re-attach that failed too (the fabric unreachable, the disk full...): attached
+            // again, it would let acknowledgements go on with fewer copies over and over. It
+            // holds them until someone removes it or adds it again.
+            let copy_failed_again = counted && b.resync_ms.is_none();
             if !p.dpm.config.reattach_failed_backups
+                || copy_failed_again
                 || last_attach
                     .get(&b.address)
                     .is_some_and(|t| t.elapsed() < REATTACH_EVERY)

@@ -156,13 +156,17 @@ struct Backup {
     bytes_sent: AtomicU64,
     resync_bytes: AtomicU64,
     resync_ms: Mutex<Option<u64>>,
+    /// Whether a failure counts even while syncing: this backup replaced one of the same
+    /// address that counted (it failed and is attached anew), so if its copy fails too, the
+    /// set must not go on smaller without anyone deciding so.
+    fails_counted: bool,
 }
 
 impl Backup {
     fn fail(&self, why: String, changes: &watch::Sender<u64>) {
         let mut p = self.phase.lock();
         if !p.failed() {
-            let counted = p.counted();
+            let counted = p.counted() || self.fails_counted;
             if counted {
                 tracing::error!(backup = %self.address, reason = %why, "backup failed: nothing is acknowledged as durable until it is removed from the replica set or added again");
             } else {
@@ -187,9 +191,8 @@ pub struct Replicator {
     opts: ReplicatorOptions,
     /// Next record's seq and the backups, under one lock (see the invariants).
     state: Mutex<State>,
-    /// Bumped at every acknowledgement and phase change; barriers wait on it (shared with
-    /// the barrier futures, which fail the backups they timed out waiting for).
-    changes: Arc<watch::Sender<u64>>,
+    /// Bumped at every acknowledgement and phase change; barriers wait on it.
+    changes: watch::Sender<u64>,
     /// Why barriers fail from now on, whatever the backups: this node stops acknowledging
     /// (it is stopping, or a newer primary took over).
     ended: Arc<Mutex<Option<String>>>,
@@ -220,7 +223,7 @@ impl Replicator {
                 next_seq: 1,
                 backups: Vec::new(),
             }),
-            changes: Arc::new(watch::channel(0).0),
+            changes: watch::channel(0).0,
             ended: Arc::new(Mutex::new(None)),
             term_confirmed: AtomicBool::new(false),
         })
@@ -243,6 +246,11 @@ impl Replicator {
     /// to it in the background. A backup of the same address is replaced.
     pub fn add(self: &Arc<Self>, address: &str, nic: SocketAddr, key: AccessKey) {
         self.term_confirmed.store(true, Ordering::Release);
+        let mut st = self.state.lock();
+        let replaces_counted = st
+            .backups
+            .iter()
+            .any(|b| b.address == address && b.phase.lock().counted());
         let backup = Arc::new(Backup {
             address: address.to_string(),
             queue: Mutex::new(Queue::default()),
@@ -253,16 +261,15 @@ impl Replicator {
             bytes_sent: AtomicU64::new(0),
             resync_bytes: AtomicU64::new(0),
             resync_ms: Mutex::new(None),
+            fails_counted: replaces_counted,
         });
-        {
-            let mut st = self.state.lock();
-            if let Some(i) = st.backups.iter().position(|b| b.address == address) {
-                let old = st.backups.remove(i);
-                old.stop.store(true, Ordering::Release);
-                old.queue_cv.notify_all();
-            }
-            st.backups.push(backup.clone());
+        if let Some(i) = st.backups.iter().position(|b| b.address == address) {
+            let old = st.backups.remove(i);
+            old.stop.store(true, Ordering::Release);
+            old.queue_cv.notify_all();
         }
+        st.backups.push(backup.clone());
+        drop(st);
         self.changes.send_modify(|v| *v += 1);
         let me = self.clone();
         std::thread::Builder::new()
@@ -305,10 +312,13 @@ impl Replicator {
         backups
             .iter()
             .map(|b| {
+                // The phase first and on its own: `advance` holds the phase lock while it
+                // takes the queue lock, so taking them the other way round here deadlocks.
+                let phase = b.phase.lock().clone();
                 let q = b.queue.lock();
                 BackupStatus {
                     address: b.address.clone(),
-                    phase: b.phase.lock().clone(),
+                    phase,
                     behind_records: q
                         .last_queued
                         .saturating_sub(b.acked.load(Ordering::Acquire)),
@@ -574,7 +584,6 @@ impl PersistMirror for Replicator {
                 .collect()
         };
         let ended = self.ended_flag();
-        let notify = self.changes.clone();
         let mut changes = self.changes.subscribe();
         let timeout = self.opts.ack_timeout;
         Box::pin(async move {
@@ -606,24 +615,11 @@ impl PersistMirror for Replicator {
                     }
                 }
             };
-            match tokio::time::timeout(timeout, wait).await {
-                Ok(done) => done,
-                Err(_) => {
-                    // The backups still behind fail now, not when their own post times out:
-                    // that post may have begun later and may yet succeed, and a backup that
-                    // made an acknowledgement fail must not stay counted as in sync.
-                    for (b, target) in &targets {
-                        if !b.stop.load(Ordering::Acquire)
-                            && b.acked.load(Ordering::Acquire) < *target
-                        {
-                            b.fail(format!("did not acknowledge within {timeout:?}"), &notify);
-                        }
-                    }
-                    Err(FabricError::TimedOut {
-                        after_ms: timeout.as_millis() as u64,
-                    })
-                }
-            }
+            tokio::time::timeout(timeout, wait)
+                .await
+                .map_err(|_| FabricError::TimedOut {
+                    after_ms: timeout.as_millis() as u64,
+                })?
         })
     }
 }
@@ -631,54 +627,77 @@ impl PersistMirror for Replicator {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use dinomo_fabric::pm::DurabilityRequest;
+    use dinomo_fabric::DurabilityRequest;
 
-    /// A backup counted as in sync, with no sender: nothing it is given is ever acknowledged.
-    fn silent_in_sync_backup(r: &Replicator, address: &str) -> Arc<Backup> {
-        let b = Arc::new(Backup {
-            address: address.to_string(),
-            queue: Mutex::new(Queue::default()),
-            queue_cv: Condvar::new(),
-            acked: AtomicU64::new(0),
-            phase: Mutex::new(Phase::InSync),
-            stop: AtomicBool::new(false),
-            bytes_sent: AtomicU64::new(0),
-            resync_bytes: AtomicU64::new(0),
-            resync_ms: Mutex::new(None),
-        });
-        r.state.lock().backups.push(b.clone());
-        r.term_confirmed.store(true, Ordering::Release);
-        b
-    }
-
-    /// A barrier that times out fails the backup it waited for, so the next barrier fails at
-    /// once and the status says which backup is to blame. It used to leave the backup in sync
-    /// until its own post timed out: a post begun later could still succeed (the backup
-    /// resumed), and the backup that made an acknowledgement fail stayed "in-sync".
-    #[tokio::test]
-    async fn a_barrier_that_times_out_fails_the_backups_still_behind() {
-        let dir = tempfile::tempdir().unwrap();
+    fn replicator(dir: &std::path::Path) -> (Arc<PmRegion>, Arc<Replicator>) {
         let region = Arc::new(
-            PmRegion::create(
-                &dir.path().join("pool"),
-                1 << 20,
-                DurabilityRequest::ProcessCrash,
-            )
-            .unwrap(),
+            PmRegion::create(&dir.join("pool"), 1 << 20, DurabilityRequest::ProcessCrash).unwrap(),
         );
         let r = Replicator::new(
             region.clone(),
             ReplicatorOptions {
-                ack_timeout: Duration::from_millis(50),
+                ack_timeout: Duration::from_millis(200),
             },
         );
-        let behind = silent_in_sync_backup(&r, "behind:1");
+        (region, r)
+    }
+
+    /// An address nothing listens on: a sender's connect fails at once.
+    fn closed_port() -> SocketAddr {
+        std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+    }
+
+    fn key() -> AccessKey {
+        AccessKey {
+            slot: 0,
+            generation: 1,
+            secret: [7; 16],
+        }
+    }
+
+    async fn wait_failed(r: &Replicator, address: &str) -> Phase {
+        let deadline = Instant::now() + Duration::from_secs(5);
+        loop {
+            let s = r.status();
+            let b = s.iter().find(|b| b.address == address).unwrap();
+            if b.phase.failed() {
+                return b.phase.clone();
+            }
+            assert!(Instant::now() < deadline, "{:?}", b.phase);
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    }
+
+    /// A backup attached anew in place of one that counted (what `reattach_failed_backups`
+    /// does) and whose copy fails too holds acknowledgements: the set does not go on smaller
+    /// by itself. A first copy that fails blocks nothing (it never held anything).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_failed_copy_in_place_of_a_counted_backup_blocks_acknowledgements() {
+        let dir = tempfile::tempdir().unwrap();
+        let (region, r) = replicator(dir.path());
+        r.add("b:1", closed_port(), key());
+        let first = wait_failed(&r, "b:1").await;
+        assert!(!first.counted(), "{first:?}");
         r.record(&region, 0, 64).unwrap();
-        let e = r.barrier().await.unwrap_err();
-        assert!(matches!(e, FabricError::TimedOut { .. }), "{e:?}");
-        assert!(behind.phase.lock().failed(), "{:?}", behind.phase.lock());
-        let t = Instant::now();
+        r.barrier()
+            .await
+            .expect("a failed first copy blocks nothing");
+
+        // The backup was in sync and failed (counted); it is attached anew, and that copy fails.
+        r.state.lock().backups[0]
+            .phase
+            .lock()
+            .clone_from(&Phase::Failed {
+                why: "test".into(),
+                counted: true,
+            });
+        r.add("b:1", closed_port(), key());
+        let again = wait_failed(&r, "b:1").await;
+        assert!(again.counted(), "{again:?}");
+        r.record(&region, 0, 64).unwrap();
         assert!(r.barrier().await.is_err());
-        assert!(t.elapsed() < Duration::from_millis(50), "{:?}", t.elapsed());
     }
 }

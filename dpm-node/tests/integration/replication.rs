@@ -291,6 +291,30 @@ async fn a_promoted_backup_fences_the_old_primary() {
     );
 }
 
+/// Sends SIGSTOP to `pid` and waits until each of its threads is stopped: kill() returns
+/// before they are (a thread running on another CPU stops at its next interrupt; in a VM
+/// under load that took milliseconds, during which the backup answered a post, once).
+fn stop_process(pid: u32) {
+    // SAFETY: a signal to our own child.
+    unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let all_stopped = std::fs::read_dir(format!("/proc/{pid}/task"))
+            .unwrap()
+            .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("stat")).ok())
+            // The state follows the command name in parentheses, which may hold spaces.
+            .all(|stat| {
+                stat.rsplit_once(") ")
+                    .is_some_and(|(_, rest)| rest.starts_with('t') || rest.starts_with('T'))
+            });
+        if all_stopped {
+            return;
+        }
+        assert!(Instant::now() < deadline, "process {pid} did not stop");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
 /// A backup that stops answering (SIGSTOP) holds back every acknowledgement: the KN's WRITE
 /// fails (outcome unknown) instead of being acknowledged on the primary alone, and so does a
 /// control call, until the backup is removed from the set; added again, it is copied anew.
@@ -314,11 +338,9 @@ async fn a_stopped_backup_holds_acknowledgements_until_it_is_removed() {
     let (_, mut w) = kn_writer(&primary).await;
     w.append(&[record(0)]).await.unwrap();
 
-    // SAFETY: signals to our own child.
-    unsafe { libc::kill(b1.pid() as i32, libc::SIGSTOP) };
+    stop_process(b1.pid());
     let t = Instant::now();
     let e = w.append(&[record(1)]).await;
-    unsafe { libc::kill(b1.pid() as i32, libc::SIGCONT) };
     assert!(
         e.is_err(),
         "acknowledged while a backup in sync was stopped"
@@ -328,7 +350,19 @@ async fn a_stopped_backup_holds_acknowledgements_until_it_is_removed() {
         "{:?}",
         t.elapsed()
     );
-    let s = replica_status(primary.grpc).await;
+    // The backup's own post times out too (it began a little after the KN's barrier did):
+    // only then is it failed. Resumed before that, it would answer that post and stay in
+    // sync, having made one acknowledgement fail (CI saw this once).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let s = loop {
+        let s = replica_status(primary.grpc).await;
+        if s.backups.iter().any(|b| b.state == "failed") || Instant::now() > deadline {
+            break s;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    // SAFETY: a signal to our own child.
+    unsafe { libc::kill(b1.pid() as i32, libc::SIGCONT) };
     let failed: Vec<_> = s.backups.iter().filter(|b| b.state == "failed").collect();
     assert_eq!(failed.len(), 1, "{s:?}");
     assert_eq!(failed[0].address, b1.grpc.to_string());
