@@ -128,8 +128,6 @@ async fn an_insert_the_kn_received_is_not_retried() {
 /// A "KN" behind a proxy that applies every request and then loses the answer, reporting it
 /// the way Envoy does. The words "connect" and "connection" in that message say nothing about
 /// whether the request was sent (here it was, and applied).
-struct LostAnswers(std::sync::Arc<std::sync::atomic::AtomicUsize>);
-
 const PROXY_MESSAGE: &str = "upstream connect error or disconnect/reset before headers. \
                              reset reason: connection termination";
 
@@ -139,68 +137,89 @@ fn lost() -> Status {
 
 type KvStream = Pin<Box<dyn futures::Stream<Item = Result<kv::KvResponse, Status>> + Send>>;
 
+/// A KvService whose every call fails with `status()`, counting the calls that carry
+/// operations (Batch and the SDK's Pipeline).
+struct AlwaysFails {
+    status: fn() -> Status,
+    calls: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl AlwaysFails {
+    fn counted(&self) -> Status {
+        self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        (self.status)()
+    }
+}
+
 #[tonic::async_trait]
-impl KvService for LostAnswers {
+impl KvService for AlwaysFails {
     async fn get(&self, _: Request<kv::GetRequest>) -> Result<Response<kv::GetResponse>, Status> {
-        Err(lost())
+        Err((self.status)())
     }
     async fn put(&self, _: Request<kv::PutRequest>) -> Result<Response<kv::PutResponse>, Status> {
-        Err(lost())
+        Err((self.status)())
     }
     async fn delete(
         &self,
         _: Request<kv::DeleteRequest>,
     ) -> Result<Response<kv::DeleteResponse>, Status> {
-        Err(lost())
+        Err((self.status)())
     }
     async fn batch(
         &self,
         _: Request<kv::BatchRequest>,
     ) -> Result<Response<kv::BatchResponse>, Status> {
-        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        Err(lost())
+        Err(self.counted())
     }
     type PipelineStream = KvStream;
-    /// The SDK's path: its stream "reaches the KN" and the answer is lost the same way.
     async fn pipeline(
         &self,
         _: Request<tonic::Streaming<kv::KvRequest>>,
     ) -> Result<Response<KvStream>, Status> {
-        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        Err(lost())
+        Err(self.counted())
     }
     async fn stats(
         &self,
         _: Request<kv::KnStatsRequest>,
     ) -> Result<Response<kv::KnStatsResponse>, Status> {
-        Err(lost())
+        Err((self.status)())
     }
     async fn prepare_map(
         &self,
         _: Request<kv::MapRequest>,
     ) -> Result<Response<kv::MapReply>, Status> {
-        Err(lost())
+        Err((self.status)())
     }
     async fn commit_map(
         &self,
         _: Request<kv::MapRequest>,
     ) -> Result<Response<kv::MapReply>, Status> {
-        Err(lost())
+        Err((self.status)())
     }
+}
+
+/// Serves `kv` on a new port; its address.
+async fn serve_kn(kv: AlwaysFails) -> std::net::SocketAddr {
+    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let kn = l.local_addr().unwrap();
+    tokio::spawn(
+        tonic::transport::Server::builder()
+            .add_service(KvServiceServer::new(kv))
+            .serve_with_incoming(dinomo_proto::nodelay_incoming(l)),
+    );
+    kn
 }
 
 /// Finding 1 of issue 10: a status that merely mentions "connect" made the old
 /// Debug-substring check call an applied insert "never sent" and retry it.
 #[tokio::test]
 async fn an_insert_lost_behind_a_proxy_saying_connect_is_not_retried() {
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let kn = l.local_addr().unwrap();
     let applied = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(KvServiceServer::new(LostAnswers(applied.clone())))
-            .serve_with_incoming(dinomo_proto::nodelay_incoming(l)),
-    );
+    let kn = serve_kn(AlwaysFails {
+        status: lost,
+        calls: applied.clone(),
+    })
+    .await;
     let client = client_of(kn).await;
     let r = client.insert("k", "v").await;
     let n = applied.load(std::sync::atomic::Ordering::SeqCst);
@@ -210,62 +229,11 @@ async fn an_insert_lost_behind_a_proxy_saying_connect_is_not_retried() {
     );
 }
 
-/// A KN whose access layer refuses every call (as the interceptor does for a certificate of
-/// the wrong role), counting the calls.
-struct Refusing(std::sync::Arc<std::sync::atomic::AtomicUsize>);
-
+/// What the access layer answers a certificate of the wrong role.
 fn refused() -> Status {
     Status::permission_denied(
         "/dinomo.kv.KvService/Pipeline needs role client; this caller is monitor",
     )
-}
-
-#[tonic::async_trait]
-impl KvService for Refusing {
-    async fn get(&self, _: Request<kv::GetRequest>) -> Result<Response<kv::GetResponse>, Status> {
-        Err(refused())
-    }
-    async fn put(&self, _: Request<kv::PutRequest>) -> Result<Response<kv::PutResponse>, Status> {
-        Err(refused())
-    }
-    async fn delete(
-        &self,
-        _: Request<kv::DeleteRequest>,
-    ) -> Result<Response<kv::DeleteResponse>, Status> {
-        Err(refused())
-    }
-    async fn batch(
-        &self,
-        _: Request<kv::BatchRequest>,
-    ) -> Result<Response<kv::BatchResponse>, Status> {
-        Err(refused())
-    }
-    type PipelineStream = KvStream;
-    async fn pipeline(
-        &self,
-        _: Request<tonic::Streaming<kv::KvRequest>>,
-    ) -> Result<Response<KvStream>, Status> {
-        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        Err(refused())
-    }
-    async fn stats(
-        &self,
-        _: Request<kv::KnStatsRequest>,
-    ) -> Result<Response<kv::KnStatsResponse>, Status> {
-        Err(refused())
-    }
-    async fn prepare_map(
-        &self,
-        _: Request<kv::MapRequest>,
-    ) -> Result<Response<kv::MapReply>, Status> {
-        Err(refused())
-    }
-    async fn commit_map(
-        &self,
-        _: Request<kv::MapRequest>,
-    ) -> Result<Response<kv::MapReply>, Status> {
-        Err(refused())
-    }
 }
 
 /// The access layer refuses before any handler runs, so a refused write was not applied: it
@@ -273,14 +241,12 @@ impl KvService for Refusing {
 /// to read the key back to find out; the Python SDK's author found it).
 #[tokio::test]
 async fn a_write_the_access_layer_refuses_is_permission_denied_not_unknown() {
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let kn = l.local_addr().unwrap();
     let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(KvServiceServer::new(Refusing(calls.clone())))
-            .serve_with_incoming(dinomo_proto::nodelay_incoming(l)),
-    );
+    let kn = serve_kn(AlwaysFails {
+        status: refused,
+        calls: calls.clone(),
+    })
+    .await;
     let client = client_of(kn).await;
     match client.insert("k", "v").await {
         Err(ClientError::PermissionDenied(m)) => assert!(m.contains("needs role client"), "{m}"),
