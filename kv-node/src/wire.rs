@@ -2,7 +2,7 @@
 //! work without HTTP/2. A reader task decodes whatever requests have arrived and hands them to
 //! the node as one submission ([`KvNode::submit`], the same path as the Pipeline stream); the
 //! shards answer into the connection's queue, and the writer encodes every answer waiting there
-//! into one buffer and writes it with one call.
+//! and writes them with one vectored call, the values straight from the cache ([`wire::Frames`]).
 //!
 //! Invariants:
 //! - nothing is read after the preface until the hello is written, and a caller the access
@@ -127,9 +127,9 @@ pub(crate) async fn serve<IO>(
             ..Default::default()
         },
     };
-    let mut out = BytesMut::new();
-    wire::encode(&hello, &mut out);
-    if wr.write_all(&out).await.is_err() {
+    let mut hello_frame = BytesMut::new();
+    wire::encode(&hello, &mut hello_frame);
+    if wr.write_all(&hello_frame).await.is_err() {
         return;
     }
     if let Err(status) = admitted {
@@ -142,6 +142,7 @@ pub(crate) async fn serve<IO>(
     let (to, mut answers) = mpsc::unbounded_channel::<Answer>();
     let reader = tokio::spawn(read_requests(rd, node.clone(), to, slots.clone(), stopping));
     let mut batch = Vec::with_capacity(MAX_ANSWERS_PER_WRITE);
+    let mut out = wire::Frames::default();
     // Ends when every sender of the queue is gone: the reader's (it stopped reading) and the
     // shards' (every request submitted has been answered).
     while answers.recv_many(&mut batch, MAX_ANSWERS_PER_WRITE).await > 0 {
@@ -152,13 +153,12 @@ pub(crate) async fn serve<IO>(
             let room = MAX_ANSWERS_PER_WRITE - batch.len();
             answers.recv_many(&mut batch, room).now_or_never();
         }
-        out.clear();
         let mut encoded = 0;
         for a in batch.drain(..) {
             if let Some(kind) = a.tag.kind {
                 node.record(kind, a.tag.started, a.answered, &a.result);
             }
-            wire::encode(&response(a.tag.id, a.result), &mut out);
+            out.push_response(response(a.tag.id, a.result));
             encoded += 1;
             if out.len() >= MAX_WRITE_BYTES {
                 if !write(&mut wr, &out, &reader).await {
@@ -166,16 +166,14 @@ pub(crate) async fn serve<IO>(
                 }
                 slots.add_permits(encoded);
                 encoded = 0;
-                out.clear();
+                out.clear(KEEP_BUFFER_BYTES);
             }
         }
         if !out.is_empty() && !write(&mut wr, &out, &reader).await {
             return;
         }
         slots.add_permits(encoded);
-        if out.capacity() > KEEP_BUFFER_BYTES {
-            out = BytesMut::new();
-        }
+        out.clear(KEEP_BUFFER_BYTES);
     }
     let _ = wr.shutdown().await;
 }
@@ -183,10 +181,10 @@ pub(crate) async fn serve<IO>(
 /// Writes `out`; on failure (the client is gone) stops the reader and says false.
 async fn write<W: AsyncWrite + Unpin>(
     wr: &mut W,
-    out: &[u8],
+    out: &wire::Frames,
     reader: &tokio::task::JoinHandle<()>,
 ) -> bool {
-    match wr.write_all(out).await {
+    match write_all_vectored(wr, out).await {
         Ok(()) => true,
         Err(e) => {
             tracing::debug!(error = %e, "a KV wire client is gone");
@@ -194,6 +192,23 @@ async fn write<W: AsyncWrite + Unpin>(
             false
         }
     }
+}
+
+/// Writes every byte of `frames`, in as few vectored writes as the transport takes.
+async fn write_all_vectored<W: AsyncWrite + Unpin>(
+    wr: &mut W,
+    frames: &wire::Frames,
+) -> std::io::Result<()> {
+    let mut slices = frames.io_slices();
+    let mut rest: &mut [std::io::IoSlice<'_>] = &mut slices;
+    while !rest.is_empty() {
+        let n = wr.write_vectored(rest).await?;
+        if n == 0 {
+            return Err(std::io::ErrorKind::WriteZero.into());
+        }
+        std::io::IoSlice::advance_slices(&mut rest, n);
+    }
+    Ok(())
 }
 
 /// Reads requests until the client ends its side or the connection fails, submitting what

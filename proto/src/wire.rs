@@ -27,8 +27,12 @@
 //!    UNAVAILABLE, not run) and ends its own side. A client that does not end its side within
 //!    a few seconds is cut off.
 
-use bytes::{Buf, BufMut, BytesMut};
+use std::io::IoSlice;
+
+use bytes::{Buf, BufMut, Bytes, BytesMut};
 use prost::Message;
+
+use crate::kv as pb;
 
 /// The ALPN protocol name of the KV wire over TLS.
 pub const ALPN: &[u8] = b"dinomo-kv/1";
@@ -65,6 +69,101 @@ pub fn encode<M: Message>(message: &M, buf: &mut BytesMut) {
         .expect("the buffer was reserved for the whole message");
 }
 
+/// The field number of `KvResponse.value` (kv.proto), which [`Frames`] encodes by hand.
+const RESPONSE_VALUE_FIELD: u32 = 4;
+
+/// Answers at least this long are written from where they are instead of being copied into
+/// the frames' buffer: below it, one more I/O vector costs more than the copy saves.
+pub const VECTORED_VALUE_MIN: usize = 512;
+
+/// `KvResponse` frames to write with one vectored write: everything but large values is
+/// encoded into one buffer, and values of at least [`VECTORED_VALUE_MIN`] bytes stay where
+/// they are (a KV node's cache), so the process copies them into no buffer of its own: the
+/// kernel (or TLS) copies them once. A 1 KB value copied into the answer buffer was the
+/// largest single cost left in a KV node's read path (issue 12, docs/perf/kv-wire.md).
+///
+/// The bytes, in order, are exactly those of [`encode`] for each response, except that the
+/// value field is placed last in each message (protobuf readers accept fields in any order).
+#[derive(Debug, Default)]
+pub struct Frames {
+    /// Everything but the large values.
+    head: BytesMut,
+    /// The large values, each with the length `head` had when it was pushed: it goes there.
+    values: Vec<(usize, Bytes)>,
+    /// Bytes of the large values.
+    value_bytes: usize,
+}
+
+impl Frames {
+    /// Appends `response` as one frame.
+    pub fn push_response(&mut self, mut response: pb::KvResponse) {
+        let len = response.encoded_len();
+        let value = std::mem::take(&mut response.value);
+        let copied = if value.len() >= VECTORED_VALUE_MIN {
+            0
+        } else {
+            value.len()
+        };
+        self.head.reserve(4 + len - value.len() + copied);
+        self.head
+            .put_u32_le(u32::try_from(len).expect("a message fits the u32 length of a frame"));
+        response
+            .encode(&mut self.head)
+            .expect("the buffer was reserved for the whole message");
+        if value.is_empty() {
+            return;
+        }
+        prost::encoding::encode_key(
+            RESPONSE_VALUE_FIELD,
+            prost::encoding::WireType::LengthDelimited,
+            &mut self.head,
+        );
+        prost::encoding::encode_varint(value.len() as u64, &mut self.head);
+        if copied == 0 {
+            self.value_bytes += value.len();
+            self.values.push((self.head.len(), value));
+        } else {
+            self.head.put_slice(&value);
+        }
+    }
+
+    /// Bytes of all the frames.
+    pub fn len(&self) -> usize {
+        self.head.len() + self.value_bytes
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Forgets the frames (keeping the buffer, unless it grew beyond `keep` bytes).
+    pub fn clear(&mut self, keep: usize) {
+        if self.head.capacity() > keep {
+            self.head = BytesMut::new();
+        }
+        self.head.clear();
+        self.values.clear();
+        self.value_bytes = 0;
+    }
+
+    /// The frames as I/O vectors, in order.
+    pub fn io_slices(&self) -> Vec<IoSlice<'_>> {
+        let mut slices = Vec::with_capacity(2 * self.values.len() + 1);
+        let mut from = 0;
+        for (at, value) in &self.values {
+            if *at > from {
+                slices.push(IoSlice::new(&self.head[from..*at]));
+            }
+            slices.push(IoSlice::new(value));
+            from = *at;
+        }
+        if self.head.len() > from {
+            slices.push(IoSlice::new(&self.head[from..]));
+        }
+        slices
+    }
+}
+
 /// Takes the first whole frame out of `buf` and decodes it; `None` when `buf` does not hold a
 /// whole frame yet (it then has room reserved for more of it).
 pub fn decode<M: Message + Default>(buf: &mut BytesMut) -> Result<Option<M>, WireError> {
@@ -89,7 +188,6 @@ pub fn decode<M: Message + Default>(buf: &mut BytesMut) -> Result<Option<M>, Wir
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::kv as pb;
 
     fn get(id: u64, key: &'static [u8]) -> pb::KvRequest {
         pb::KvRequest {
@@ -135,6 +233,57 @@ mod tests {
             decode::<pb::KvRequest>(&mut buf),
             Err(WireError::Decode(_))
         ));
+    }
+
+    fn answer(id: u64, code: i32, value: Vec<u8>) -> pb::KvResponse {
+        pb::KvResponse {
+            id,
+            code,
+            message: if code == 0 {
+                String::new()
+            } else {
+                "why".into()
+            },
+            value: value.into(),
+            map_version: id % 3,
+        }
+    }
+
+    #[test]
+    fn frames_hold_the_same_messages_as_encode_with_large_values_left_in_place() {
+        let answers = vec![
+            answer(1, 0, vec![]),
+            answer(2, 0, vec![9; VECTORED_VALUE_MIN - 1]),
+            answer(3, 0, vec![8; VECTORED_VALUE_MIN]),
+            answer(4, 5, vec![]),
+            answer(5, 0, vec![7; 70_000]),
+            answer(6, 0, vec![6; 3]),
+        ];
+        let mut frames = Frames::default();
+        let mut expected = BytesMut::new();
+        for a in &answers {
+            frames.push_response(a.clone());
+            encode(a, &mut expected);
+        }
+        assert_eq!(frames.len(), expected.len(), "the same frame lengths");
+        assert_eq!(
+            frames.values.len(),
+            2,
+            "two values written from where they are"
+        );
+        let slices = frames.io_slices();
+        let mut written = BytesMut::new();
+        for s in &slices {
+            written.extend_from_slice(s);
+        }
+        assert_eq!(written.len(), expected.len());
+        let mut got = Vec::new();
+        while let Some(r) = decode::<pb::KvResponse>(&mut written).unwrap() {
+            got.push(r);
+        }
+        assert_eq!(got, answers);
+        frames.clear(usize::MAX);
+        assert!(frames.is_empty() && frames.io_slices().is_empty());
     }
 
     #[test]
