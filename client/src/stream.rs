@@ -12,9 +12,16 @@
 //! at once and those that arrive meanwhile leave together, with no timer and no batch size to
 //! tune. One reader per stream hands each answer to its caller by id ([`Answers::deliver`]).
 //!
+//! An operation's timeout is no timer of its own: the stream's task sweeps its waiting
+//! operations [`SWEEPS_PER_TIMEOUT`] times per timeout and fails those that have waited through
+//! more than that many sweeps. Registering and cancelling a tokio timer per operation (and the
+//! clock read it takes) was a measurable part of the SDK's CPU per read (issue 12); a sweep
+//! costs one timer per stream.
+//!
 //! Invariants:
 //! - every registered operation gets exactly one answer: the KV node's response, the stream's
-//!   failure, or (from [`NodeStream::call`] itself) its own timeout;
+//!   failure, or its timeout from the sweep, which comes after at least the timeout and at most
+//!   `1 + 1 / SWEEPS_PER_TIMEOUT` times it;
 //! - a stream that failed or ended is never used again: the next call opens a new one. Its
 //!   failure status goes to every operation still waiting on it, and the SDK's usual rule
 //!   decides from that status whether a write may have been applied (a stream that could not
@@ -61,7 +68,18 @@ impl Hasher for IdHasher {
     }
 }
 
-type Waiters = HashMap<u64, oneshot::Sender<Answer>, BuildHasherDefault<IdHasher>>;
+/// How many times per timeout a stream's task looks for operations that waited too long.
+const SWEEPS_PER_TIMEOUT: u32 = 4;
+
+/// An operation waiting for its answer.
+#[derive(Debug)]
+struct Waiter {
+    to: oneshot::Sender<Answer>,
+    /// [`State::sweeps`] when it was registered.
+    since_sweep: u64,
+}
+
+type Waiters = HashMap<u64, Waiter, BuildHasherDefault<IdHasher>>;
 
 /// The node's stream and the operations waiting on it, under one lock: an operation takes it
 /// once to get an id, register and queue its request, and the reader once per answer.
@@ -77,6 +95,9 @@ struct State {
     /// answer or the timeout of an earlier operation can never reach a later one; they are
     /// taken and queued under this lock, so a stream's queue holds them in increasing order.
     next_id: u64,
+    /// Timeout sweeps done so far (see the module doc); an operation registered after sweep
+    /// `s` has waited at least the timeout once sweep `s + SWEEPS_PER_TIMEOUT + 1` runs.
+    sweeps: u64,
 }
 
 /// How a stream reaches its KV node.
@@ -143,7 +164,7 @@ impl Answers {
             let mut state = self.0.lock();
             for r in answers {
                 if let Some(waiter) = state.waiting.remove(&r.id) {
-                    to.push((waiter, r));
+                    to.push((waiter.to, r));
                 }
             }
         }
@@ -190,38 +211,32 @@ impl NodeStream {
         &self.0.endpoint
     }
 
-    /// Sends `request` on the node's stream and waits for its answer (at most the timeout).
+    /// Sends `request` on the node's stream and waits for its answer (at most the timeout,
+    /// and a quarter more: see the module doc).
     pub async fn call(&self, request: pb::KvRequest) -> Answer {
         let (answer, rx) = oneshot::channel();
-        let id = self.send(request, answer);
-        match tokio::time::timeout(self.0.timeout, rx).await {
-            Ok(Ok(answer)) => answer,
-            Ok(Err(_)) => Err(Status::unknown("the KV node stream dropped the operation")),
-            Err(_) => {
-                self.0.state.lock().waiting.remove(&id);
-                Err(Status::deadline_exceeded(format!(
-                    "no answer from the KV node within {:?}",
-                    self.0.timeout
-                )))
-            }
-        }
+        self.send(request, answer);
+        rx.await
+            .unwrap_or_else(|_| Err(Status::unknown("the KV node stream dropped the operation")))
     }
 
     /// Registers an operation and queues its request on the open stream, opening one if there
-    /// is none (or the last one failed); returns the operation's id.
-    fn send(&self, mut request: pb::KvRequest, answer: oneshot::Sender<Answer>) -> u64 {
+    /// is none (or the last one failed).
+    fn send(&self, mut request: pb::KvRequest, to: oneshot::Sender<Answer>) {
         let mut state = self.0.state.lock();
         // Ids start at 1: 0 is the KV wire node's own (its hello and goodbye).
         state.next_id += 1;
         let id = state.next_id;
         request.id = id;
-        state.waiting.insert(id, answer);
+        let since_sweep = state.sweeps;
+        state.waiting.insert(id, Waiter { to, since_sweep });
         let requests = state.requests.get_or_insert_with(|| {
             let (requests, outbound) = mpsc::unbounded_channel();
             tokio::spawn(run_stream(
                 self.0.transport.clone(),
                 outbound,
                 self.0.state.clone(),
+                self.0.timeout,
             ));
             requests
         });
@@ -230,32 +245,64 @@ impl NodeStream {
         // request goes nowhere and the reader, which is about to see the stream end, answers
         // the operation.
         let _ = requests.send(request);
-        id
     }
 }
 
-/// Runs one stream on `transport`, and when it fails or ends, closes it and fails every
-/// operation still waiting. Ends when the stream does (after the last [`NodeStream`] clone is
-/// dropped, the request queue closes, the KV node finishes the stream, and the answers run
-/// out).
+/// Runs one stream on `transport`, failing the operations that wait longer than `timeout`
+/// meanwhile, and when it fails or ends, closes it and fails every operation still waiting.
+/// Ends when the stream does (after the last [`NodeStream`] clone is dropped, the request
+/// queue closes, the KV node finishes the stream, and the answers run out).
 async fn run_stream(
     transport: Arc<dyn Transport>,
     outbound: mpsc::UnboundedReceiver<pb::KvRequest>,
     state: Arc<Mutex<State>>,
+    timeout: Duration,
 ) {
-    let ended = transport.run(outbound, Answers(state.clone())).await;
+    let run = transport.run(outbound, Answers(state.clone()));
+    tokio::pin!(run);
+    let period = (timeout / SWEEPS_PER_TIMEOUT).max(Duration::from_millis(1));
+    let mut sweeps = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+    sweeps.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let ended = loop {
+        tokio::select! {
+            biased;
+            ended = &mut run => break ended,
+            _ = sweeps.tick() => expire(&state, timeout),
+        }
+    };
     let failed = {
         let mut state = state.lock();
         state.requests = None;
         std::mem::take(&mut state.waiting)
     };
     let unsent = ended.first_unsent.map(|_| never_sent(ended.status.clone()));
-    for (id, to) in failed {
+    for (id, waiter) in failed {
         let status = match (&unsent, ended.first_unsent) {
             (Some(unsent), Some(first)) if id >= first => unsent.clone(),
             _ => ended.status.clone(),
         };
-        let _ = to.send(Err(status));
+        let _ = waiter.to.send(Err(status));
+    }
+}
+
+/// One timeout sweep: fails the operations registered more than [`SWEEPS_PER_TIMEOUT`] sweeps
+/// ago, which have waited at least `timeout` (the answer may still come; nobody waits for it
+/// then, and [`Answers::deliver`] drops it).
+fn expire(state: &Mutex<State>, timeout: Duration) {
+    let expired: Vec<Waiter> = {
+        let mut state = state.lock();
+        state.sweeps += 1;
+        let now = state.sweeps;
+        state
+            .waiting
+            .extract_if(|_, w| now - w.since_sweep > u64::from(SWEEPS_PER_TIMEOUT))
+            .map(|(_, w)| w)
+            .collect()
+    };
+    for waiter in expired {
+        let _ = waiter.to.send(Err(Status::deadline_exceeded(format!(
+            "no answer from the KV node within {timeout:?}"
+        ))));
     }
 }
 

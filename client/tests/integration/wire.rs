@@ -28,6 +28,8 @@ enum Behaviour {
     HangUpAfterOneRequest,
     /// Refuses the caller in its hello.
     Refuse,
+    /// Says hello, reads requests, and never answers them.
+    Silent,
 }
 
 /// Starts a fake KN; returns its address and how many connections it accepted.
@@ -82,6 +84,7 @@ async fn serve(sock: TcpStream, behaviour: Behaviour, first: bool) {
         seen += 1;
         match behaviour {
             Behaviour::HangUpAfterOneRequest => return,
+            Behaviour::Silent => continue,
             Behaviour::Echo { fail_first_after } if first && seen > fail_first_after => return,
             _ => {}
         }
@@ -160,6 +163,35 @@ async fn an_insert_refused_in_the_hello_fails_at_once_with_permission_denied() {
         other => panic!("expected PermissionDenied, got {other:?}"),
     }
     assert_eq!(accepted.load(Ordering::SeqCst), 1, "not retried");
+}
+
+/// An operation the KN never answers fails once it has waited the RPC timeout (2 s here), not
+/// before, and not much later: the stream's sweep (a quarter of the timeout apart) fails it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_operation_without_an_answer_fails_after_the_rpc_timeout() {
+    let (kn, _) = fake_kn(Behaviour::Silent).await;
+    let client = client_over(kn, KvTransport::Wire).await;
+    let begun = std::time::Instant::now();
+    let (read, write) = tokio::join!(client.get("k"), client.insert("k2", "v"));
+    let waited = begun.elapsed();
+    match read {
+        Err(ClientError::DeadlineExceeded { last, .. }) => {
+            assert!(last.contains("no answer"), "why: {last}")
+        }
+        other => panic!("expected DeadlineExceeded, got {other:?}"),
+    }
+    match write {
+        Err(ClientError::OutcomeUnknown(m)) => assert!(m.contains("no answer"), "why: {m}"),
+        other => panic!("expected OutcomeUnknown, got {other:?}"),
+    }
+    assert!(
+        waited >= Duration::from_secs(2),
+        "failed before the 2 s RPC timeout: {waited:?}"
+    );
+    assert!(
+        waited < Duration::from_millis(3500),
+        "failed long after the 2 s RPC timeout: {waited:?}"
+    );
 }
 
 #[tokio::test]
