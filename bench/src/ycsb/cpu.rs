@@ -143,7 +143,9 @@ pub fn node_name(cmdline: &[u8]) -> Option<String> {
         // The peer. Redis rewrites its argv[0] to "redis-server *:6379", spaces included.
         return Some(exe.to_string());
     }
-    let (role, rest) = if exe == "dinomo" {
+    // The `dinomo` binary under any name that begins so (a copy kept as `dinomo-v1` to compare
+    // builds, say), or a node binary of its own.
+    let (role, rest) = if exe.starts_with("dinomo") {
         (*args.get(1)?, &args[2..])
     } else {
         (exe, &args[1..])
@@ -208,7 +210,7 @@ mod tests {
 
     #[test]
     fn nodes_are_named_from_their_command_lines() {
-        let cases: [(&[u8], Option<&str>); 9] = [
+        let cases: [(&[u8], Option<&str>); 10] = [
             (
                 b"/usr/bin/dinomo\0kv-node\0--kn-id\x002\0--listen\0x\0",
                 Some("kv-node 2"),
@@ -224,6 +226,10 @@ mod tests {
                 Some("dpm-node backup"),
             ),
             (b"dinomo\0routing-node\0", Some("routing-node")),
+            (
+                b"/tmp/dinomo-before\0kv-node\0--kn-id\x003\0",
+                Some("kv-node 3"),
+            ),
             (b"dinomo\0up\0--kns\x002\0", None),
             (b"dinomo\0bench\0", None),
             (
