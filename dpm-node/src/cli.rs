@@ -64,6 +64,14 @@ pub struct Args {
     /// (needs --fabric tcp; overrides backups).
     #[arg(long = "backup", env = "DINOMO_DPM_BACKUPS", value_delimiter = ',')]
     pub backups: Vec<String>,
+    /// Open the pool as a primary even if its copy marker (<pool>.copy) says "incomplete":
+    /// the pool is a backup's copy of a primary's pool that was never finished, a mix of
+    /// copied and zeroed chunks. THIS LOSES DATA: what was not copied is gone, and recovery
+    /// may turn what is left into a state the cluster never was in. Only for a last-resort
+    /// recovery when no complete copy exists (no primary pool, no backup that was in sync).
+    /// The marker is removed once the pool is open. Not settable in the config file.
+    #[arg(long)]
+    pub accept_incomplete_copy: bool,
     /// Print "READY grpc=<addr> fabric=<endpoint>" on stdout once serving (for harnesses;
     /// the endpoint is the tcp NIC's address, shm:<pool> or verbs:<side channel address>).
     #[arg(long)]
@@ -123,6 +131,13 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
         file.backups = args.backups;
     }
     let mut config = file.validate().context("invalid configuration")?;
+    if args.accept_incomplete_copy && config.role == ReplicaRole::Backup {
+        anyhow::bail!(
+            "--accept-incomplete-copy is for opening a pool as a primary; a backup's pool is \
+             replaced by every attach anyway"
+        );
+    }
+    config.accept_incomplete_copy = args.accept_incomplete_copy;
     config.security = args.security.node("dpm", dinomo_security::Role::Node)?;
     config.security.install_for_process();
     args.health.install().context("--health-addr")?;

@@ -218,6 +218,11 @@ pub struct DpmConfig {
     pub backups: Vec<String>,
     pub replica_ack_timeout: std::time::Duration,
     pub reattach_failed_backups: bool,
+    /// Open the pool as a primary even though its copy marker (`<pool>.copy`) says a backup's
+    /// copy of it was never finished, accepting the data that copy lacks as lost. Only from the
+    /// command line (`--accept-incomplete-copy`), never from the file: it is a one-off decision
+    /// about one pool, not a setting.
+    pub accept_incomplete_copy: bool,
     /// TLS and access checks on the gRPC port; from the command line (`--credentials`,
     /// `--insecure`), never from the file. A config built in process (tests) serves in plain
     /// text until told otherwise.
@@ -351,6 +356,7 @@ impl DpmConfigFile {
             backups: self.backups,
             replica_ack_timeout: std::time::Duration::from_millis(self.replica_ack_timeout_ms),
             reattach_failed_backups: self.reattach_failed_backups,
+            accept_incomplete_copy: false,
             security: dinomo_security::Security::Insecure,
         })
     }

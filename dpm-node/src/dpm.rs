@@ -144,8 +144,35 @@ pub struct Dpm {
 impl Dpm {
     /// Opens the pool (formatting it when absent and allowed) and starts the background
     /// threads.
+    ///
+    /// A pool that was a backup's carries a copy marker (`<pool>.copy`, see
+    /// [`crate::replication::backup`]): one that says `incomplete` is refused
+    /// ([`DpmError::IncompleteCopy`]) unless `config.accept_incomplete_copy`; once the pool is
+    /// open, the marker is removed (the pool is a primary's own from then on). A pool without
+    /// a marker opens as any other.
     pub fn open(config: DpmConfig) -> Result<Arc<Self>> {
         let path = &config.pool_path;
+        // A backup's pool carries a copy marker (replication/backup.rs): an unfinished copy is
+        // not a pool to serve from, unless the operator accepts the loss.
+        let marker = crate::replication::backup::read_copy_marker(path)?;
+        if let Some(m) = marker {
+            let marker_path = crate::replication::backup::copy_marker_path(path);
+            match m.state {
+                crate::replication::CopyState::Complete => {
+                    tracing::info!(marker = %marker_path.display(), term = m.term, "opening a backup's pool as a primary: its copy was complete (a consistent image, possibly older than its primary's last)");
+                }
+                crate::replication::CopyState::Incomplete if !config.accept_incomplete_copy => {
+                    return Err(DpmError::IncompleteCopy {
+                        pool: path.display().to_string(),
+                        marker: marker_path.display().to_string(),
+                        term: m.term,
+                    });
+                }
+                crate::replication::CopyState::Incomplete => {
+                    tracing::warn!(marker = %marker_path.display(), term = m.term, "opening an UNFINISHED copy of a primary's pool as a primary (--accept-incomplete-copy): chunks that were not copied are zeroes, and what recovery makes of them is data lost");
+                }
+            }
+        }
         let device = dinomo_fabric::pm::DaxDevice::probe(path)?;
         let pool = if let Some(dev) = device {
             // A device always exists: it is formatted only when it holds no pool and the
@@ -262,6 +289,17 @@ impl Dpm {
                     })
                     .expect("spawning the gc thread"),
             );
+        }
+        // Opened (recovered) as a primary's pool: from now on it is one, and it diverges from
+        // whatever the marker described. Removed only now: a crash before this leaves the
+        // marker, so the next open decides again (a complete copy opens; an incomplete one
+        // needs the override again), which errs on the side of refusing.
+        // A failure to remove it is only logged: the workers run already, and the next open
+        // decides again.
+        if marker.is_some() {
+            if let Err(e) = crate::replication::backup::remove_copy_marker(path) {
+                tracing::warn!(pool = %path.display(), error = %e, "could not remove the copy marker of a pool opened as a primary; the next open will read it again");
+            }
         }
         tracing::info!(
             items = index.items(),

@@ -98,6 +98,25 @@ pub enum DpmError {
          primary, so a newer (or competing) primary exists; this primary must stop"
     )]
     StaleTerm { given: u64, current: u64 },
+    /// A CopyComplete call named another copy than the one in progress at the backup (a newer
+    /// attach replaced it, or the backup restarted).
+    #[error("replication: this backup refuses to mark the copy complete: {detail}")]
+    StaleCopy { detail: String },
+    /// A primary was asked to open a pool whose copy marker says a backup's copy of it was
+    /// never finished (docs/decisions/0007-dpm-replication.md).
+    #[error(
+        "pool {pool}: refusing to open it as a primary: {marker} says it holds an unfinished \
+         copy (term {term}) that a backup was receiving from its primary when it stopped. Such \
+         a pool mixes copied chunks with zeroed ones; recovery would make it look consistent \
+         while data is lost. Recover from the primary's own pool, or from a backup whose \
+         marker says \"complete\" (one that was in sync). To open this one anyway, accepting \
+         the loss, start the dpm-node with --accept-incomplete-copy"
+    )]
+    IncompleteCopy {
+        pool: String,
+        marker: String,
+        term: u64,
+    },
     /// A replication request reached a node in the other role, or the replicas did not
     /// acknowledge.
     #[error("replication: {0}")]

@@ -82,7 +82,7 @@ pub fn to_status(e: DpmError) -> Status {
         | DpmError::CellsFull { .. }
         | DpmError::MetadataFull { .. }
         | DpmError::MetadataTooLarge { .. } => Status::resource_exhausted(msg),
-        DpmError::StaleTerm { .. } => Status::failed_precondition(msg),
+        DpmError::StaleTerm { .. } | DpmError::StaleCopy { .. } => Status::failed_precondition(msg),
         DpmError::Replication(_) => Status::unavailable(msg),
         _ => Status::internal(msg),
     }

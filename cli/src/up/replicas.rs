@@ -12,11 +12,18 @@
 //! - a backup whose process exited, or that the primary reports failed, is removed from the
 //!   set (so the primary acknowledges again), started again, and added back (copied anew);
 //! - a primary whose process exited is replaced by a backup that was in sync at the last
-//!   round (failover): that backup is stopped, its pool and the dead primary's swap names, a new
-//!   primary starts on it at the primary's addresses (taking the next term, which fences the
-//!   old one at every backup) and a fresh backup takes the promoted one's place. The dead
-//!   primary's pool is never read again: this is what losing its machine would leave. With no
-//!   backup in sync (all were still copying), the primary is restarted on its own pool.
+//!   round (failover) and whose copy marker (`<pool>.copy`) says complete: that backup is
+//!   stopped, its pool and the dead primary's swap names (with their `.term` and `.copy`
+//!   files), a new primary starts on it at the primary's addresses (taking the next term, which
+//!   fences the old one at every backup; it removes the marker once it opened the pool) and a
+//!   fresh backup takes the promoted one's place. The dead primary's pool is never read again:
+//!   this is what losing its machine would leave. With no such backup (all were still
+//!   copying), the primary is restarted on its own pool.
+//!
+//! A primary reports a backup in sync only after the backup recorded its copy complete, so a
+//! backup seen in sync has a complete marker; `up` checks the marker anyway before it swaps,
+//! and a primary refuses to open a pool whose marker says incomplete, so a half-copied pool is
+//! never promoted.
 
 use std::collections::BTreeSet;
 use std::path::{Path, PathBuf};
@@ -83,9 +90,24 @@ fn sibling(path: &Path, suffix: &str) -> PathBuf {
     PathBuf::from(p)
 }
 
-/// Swaps the names of two pools and of their term files.
+/// Whether the copy marker of the backup pool `pool` says its copy is complete (it holds a
+/// consistent image a primary may open).
+fn copy_complete(pool: &Path) -> bool {
+    use dinomo_dpm_node::replication::CopyState;
+    match dinomo_dpm_node::replication::backup::read_copy_marker(pool) {
+        Ok(Some(m)) => m.state == CopyState::Complete,
+        Ok(None) => false,
+        Err(e) => {
+            eprintln!("reading the copy marker of {}: {e}", pool.display());
+            false
+        }
+    }
+}
+
+/// Swaps the names of two pools and of their term files and copy markers (a marker and a term
+/// file describe the pool beside them, so they move with it).
 fn swap_pools(a: &Path, b: &Path) -> anyhow::Result<()> {
-    for suffix in ["", ".term"] {
+    for suffix in ["", ".term", ".copy"] {
         let (a, b) = (sibling(a, suffix), sibling(b, suffix));
         let tmp = sibling(&a, ".swap");
         let rename = |from: &Path, to: &Path| match std::fs::rename(from, to) {
@@ -267,10 +289,11 @@ impl ReplicaSet {
     async fn replace_primary(&mut self, exit: &str) -> anyhow::Result<()> {
         let t0 = Instant::now();
         let in_sync = &self.in_sync;
-        let candidate = self
-            .backups
-            .iter_mut()
-            .position(|b| in_sync.contains(&b.addr) && matches!(b.node.child.try_wait(), Ok(None)));
+        let candidate = self.backups.iter_mut().position(|b| {
+            in_sync.contains(&b.addr)
+                && matches!(b.node.child.try_wait(), Ok(None))
+                && copy_complete(&b.pool)
+        });
         let Some(i) = candidate else {
             self.primary_restarts
                 .retain(|t| t0.duration_since(*t) < Duration::from_secs(60));

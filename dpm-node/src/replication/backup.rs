@@ -16,6 +16,19 @@
 //! - Each attach starts from a fresh, zero-filled pool (a new file renamed over the old one, so
 //!   a connection of the previous primary still mapping the old file never sees it shrink);
 //!   the primary then copies its whole pool, skipping zero chunks.
+//! - The copy marker `<pool>.copy` ([`CopyMarker`]) says whether the pool holds a consistent
+//!   image. An attach makes it durably say `incomplete` (with the term, the primary instance
+//!   and a copy number drawn for this attach) before it revokes, zeroes or replaces anything;
+//!   only the CopyComplete call of that same copy (term, instance and copy number all current)
+//!   turns it into `complete`, durably, before it is answered. The primary makes that call when
+//!   the backup has caught up, and reports the backup in sync only once it succeeded, so a
+//!   backup anyone saw in sync has a marker that says `complete`.
+//! - `complete` means "a consistent image": one a power failure of the primary could have left
+//!   at some past moment (every chunk copied, then a prefix of the primary's later records). It
+//!   does not mean up to date: a backup that failed, or stopped, after its copy was complete
+//!   holds an older image, still consistent, and its marker still says `complete`. A primary
+//!   refuses to open a pool whose marker says `incomplete` (a mix of copied and zero chunks)
+//!   unless told to accept the loss ([`crate::dpm::Dpm::open`]).
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -47,6 +60,9 @@ struct State {
     term: u64,
     /// The primary instance that attached with `term`.
     instance: u64,
+    /// The number of the copy the current attach started (0: none since this process
+    /// started; see [`CopyMarker::copy`]).
+    copy: u64,
     primary: String,
     nic: Option<TcpNic>,
     region: Option<Arc<PmRegion>>,
@@ -57,6 +73,8 @@ struct State {
 pub struct Attached {
     pub fabric: String,
     pub key: AccessKey,
+    /// The number of the copy this attach started (its CopyComplete names it).
+    pub copy: u64,
 }
 
 fn term_path(pool: &Path) -> PathBuf {
@@ -91,15 +109,28 @@ fn read_term_instance(pool: &Path) -> Result<(u64, u64)> {
 }
 
 fn write_term(pool: &Path, term: u64, instance: u64) -> Result<()> {
-    let path = term_path(pool);
-    let tmp = path.with_extension("term.new");
+    write_durably(&term_path(pool), &format!("{term} {instance}\n"))
+}
+
+/// Writes `text` to `path` so that, after a crash, `path` holds either its old contents or
+/// `text`, whole: a temporary file, synced, renamed over `path`, then the directory synced.
+fn write_durably(path: &Path, text: &str) -> Result<()> {
+    let mut tmp = path.as_os_str().to_owned();
+    tmp.push(".new");
+    let tmp = PathBuf::from(tmp);
     {
         use std::io::Write as _;
         let mut f = std::fs::File::create(&tmp)?;
-        writeln!(f, "{term} {instance}")?;
+        f.write_all(text.as_bytes())?;
         f.sync_all()?;
     }
-    std::fs::rename(&tmp, &path)?;
+    std::fs::rename(&tmp, path)?;
+    sync_dir_of(path);
+    Ok(())
+}
+
+/// Syncs the directory holding `path` (so that a rename or removal in it is durable).
+fn sync_dir_of(path: &Path) {
     if let Some(dir) = path.parent() {
         if let Ok(d) = std::fs::File::open(if dir.as_os_str().is_empty() {
             Path::new(".")
@@ -109,7 +140,146 @@ fn write_term(pool: &Path, term: u64, instance: u64) -> Result<()> {
             let _ = d.sync_all();
         }
     }
-    Ok(())
+}
+
+/// The version of the copy marker's format this build writes and reads.
+const COPY_MARKER_FORMAT: u32 = 1;
+
+/// Where the marker of `pool`'s copy is kept: `<pool>.copy`, beside the pool (and its
+/// `<pool>.term`). `dinomo up` renames it with the pool when it promotes a backup.
+pub fn copy_marker_path(pool: &Path) -> PathBuf {
+    let mut p = pool.as_os_str().to_owned();
+    p.push(".copy");
+    PathBuf::from(p)
+}
+
+/// Whether a backup's copy of its primary's pool was finished (see the module doc).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopyState {
+    /// An attach started the copy and it was not finished: the pool mixes copied chunks with
+    /// zeroed ones. Opened as a primary's, recovery would make it look consistent while
+    /// losing data.
+    Incomplete,
+    /// The backup held a consistent image (it caught up with its primary) when its primary
+    /// said so; it may be older than the primary's last state, never a mix.
+    Complete,
+}
+
+impl CopyState {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CopyState::Incomplete => "incomplete",
+            CopyState::Complete => "complete",
+        }
+    }
+}
+
+/// What `<pool>.copy` says: the state of the copy made by one attach.
+///
+/// Format (version 1), text, one `name value` pair a line:
+/// ```text
+/// format 1
+/// state incomplete
+/// term 7
+/// instance 1234567
+/// copy 89
+/// ```
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CopyMarker {
+    pub state: CopyState,
+    /// The primary's term and instance that attached the backup and made this copy.
+    pub term: u64,
+    pub instance: u64,
+    /// A number the backup drew for this attach: a CopyComplete call must name it, so that a
+    /// late call about an earlier copy cannot mark a newer one complete.
+    pub copy: u64,
+}
+
+impl CopyMarker {
+    fn to_text(self) -> String {
+        format!(
+            "format {COPY_MARKER_FORMAT}\nstate {}\nterm {}\ninstance {}\ncopy {}\n",
+            self.state.as_str(),
+            self.term,
+            self.instance,
+            self.copy
+        )
+    }
+
+    fn parse(text: &str) -> std::result::Result<Self, String> {
+        let mut fields = std::collections::HashMap::new();
+        for line in text.lines().filter(|l| !l.trim().is_empty()) {
+            let (name, value) = line
+                .trim()
+                .split_once(' ')
+                .ok_or_else(|| format!("line {line:?} is not \"NAME VALUE\""))?;
+            fields.insert(name, value.trim());
+        }
+        match fields.get("format") {
+            Some(v) if *v == COPY_MARKER_FORMAT.to_string() => {}
+            Some(v) => {
+                return Err(format!(
+                    "is format {v}; this dpm-node reads format {COPY_MARKER_FORMAT}"
+                ))
+            }
+            None => return Err("has no \"format\" line".into()),
+        }
+        let number = |name: &str| -> std::result::Result<u64, String> {
+            fields
+                .get(name)
+                .ok_or_else(|| format!("has no {name:?} line"))?
+                .parse()
+                .map_err(|e| format!("{name}: {e}"))
+        };
+        let state = match fields.get("state").copied() {
+            Some("incomplete") => CopyState::Incomplete,
+            Some("complete") => CopyState::Complete,
+            Some(s) => return Err(format!("state {s:?}: expected incomplete or complete")),
+            None => return Err("has no \"state\" line".into()),
+        };
+        Ok(CopyMarker {
+            state,
+            term: number("term")?,
+            instance: number("instance")?,
+            copy: number("copy")?,
+        })
+    }
+}
+
+/// What `<pool>.copy` says, if it exists (a pool that never was a backup's has none).
+pub fn read_copy_marker(pool: &Path) -> Result<Option<CopyMarker>> {
+    let path = copy_marker_path(pool);
+    match std::fs::read_to_string(&path) {
+        Ok(s) => CopyMarker::parse(&s)
+            .map(Some)
+            .map_err(|detail| DpmError::BadPool {
+                path: path.display().to_string(),
+                detail: format!(
+                    "the copy marker {detail}; it says whether this pool holds a finished copy \
+                     of a primary's pool (docs/decisions/0007-dpm-replication.md)"
+                ),
+            }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(e) => Err(e.into()),
+    }
+}
+
+fn write_copy_marker(pool: &Path, m: CopyMarker) -> Result<()> {
+    write_durably(&copy_marker_path(pool), &m.to_text())
+}
+
+/// Removes `<pool>.copy` (durably), if it exists: done once a primary opened the pool, so that
+/// the pool is a primary's own from then on (see [`crate::dpm::Dpm::open`]).
+pub fn remove_copy_marker(pool: &Path) -> Result<()> {
+    let path = copy_marker_path(pool);
+    match std::fs::remove_file(&path) {
+        Ok(()) => {
+            sync_dir_of(&path);
+            Ok(())
+        }
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+        Err(e) => Err(e.into()),
+    }
 }
 
 impl Backup {
@@ -166,6 +336,21 @@ impl Backup {
                 "a backup pool of {pool_bytes} bytes: expected a multiple of 4096 up to {MAX_POOL_BYTES}"
             )));
         }
+        // Durably "incomplete" before anything of the previous image is touched: from here
+        // until CopyComplete of this copy, the pool is not a consistent image.
+        let copy = rand::random::<u64>() | 1;
+        write_copy_marker(
+            &self.pool_path,
+            CopyMarker {
+                state: CopyState::Incomplete,
+                term,
+                instance,
+                copy,
+            },
+        )?;
+        // Only now (the state lock is held throughout, so no CopyComplete comes between): a
+        // failed marker write leaves the previous copy and its pending confirmation alone.
+        st.copy = 0;
         write_term(&self.pool_path, term, instance)?;
         st.term = term;
         st.instance = instance;
@@ -188,7 +373,39 @@ impl Backup {
         st.primary = primary.to_string();
         st.nic = Some(nic);
         st.region = Some(region);
-        Ok(Attached { fabric, key })
+        st.copy = copy;
+        Ok(Attached { fabric, key, copy })
+    }
+
+    /// Records durably that the copy `copy` of `term`/`instance` is complete (the primary saw
+    /// this backup catch up; see the module doc). Refused ([`DpmError::StaleCopy`]) unless all
+    /// three name the current attach: a deposed primary, or a late call about an earlier
+    /// copy, must not mark a newer copy complete.
+    pub async fn copy_complete(&self, term: u64, instance: u64, copy: u64) -> Result<()> {
+        let st = self.state.lock().await;
+        if (term, instance, copy) != (st.term, st.instance, st.copy) || st.nic.is_none() {
+            return Err(DpmError::StaleCopy {
+                detail: format!(
+                    "asked to mark copy {copy} of term {term} (primary instance {instance}) \
+                     complete, but the copy in progress here is {} of term {} (instance {})",
+                    st.copy, st.term, st.instance
+                ),
+            });
+        }
+        // Files and fsyncs off the runtime's threads: the NIC tasks applying the primary's
+        // WRITEs share them, and a slow fsync must not delay their answers.
+        let pool = self.pool_path.clone();
+        let marker = CopyMarker {
+            state: CopyState::Complete,
+            term,
+            instance,
+            copy,
+        };
+        tokio::task::spawn_blocking(move || write_copy_marker(&pool, marker))
+            .await
+            .map_err(|e| DpmError::Io(std::io::Error::other(e)))??;
+        tracing::info!(term, copy, "the copy of the primary's pool is complete: this pool holds a consistent image from now on");
+        Ok(())
     }
 }
 
@@ -222,5 +439,96 @@ async fn bind_nic(
             }
             Err(e) => return Err(e.into()),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn backup(dir: &Path) -> Backup {
+        Backup::new(
+            dir.join("pool"),
+            DurabilityRequest::ProcessCrash,
+            "127.0.0.1:0".parse().unwrap(),
+            String::new(),
+        )
+        .unwrap()
+    }
+
+    fn marker(dir: &Path) -> CopyMarker {
+        read_copy_marker(&dir.join("pool")).unwrap().unwrap()
+    }
+
+    /// An attach marks the copy incomplete before it answers; only a CopyComplete naming the
+    /// current term, instance and copy turns it complete, and a restarted backup (whose pool
+    /// no primary writes any more) refuses every one.
+    #[tokio::test]
+    async fn only_the_current_copy_is_marked_complete() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = backup(dir.path());
+        assert_eq!(read_copy_marker(&dir.path().join("pool")).unwrap(), None);
+        let a = b.attach(3, 11, 1 << 20, "p:1").await.unwrap();
+        let m = marker(dir.path());
+        assert_eq!(
+            (m.state, m.term, m.instance, m.copy),
+            (CopyState::Incomplete, 3, 11, a.copy)
+        );
+        for (term, instance, copy) in [(2, 11, a.copy), (3, 12, a.copy), (3, 11, a.copy ^ 2)] {
+            let e = b.copy_complete(term, instance, copy).await.unwrap_err();
+            assert!(matches!(e, DpmError::StaleCopy { .. }), "{e}");
+            assert_eq!(marker(dir.path()).state, CopyState::Incomplete);
+        }
+        b.copy_complete(3, 11, a.copy).await.unwrap();
+        assert_eq!(marker(dir.path()).state, CopyState::Complete);
+
+        // A new attach (even of the same primary) starts a new copy: incomplete again, and
+        // the earlier copy's CopyComplete no longer counts.
+        let again = b.attach(3, 11, 1 << 20, "p:1").await.unwrap();
+        assert_ne!(again.copy, a.copy);
+        assert_eq!(marker(dir.path()).state, CopyState::Incomplete);
+        assert!(b.copy_complete(3, 11, a.copy).await.is_err());
+        assert_eq!(marker(dir.path()).state, CopyState::Incomplete);
+        drop(b);
+
+        let restarted = backup(dir.path());
+        assert!(restarted.copy_complete(3, 11, again.copy).await.is_err());
+        assert_eq!(marker(dir.path()).state, CopyState::Incomplete);
+    }
+
+    #[test]
+    fn the_marker_format_is_versioned_and_checked() {
+        let dir = tempfile::tempdir().unwrap();
+        let pool = dir.path().join("pool");
+        let m = CopyMarker {
+            state: CopyState::Complete,
+            term: 9,
+            instance: 77,
+            copy: 5,
+        };
+        write_copy_marker(&pool, m).unwrap();
+        assert_eq!(read_copy_marker(&pool).unwrap(), Some(m));
+        for (text, want) in [
+            (
+                "format 2\nstate complete\nterm 1\ninstance 1\ncopy 1\n",
+                "format 2",
+            ),
+            (
+                "state complete\nterm 1\ninstance 1\ncopy 1\n",
+                "no \"format\"",
+            ),
+            (
+                "format 1\nstate done\nterm 1\ninstance 1\ncopy 1\n",
+                "\"done\"",
+            ),
+            ("format 1\nstate complete\ninstance 1\ncopy 1\n", "\"term\""),
+        ] {
+            std::fs::write(copy_marker_path(&pool), text).unwrap();
+            let e = read_copy_marker(&pool).unwrap_err().to_string();
+            assert!(e.contains(want) && e.contains("pool.copy"), "{text:?}: {e}");
+        }
+        remove_copy_marker(&pool).unwrap();
+        remove_copy_marker(&pool).unwrap();
+        assert_eq!(read_copy_marker(&pool).unwrap(), None);
     }
 }

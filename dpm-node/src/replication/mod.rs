@@ -6,8 +6,17 @@
 //! ([`backup`]). KNs write their log batches to the primary's NIC as before; the NIC answers
 //! a post only once its lines are at every backup in sync, and so does every control answer:
 //! an acknowledged batch, metadata write or segment state is on every live replica. A backup's
-//! pool is always a state a power failure of the primary could have left, so promoting it is
-//! opening it as a primary (the recovery that runs after a power failure).
+//! pool is always a state a power failure of the primary could have left once its copy is
+//! complete, so promoting it is opening it as a primary (the recovery that runs after a power
+//! failure).
+//!
+//! Copies are marked on disk: a backup's `<pool>.copy` says `incomplete` from the moment an
+//! attach starts a copy until the primary, having seen the backup catch up, has it record
+//! `complete` (the CopyComplete call); only then does the primary report the backup in sync.
+//! A primary refuses to open a pool whose marker says `incomplete` (unless started with
+//! `--accept-incomplete-copy`), and removes the marker once it opened the pool
+//! ([`crate::dpm::Dpm::open`]). `complete` means consistent, not current: a backup that
+//! failed later holds an older image, still one its primary went through.
 //!
 //! Terms fence primaries: a primary takes the next term at start ([`Primary::start`]) and
 //! attaches each backup with it; a backup refuses a term older than one it accepted, or the
@@ -33,7 +42,8 @@ use dinomo_proto::dpm::replica_service_client::ReplicaServiceClient;
 use dinomo_security::Security;
 
 pub use backup::Backup;
-pub use replicator::{BackupStatus, Phase, Replicator, ReplicatorOptions};
+pub use backup::{CopyMarker, CopyState};
+pub use replicator::{BackupStatus, ConfirmCopy, Phase, Replicator, ReplicatorOptions};
 pub use service::ReplicaGrpc;
 
 use crate::dpm::Dpm;
@@ -177,7 +187,60 @@ impl Primary {
             generation: r.generation,
             secret,
         };
-        self.replicator.add(address, nic, key);
+        // Once the backup caught up, it records this copy complete before it is reported in
+        // sync (the copy marker, see `backup`).
+        let (security, backup, term, instance, copy) = (
+            self.security.clone(),
+            address.to_string(),
+            self.term,
+            self.instance,
+            r.copy,
+        );
+        let confirm: replicator::ConfirmCopy = Box::new(move || {
+            Box::pin(async move {
+                // A refusal is final; a call that did not get through is tried again until it
+                // does (the replicator stops waiting once the backup is removed or failed):
+                // until then the backup stays catching-up, counted and not promotable. Giving up
+                // would fail a healthy backup for good after a network blip.
+                let mut backoff = Duration::from_millis(200);
+                loop {
+                    let r = match connect(&security, &backup, Duration::from_secs(30)).await {
+                        Ok(mut c) => c
+                            .copy_complete(pb::CopyCompleteRequest {
+                                term,
+                                instance,
+                                copy,
+                            })
+                            .await
+                            .map(|_| ())
+                            .map_err(|s| match s.code() {
+                                tonic::Code::FailedPrecondition => {
+                                    (true, format!("CopyComplete at {backup}: {}", s.message()))
+                                }
+                                tonic::Code::Unimplemented => (
+                                    false,
+                                    format!(
+                                        "{backup} runs a dpm-node without CopyComplete (older \
+                                         than this primary): upgrade the backups first"
+                                    ),
+                                ),
+                                _ => (false, format!("CopyComplete at {backup}: {}", s.message())),
+                            }),
+                        Err(e) => Err((false, e.to_string())),
+                    };
+                    match r {
+                        Ok(()) => return Ok(()),
+                        Err((true, why)) => return Err(why),
+                        Err((false, why)) => {
+                            tracing::warn!(%backup, error = %why, retry_in = ?backoff, "could not tell the backup its copy is complete: it stays catching-up (not promotable) until it hears");
+                            tokio::time::sleep(backoff).await;
+                            backoff = (backoff * 2).min(Duration::from_secs(5));
+                        }
+                    }
+                }
+            })
+        });
+        self.replicator.add(address, nic, key, Some(confirm));
         Ok(())
     }
 
@@ -186,18 +249,7 @@ impl Primary {
         address: &str,
         timeout: Duration,
     ) -> Result<ReplicaServiceClient<tonic::transport::Channel>> {
-        let channel = self
-            .security
-            .endpoint(address, dinomo_security::Service::Dpm)
-            .map_err(|e| DpmError::InvalidArgument(format!("backup address {address:?}: {e}")))?
-            .connect_timeout(Duration::from_secs(2))
-            .timeout(timeout)
-            .connect()
-            .await
-            .map_err(|e| {
-                DpmError::Replication(format!("cannot reach the backup at {address}: {e}"))
-            })?;
-        Ok(ReplicaServiceClient::new(channel))
+        connect(&self.security, address, timeout).await
     }
 
     /// What the backup at `address` says it is. `None`: it cannot be asked.
@@ -243,6 +295,23 @@ impl Primary {
         }
         self.dpm.pool().region().set_mirror(None);
     }
+}
+
+/// A ReplicaService client of the backup at `address`.
+async fn connect(
+    security: &Security,
+    address: &str,
+    timeout: Duration,
+) -> Result<ReplicaServiceClient<tonic::transport::Channel>> {
+    let channel = security
+        .endpoint(address, dinomo_security::Service::Dpm)
+        .map_err(|e| DpmError::InvalidArgument(format!("backup address {address:?}: {e}")))?
+        .connect_timeout(Duration::from_secs(2))
+        .timeout(timeout)
+        .connect()
+        .await
+        .map_err(|e| DpmError::Replication(format!("cannot reach the backup at {address}: {e}")))?;
+    Ok(ReplicaServiceClient::new(channel))
 }
 
 /// Asks every backup that failed whether another primary took it over (its key refused):

@@ -11,8 +11,16 @@
 //!   power failure of the primary may leave; recovery handles it.
 //! - A backup joins `Syncing`: it gets every record from the moment it is added, and the sender
 //!   copies the whole pool to it through the same queue (chunks that are all zeroes are skipped:
-//!   a backup starts from a fresh, zero-filled pool). It is `InSync` once the last chunk is
-//!   acknowledged; only then does [`PersistMirror::barrier`] wait for it.
+//!   a backup starts from a fresh, zero-filled pool). Once the last chunk is acknowledged it is
+//!   `CatchingUp`: barriers wait for it from then on. Once it also acknowledged every record
+//!   queued before that, it holds a consistent image; the replicator then has the backup record
+//!   its copy complete ([`ConfirmCopy`]: the CopyComplete call, durable in its `<pool>.copy`)
+//!   and only after that succeeded reports it `InSync` (a call that does not get through is
+//!   retried until it does; a backup that refuses it is failed). So `InSync` is only ever
+//!   reported after the marker became complete. It is not a promise that the marker still says
+//!   so: an AddBackup of the same address, or a newer primary's attach, rewrites it to
+//!   incomplete before this replicator notices; whoever promotes must read the marker again
+//!   (`dinomo up` does, and a primary refuses to open an incomplete pool).
 //! - A backup whose WRITE fails or times out becomes `Failed` and stays so: every barrier fails
 //!   (nothing more is acknowledged as durable) until someone with the authority to shrink the
 //!   replica set removes it ([`Replicator::remove`]) or adds it again. The primary never drops
@@ -61,6 +69,23 @@ fn is_zero(b: &[u8]) -> bool {
         && tail.iter().all(|&x| x == 0)
 }
 
+/// Has a backup record, durably, that its copy is complete (the CopyComplete call of
+/// [`super::Primary`]); `Err` says why it did not.
+pub type ConfirmCopy = Box<
+    dyn FnOnce() -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), String>> + Send>>
+        + Send,
+>;
+
+/// Where telling a backup that its copy is complete stands.
+enum Confirm {
+    /// Not asked yet: run this on that runtime once the backup caught up.
+    Needed(ConfirmCopy, tokio::runtime::Handle),
+    Pending,
+    /// Recorded by the backup (or nothing to tell: a backup added without a confirmation).
+    Done,
+    Refused(String),
+}
+
 /// How long a backup may take to acknowledge before it is marked failed.
 #[derive(Debug, Clone, Copy)]
 pub struct ReplicatorOptions {
@@ -82,9 +107,11 @@ pub enum Phase {
     Syncing,
     /// The whole pool is copied; every barrier begun from now on waits for it, and once it
     /// acknowledges `until` (every record queued before this phase began, so also those that
-    /// barriers which did not wait for it acknowledged) it is in sync.
+    /// barriers which did not wait for it acknowledged) and recorded its copy complete, it is
+    /// in sync.
     CatchingUp { until: u64 },
-    /// Holds every acknowledged byte: every barrier waits for it, and it may be promoted.
+    /// Holds every acknowledged byte and recorded its copy complete: every barrier waits for
+    /// it, and it may be promoted.
     InSync,
     /// A WRITE failed. If barriers waited for it (`counted`), they fail until it is removed
     /// or added again; a backup that failed while syncing held nothing and blocks nothing.
@@ -160,6 +187,8 @@ struct Backup {
     /// address that counted (it failed and is attached anew), so if its copy fails too, the
     /// set must not go on smaller without anyone deciding so.
     fails_counted: bool,
+    /// Telling the backup its copy is complete, which comes before `InSync`.
+    confirm: Mutex<Confirm>,
 }
 
 impl Backup {
@@ -243,8 +272,23 @@ impl Replicator {
 
     /// Starts replicating to the backup at `address` whose NIC is `nic` and which granted
     /// `key`: from now on every record is queued for it, and its sender copies the whole pool
-    /// to it in the background. A backup of the same address is replaced.
-    pub fn add(self: &Arc<Self>, address: &str, nic: SocketAddr, key: AccessKey) {
+    /// to it in the background. A backup of the same address is replaced. `confirm` is run
+    /// (on the caller's tokio runtime) once the backup caught up, and it becomes `InSync` only
+    /// once that succeeded; `None`: nothing to tell (tests of the replicator alone).
+    pub fn add(
+        self: &Arc<Self>,
+        address: &str,
+        nic: SocketAddr,
+        key: AccessKey,
+        confirm: Option<ConfirmCopy>,
+    ) {
+        let confirm = match (confirm, tokio::runtime::Handle::try_current()) {
+            (None, _) => Confirm::Done,
+            (Some(f), Ok(rt)) => Confirm::Needed(f, rt),
+            (Some(_), Err(_)) => {
+                Confirm::Refused("no tokio runtime to tell the backup its copy is complete".into())
+            }
+        };
         self.term_confirmed.store(true, Ordering::Release);
         let mut st = self.state.lock();
         let replaces_counted = st
@@ -262,6 +306,7 @@ impl Replicator {
             resync_bytes: AtomicU64::new(0),
             resync_ms: Mutex::new(None),
             fails_counted: replaces_counted,
+            confirm: Mutex::new(confirm),
         });
         if let Some(i) = st.backups.iter().position(|b| b.address == address) {
             let old = st.backups.remove(i);
@@ -450,9 +495,11 @@ impl Replicator {
 
     /// Moves `b` on once the copy is acknowledged: Syncing -> CatchingUp (barriers wait for it
     /// from the moment the phase changes, under the state lock, so every record queued later
-    /// is waited for) -> InSync once it holds everything queued before that.
-    fn advance(&self, b: &Backup, sync_until: u64, started: Instant) {
+    /// is waited for) -> InSync once it holds everything queued before that and recorded its
+    /// copy complete (asked here, answered in the background: see [`ConfirmCopy`]).
+    fn advance(&self, b: &Arc<Backup>, sync_until: u64, started: Instant) {
         let acked = b.acked.load(Ordering::Acquire);
+        let mut refused = None;
         let changed = {
             let _st = self.state.lock();
             let mut p = b.phase.lock();
@@ -464,12 +511,61 @@ impl Replicator {
                     true
                 }
                 Phase::CatchingUp { until } if acked >= until => {
-                    *p = Phase::InSync;
-                    true
+                    // It holds a consistent image now (and goes on holding one: later records
+                    // arrive in order). It must say so durably before anyone sees it in sync.
+                    let mut c = b.confirm.lock();
+                    match std::mem::replace(&mut *c, Confirm::Pending) {
+                        Confirm::Done => {
+                            *c = Confirm::Done;
+                            *p = Phase::InSync;
+                            true
+                        }
+                        Confirm::Needed(f, rt) => {
+                            let b = b.clone();
+                            rt.spawn(async move {
+                                // The call retries until it gets an answer; stop waiting once
+                                // the backup is stopped or failed (nothing then needs it).
+                                let call = f();
+                                tokio::pin!(call);
+                                let r = loop {
+                                    tokio::select! {
+                                        r = &mut call => break r,
+                                        _ = tokio::time::sleep(Duration::from_millis(500)) => {
+                                            if b.stop.load(Ordering::Acquire)
+                                                || b.phase.lock().failed()
+                                            {
+                                                return;
+                                            }
+                                        }
+                                    }
+                                };
+                                *b.confirm.lock() = match r {
+                                    Ok(()) => Confirm::Done,
+                                    Err(why) => Confirm::Refused(why),
+                                };
+                                // Wakes the sender if it waits for records.
+                                b.queue_cv.notify_all();
+                            });
+                            false
+                        }
+                        Confirm::Pending => false,
+                        Confirm::Refused(why) => {
+                            refused = Some(why.clone());
+                            *c = Confirm::Refused(why);
+                            false
+                        }
+                    }
                 }
                 _ => false,
             }
         };
+        if let Some(why) = refused {
+            b.fail(
+                format!("it did not record its copy complete: {why}"),
+                &self.changes,
+            );
+            return;
+        }
         if !changed {
             return;
         }
@@ -678,7 +774,7 @@ mod tests {
     async fn a_failed_copy_in_place_of_a_counted_backup_blocks_acknowledgements() {
         let dir = tempfile::tempdir().unwrap();
         let (region, r) = replicator(dir.path());
-        r.add("b:1", closed_port(), key());
+        r.add("b:1", closed_port(), key(), None);
         let first = wait_failed(&r, "b:1").await;
         assert!(!first.counted(), "{first:?}");
         r.record(&region, 0, 64).unwrap();
@@ -694,7 +790,7 @@ mod tests {
                 why: "test".into(),
                 counted: true,
             });
-        r.add("b:1", closed_port(), key());
+        r.add("b:1", closed_port(), key(), None);
         let again = wait_failed(&r, "b:1").await;
         assert!(again.counted(), "{again:?}");
         r.record(&region, 0, 64).unwrap();

@@ -101,7 +101,22 @@ impl ReplicaService for ReplicaGrpc {
             slot: a.key.slot,
             generation: a.key.generation,
             secret: a.key.secret.to_vec(),
+            copy: a.copy,
         }))
+    }
+
+    async fn copy_complete(
+        &self,
+        req: Request<pb::CopyCompleteRequest>,
+    ) -> Result<Response<pb::CopyCompleteResponse>, Status> {
+        let ReplicaGrpc::Backup(b) = self else {
+            return Err(not_a_backup());
+        };
+        let r = req.into_inner();
+        b.copy_complete(r.term, r.instance, r.copy)
+            .await
+            .map_err(to_status)?;
+        Ok(Response::new(pb::CopyCompleteResponse {}))
     }
 
     async fn status(

@@ -30,29 +30,41 @@ pub fn write_config(dir: &Path, extra: &str) -> PathBuf {
 
 impl DpmProcess {
     pub fn start(config: &Path, log: &Path) -> Self {
+        Self::start_with_args(config, log, &[])
+    }
+
+    /// As [`DpmProcess::start`], with more command-line arguments.
+    pub fn start_with_args(config: &Path, log: &Path, args: &[&str]) -> Self {
+        Self::try_start(config, log, args).unwrap_or_else(|e| {
+            panic!(
+                "{e}; log: {}",
+                std::fs::read_to_string(log).unwrap_or_default()
+            )
+        })
+    }
+
+    /// Starts the node, or says why it did not become ready (it exited, or timed out: then it
+    /// is killed); its stderr is in `log` either way.
+    pub fn try_start(config: &Path, log: &Path, args: &[&str]) -> Result<Self, String> {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_dpm-node"));
         // Plain text: these tests are about the node, not TLS (cli's security tests are).
         cmd.env("DINOMO_INSECURE", "1");
         cmd.arg("--config")
             .arg(config)
             .arg("--print-ready")
+            .args(args)
             .env("DINOMO_LOG", "info");
         let (child, line) =
             dinomo_node_common::spawn_until_ready("dpm-node", cmd, log, Duration::from_secs(30))
-                .unwrap_or_else(|e| {
-                    panic!(
-                        "{e}; log: {}",
-                        std::fs::read_to_string(log).unwrap_or_default()
-                    )
-                });
+                .map_err(|e| e.to_string())?;
         let field = |name: &str| -> Option<SocketAddr> {
             dinomo_node_common::ready_field(&line, name).and_then(|v| v.parse().ok())
         };
-        DpmProcess {
+        Ok(DpmProcess {
             grpc: field("grpc=").unwrap_or_else(|| panic!("bad READY line {line:?}")),
             fabric: field("fabric="),
             child,
-        }
+        })
     }
 
     pub async fn client(&self) -> DpmServiceClient<tonic::transport::Channel> {

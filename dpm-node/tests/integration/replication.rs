@@ -22,6 +22,9 @@ use dinomo_proto::dpm::{
 };
 use tonic::transport::Channel;
 
+use dinomo_dpm_node::replication::backup::{copy_marker_path, read_copy_marker};
+use dinomo_dpm_node::replication::{CopyMarker, CopyState};
+
 use super::process::DpmProcess;
 
 fn config(dir: &Path, name: &str, extra: &str) -> (PathBuf, PathBuf) {
@@ -195,6 +198,15 @@ async fn acknowledged_batches_survive_the_primary_in_every_backup() {
         let bs = replica_status(b.grpc).await;
         assert_eq!((bs.role.as_str(), bs.term), ("backup", s.term), "{bs:?}");
     }
+    // Reported in sync only once each backup recorded its copy complete.
+    for pool in [&pool1, &pool2] {
+        let m = read_copy_marker(pool).unwrap();
+        assert!(
+            matches!(m, Some(CopyMarker { state: CopyState::Complete, term, .. }) if term == s.term),
+            "{}: {m:?}",
+            pool.display()
+        );
+    }
 
     let (kn, mut w) = kn_writer(&primary).await;
     const KEYS: u32 = 400;
@@ -230,6 +242,8 @@ async fn acknowledged_batches_survive_the_primary_in_every_backup() {
             bad[0]
         );
         assert_eq!(meta.as_deref(), Some(&b"yes"[..]), "{}", pool.display());
+        // Opened as a primary's pool: the marker is gone, the pool is a primary's own now.
+        assert_eq!(read_copy_marker(pool).unwrap(), None, "{}", pool.display());
     }
 }
 
@@ -456,5 +470,137 @@ async fn a_restarted_backup_is_attached_anew_when_reattach_is_on() {
     );
     let (_, mut w) = kn_writer(&primary).await;
     w.append(&[record(2)]).await.unwrap();
+    drop(b1);
+}
+
+/// A backup killed (SIGKILL) while its primary is still copying the pool to it keeps a copy
+/// marker that says "incomplete": a dpm-node refuses to start as a primary on that pool,
+/// naming the marker, and starts with --accept-incomplete-copy (which removes the marker).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backup_killed_while_copying_is_not_opened_as_a_primary() {
+    let dir = tempfile::tempdir().unwrap();
+    let (c1, _) = config(dir.path(), "b1", "role = \"backup\"");
+    let (c2, pool2) = config(dir.path(), "b2", "role = \"backup\"");
+    let b1 = DpmProcess::start(&c1, &dir.path().join("b1.log"));
+    let mut b2 = DpmProcess::start(&c2, &dir.path().join("b2.log"));
+    let (cp, _) = config(
+        dir.path(),
+        "p",
+        &format!(
+            "fabric = \"tcp\"\nbackups = [\"{}\"]\nreplica_ack_timeout_ms = 1000",
+            b1.grpc
+        ),
+    );
+    // A larger pool: the copy reads every chunk (zero ones too), so it takes long enough for
+    // the test to stop the backup in the middle of it.
+    let text = std::fs::read_to_string(&cp).unwrap();
+    std::fs::write(
+        &cp,
+        text.replace("pool_size = \"64MiB\"", "pool_size = \"256MiB\""),
+    )
+    .unwrap();
+    let primary = DpmProcess::start(&cp, &dir.path().join("p.log"));
+    let s = wait_in_sync(primary.grpc, 1).await;
+    // About 12 MiB of log: the copy sends chunks while it still reads the rest of the pool
+    // (it sends once more than 8 non-zero chunks are queued), so a backup can be stopped
+    // after it received some of the pool and before it received all of it.
+    let (_, mut w) = kn_writer(&primary).await;
+    for i in 0..240u32 {
+        let r = LogRecord {
+            op: LogOp::Put,
+            version: u64::from(i) + 1,
+            key: format!("big-{i}").into_bytes(),
+            value: vec![b'v'; 50 << 10],
+        };
+        w.append(&[r]).await.unwrap();
+    }
+    let mut rc = ReplicaServiceClient::connect(format!("http://{}", primary.grpc))
+        .await
+        .unwrap();
+    let b2_addr = b2.grpc.to_string();
+    let state_of = |s: &ReplicaStatusResponse| {
+        s.backups
+            .iter()
+            .find(|b| b.address == b2_addr)
+            .map(|b| (b.state.clone(), b.bytes_sent))
+    };
+    // Attach b2 and stop it once the first chunks reached it, while the copy goes on. If the
+    // copy finished first (a fast machine), start over.
+    let mut caught = false;
+    for attempt in 1..=5 {
+        rc.add_backup(dinomo_proto::dpm::BackupRequest {
+            address: b2_addr.clone(),
+        })
+        .await
+        .unwrap();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            let st = state_of(&replica_status(primary.grpc).await);
+            if st.as_ref().is_some_and(|(_, sent)| *sent > 0) {
+                break;
+            }
+            assert!(Instant::now() < deadline, "nothing copied to b2: {st:?}");
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        stop_process(b2.pid());
+        let st = state_of(&replica_status(primary.grpc).await);
+        if st.as_ref().is_some_and(|(state, _)| state == "syncing") {
+            eprintln!("b2 stopped in the middle of its copy (attempt {attempt}): {st:?}");
+            caught = true;
+            break;
+        }
+        // SAFETY: a signal to our own child.
+        unsafe { libc::kill(b2.pid() as i32, libc::SIGCONT) };
+        rc.remove_backup(dinomo_proto::dpm::BackupRequest {
+            address: b2_addr.clone(),
+        })
+        .await
+        .unwrap();
+    }
+    assert!(
+        caught,
+        "the copy to b2 always finished before b2 could be stopped"
+    );
+    b2.kill9();
+    let m = read_copy_marker(&pool2).unwrap();
+    assert!(
+        matches!(m, Some(CopyMarker { state: CopyState::Incomplete, term, .. }) if term == s.term),
+        "{m:?}"
+    );
+
+    // A primary on that pool is refused, saying why.
+    let cn = dir.path().join("n.toml");
+    std::fs::write(
+        &cn,
+        format!(
+            "pool_path = {pool2:?}\ncreate = false\nlisten = \"127.0.0.1:0\"\n\
+             fabric_listen = \"127.0.0.1:0\"\nmetrics_listen = \"\"\n"
+        ),
+    )
+    .unwrap();
+    let log = dir.path().join("n.log");
+    let refused = DpmProcess::try_start(&cn, &log, &[]);
+    assert!(refused.is_err(), "a primary started on a half-copied pool");
+    let out = std::fs::read_to_string(&log).unwrap();
+    let marker = copy_marker_path(&pool2).display().to_string();
+    assert!(
+        out.contains(&marker)
+            && out.contains("unfinished")
+            && out.contains("--accept-incomplete-copy"),
+        "{out}"
+    );
+    assert!(read_copy_marker(&pool2).unwrap().is_some());
+
+    // With the override it opens, and the marker is gone: the pool is a primary's now.
+    let mut accepted = DpmProcess::start_with_args(
+        &cn,
+        &dir.path().join("n-accepted.log"),
+        &["--accept-incomplete-copy"],
+    );
+    assert_eq!(read_copy_marker(&pool2).unwrap(), None);
+    accepted.kill9();
+    let out = std::fs::read_to_string(dir.path().join("n-accepted.log")).unwrap();
+    assert!(out.contains("UNFINISHED copy"), "{out}");
+    drop(primary);
     drop(b1);
 }

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dinomo_dpm_node::config::{DpmConfigFile, FabricKind};
-use dinomo_dpm_node::replication::{Backup, Phase, Replicator, ReplicatorOptions};
+use dinomo_dpm_node::replication::{Backup, ConfirmCopy, Phase, Replicator, ReplicatorOptions};
 use dinomo_dpm_node::service::DpmGrpc;
 use dinomo_dpm_node::Dpm;
 use dinomo_fabric::grants::{GrantTable, WindowRange};
@@ -76,7 +76,7 @@ async fn a_backup_in_sync_holds_every_acknowledged_write() {
         },
     );
     primary.set_mirror(Some(rep.clone()));
-    rep.add("b", nic.local_addr(), key);
+    rep.add("b", nic.local_addr(), key, None);
     std::thread::sleep(Duration::from_millis(150)); // the resync chunk is in flight
 
     // A write, acknowledged: the barrier the NIC waits for before it answers a KN.
@@ -117,7 +117,7 @@ async fn a_backup_that_never_synced_blocks_no_acknowledgement() {
         generation: 1,
         secret: [0; 16],
     };
-    rep.add("b", closed, key);
+    rep.add("b", closed, key, None);
     wait_phase(&rep, |p| matches!(p, Phase::Failed { .. })).await;
     primary.write_durable(4096, &[7u8; 64]).unwrap();
     let r = primary.mirror_barrier().await;
@@ -204,7 +204,7 @@ async fn an_allocation_answered_unavailable_leaves_no_open_segment() {
         },
     );
     region.set_mirror(Some(rep.clone()));
-    rep.add("b", nic.local_addr(), key);
+    rep.add("b", nic.local_addr(), key, None);
     wait_phase(&rep, |p| *p == Phase::InSync).await;
     grants.set_post_hook(Some(Arc::new(|_| {
         std::thread::sleep(Duration::from_millis(1500))
@@ -421,5 +421,54 @@ async fn control_a_sealed_segment_is_merged() {
     while dpm.pending_segment_ids(reg.kn_id).contains(&s.segment_id) {
         assert!(Instant::now() < deadline);
         tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The primary reports a backup in sync only once the backup recorded its copy complete (the
+/// CopyComplete call, here a stand-in the test answers): until then the caught-up backup stays
+/// `catching-up` (counted by barriers, not promotable); a refused confirmation fails it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backup_is_in_sync_only_after_it_recorded_its_copy_complete() {
+    for refuse in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let primary = region(&dir.path().join("p"));
+        primary.write_durable(0, &[1u8; 64]).unwrap();
+        let backup = region(&dir.path().join("b"));
+        let (nic, key, _) = backup_nic(dir.path(), backup.clone(), Duration::ZERO).await;
+        let rep = Replicator::new(
+            primary.clone(),
+            ReplicatorOptions {
+                ack_timeout: Duration::from_secs(10),
+            },
+        );
+        primary.set_mirror(Some(rep.clone()));
+        let (asked_tx, asked_rx) = std::sync::mpsc::channel::<()>();
+        let (answer_tx, answer_rx) = tokio::sync::oneshot::channel::<Result<(), String>>();
+        let confirm: ConfirmCopy = Box::new(move || {
+            Box::pin(async move {
+                asked_tx.send(()).unwrap();
+                answer_rx.await.unwrap()
+            })
+        });
+        rep.add("b", nic.local_addr(), key, Some(confirm));
+        // Asked once the backup caught up; not in sync while the answer is pending.
+        asked_rx.recv_timeout(Duration::from_secs(20)).unwrap();
+        std::thread::sleep(Duration::from_millis(300));
+        let s = rep.status();
+        assert!(
+            matches!(s[0].phase, Phase::CatchingUp { .. }),
+            "reported {:?} before the backup recorded its copy complete",
+            s[0].phase
+        );
+        let mut got = [0u8; 64];
+        backup.read(0, &mut got).unwrap();
+        assert_eq!(got, [1u8; 64]);
+        if refuse {
+            answer_tx.send(Err("refused by the test".into())).unwrap();
+            wait_phase(&rep, |p| matches!(p, Phase::Failed { counted: true, .. })).await;
+        } else {
+            answer_tx.send(Ok(())).unwrap();
+            wait_phase(&rep, |p| *p == Phase::InSync).await;
+        }
     }
 }
