@@ -293,9 +293,8 @@ impl Dpm {
         // Opened (recovered) as a primary's pool: from now on it is one, and it diverges from
         // whatever the marker described. Removed only now: a crash before this leaves the
         // marker, so the next open decides again (a complete copy opens; an incomplete one
-        // needs the override again), which errs on the side of refusing.
-        // A failure to remove it is only logged: the workers run already, and the next open
-        // decides again.
+        // needs the override again), which errs on the side of refusing. For the same reason a
+        // failure to remove it is only logged: the workers run already.
         if marker.is_some() {
             if let Err(e) = crate::replication::backup::remove_copy_marker(path) {
                 tracing::warn!(pool = %path.display(), error = %e, "could not remove the copy marker of a pool opened as a primary; the next open will read it again");

@@ -21,8 +21,9 @@
 //!   and a copy number drawn for this attach) before it revokes, zeroes or replaces anything;
 //!   only the CopyComplete call of that same copy (term, instance and copy number all current)
 //!   turns it into `complete`, durably, before it is answered. The primary makes that call when
-//!   the backup has caught up, and reports the backup in sync only once it succeeded, so a
-//!   backup anyone saw in sync has a marker that says `complete`.
+//!   the backup has caught up, and reports the backup in sync only once it succeeded. The
+//!   marker can turn `incomplete` again afterwards (a new attach), before the primary notices:
+//!   whoever promotes a backup reads its marker again.
 //! - `complete` means "a consistent image": one a power failure of the primary could have left
 //!   at some past moment (every chunk copied, then a prefix of the primary's later records). It
 //!   does not mean up to date: a backup that failed, or stopped, after its copy was complete
