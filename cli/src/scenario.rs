@@ -305,7 +305,10 @@ impl Cluster {
         let routing = port("routing-node", &line)?;
         let cfg = dir.path().join("monitor.toml");
         std::fs::write(&cfg, monitor_config)?;
-        let base = 20_000 + rand::random_range(0..30_000u16);
+        // The monitor starts KN i on base + i, and again there after a failure: a base outside
+        // the ephemeral range, so that a client connection cannot hold the port meanwhile.
+        let base = dinomo_node_common::address::free_port_base(&(1..=64).collect::<Vec<_>>())
+            .context("no free range of 64 ports for the KV nodes")?;
         let (n, line) = spawn(
             "monitor",
             &with_security(

@@ -122,6 +122,60 @@ pub fn ordinal_from_name(name: &str) -> Result<u32, String> {
         .map_err(|_| format!("the ordinal of {name:?} is too large"))
 }
 
+/// The ports this host's kernel hands to outgoing connections (`net.ipv4.ip_local_port_range`;
+/// Linux's default, 32768-60999, when it cannot be read).
+///
+/// A server that must get its port back after a restart should listen outside them: any
+/// connection a client on the host opens may take a free port of this range as its own, and
+/// once it closes, its TIME_WAIT holds the port for a minute, during which no listener can bind
+/// it (`SO_REUSEADDR` does not help: the client's socket did not set it).
+pub fn ephemeral_ports() -> std::ops::RangeInclusive<u16> {
+    std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| parse_port_range(&s))
+        .unwrap_or(32768..=60999)
+}
+
+/// A base port such that `base + o` is free on 127.0.0.1 right now for every offset `o`, and
+/// outside [`ephemeral_ports`] (and above 10000), for a set of local servers that may be
+/// restarted on their ports (`dinomo up`'s tests, `dinomo scenario`'s KV nodes). `None` when
+/// 200 random tries found none. Seen in CI before this: a dpm-node backup restarted after a
+/// failover could not listen on its port for 62 s, held by a client connection's TIME_WAIT.
+pub fn free_port_base(offsets: &[i32]) -> Option<u16> {
+    let ephemeral = ephemeral_ports();
+    let (first, last) = (*offsets.iter().min()?, *offsets.iter().max()?);
+    // Bases whose ports all lie in 10000..ephemeral, or above it.
+    let spans: Vec<(i32, i32)> = [
+        (10_000 - first, i32::from(*ephemeral.start()) - 1 - last),
+        (i32::from(*ephemeral.end()) + 1 - first, 65_535 - last),
+    ]
+    .into_iter()
+    .filter(|(a, b)| a <= b)
+    .collect();
+    if spans.is_empty() {
+        return None;
+    }
+    for _ in 0..200 {
+        let (a, b) = spans[rand::random_range(0..spans.len())];
+        let base = rand::random_range(a..=b);
+        let free = offsets.iter().all(|o| {
+            u16::try_from(base + o)
+                .is_ok_and(|p| std::net::TcpListener::bind(("127.0.0.1", p)).is_ok())
+        });
+        if free {
+            return u16::try_from(base).ok();
+        }
+    }
+    None
+}
+
+/// `"32768\t60999\n"` (the file's format) as a range.
+fn parse_port_range(s: &str) -> Option<std::ops::RangeInclusive<u16>> {
+    let mut it = s.split_whitespace().map(str::parse::<u16>);
+    let (low, high) = (it.next()?.ok()?, it.next()?.ok()?);
+    (low <= high && it.next().is_none()).then_some(low..=high)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -191,6 +245,31 @@ mod tests {
                 Err(e) => assert!(e.contains("--advertise"), "{e}"),
             }
         }
+    }
+
+    #[test]
+    fn the_ephemeral_port_range_is_read_as_the_kernel_writes_it() {
+        assert_eq!(parse_port_range("32768\t60999\n"), Some(32768..=60999));
+        assert_eq!(parse_port_range("1024 65535"), Some(1024..=65535));
+        for bad in ["", "32768", "60999 32768", "a b", "1 2 3", "1 70000"] {
+            assert_eq!(parse_port_range(bad), None, "{bad:?}");
+        }
+        let r = ephemeral_ports();
+        assert!(r.start() <= r.end());
+    }
+
+    #[test]
+    fn a_free_port_base_keeps_every_port_outside_the_ephemeral_range() {
+        let ephemeral = ephemeral_ports();
+        let offsets = [-100, 0, 1, 20, 2200];
+        for _ in 0..20 {
+            let base = free_port_base(&offsets).expect("a free base");
+            for o in offsets {
+                let p = u16::try_from(i32::from(base) + o).unwrap();
+                assert!(!ephemeral.contains(&p) && p >= 10_000, "{p}");
+            }
+        }
+        assert_eq!(free_port_base(&[]), None);
     }
 
     #[test]

@@ -257,6 +257,22 @@ pub async fn run(a: UpArgs) -> anyhow::Result<()> {
     if a.port_base <= 100 {
         bail!("--port-base must be above 100 (the monitor listens on port-base - 100)");
     }
+    // `up` starts a failed node again on its port; a port of the ephemeral range may meanwhile
+    // have become the local port of a client connection, whose TIME_WAIT holds it for a minute.
+    let ephemeral = dinomo_node_common::address::ephemeral_ports();
+    let (first, last) = (a.port_base - 100, a.port_base.saturating_add(2200));
+    if first <= *ephemeral.end() && last >= *ephemeral.start() {
+        tracing::warn!(
+            "--port-base {}: the cluster's ports ({first}-{last}) overlap the ports this host \
+             gives outgoing connections ({}-{}, net.ipv4.ip_local_port_range): a node started \
+             again after a failure may find its port taken for up to a minute; a base below \
+             {} avoids it",
+            a.port_base,
+            ephemeral.start(),
+            ephemeral.end(),
+            ephemeral.start().saturating_sub(2200),
+        );
+    }
     let logs = a.data_dir.join("logs");
     std::fs::create_dir_all(&logs).with_context(|| format!("creating {}", logs.display()))?;
     let credentials_dir = a.data_dir.join("credentials");

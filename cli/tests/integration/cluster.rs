@@ -228,17 +228,12 @@ impl Cluster {
     }
 }
 
-/// A base port such that `base + 1 ..= base + n` are all free right now (the local
-/// orchestrator puts KN i on `base + i`).
-fn free_port_base(n: u16) -> u16 {
-    for _ in 0..200 {
-        let base = 20_000 + rand::random_range(0..30_000u16);
-        let ok = (1..=n).all(|i| std::net::TcpListener::bind(("127.0.0.1", base + i)).is_ok());
-        if ok {
-            return base;
-        }
-    }
-    panic!("no free range of {n} ports");
+/// A base port such that `base + o` is free right now for every offset `o`, outside the
+/// ephemeral range (see [`dinomo_node_common::address::free_port_base`]: a node the test
+/// kills and starts again gets its port back).
+pub(crate) fn free_port_base(offsets: &[i32]) -> u16 {
+    dinomo_node_common::address::free_port_base(offsets)
+        .unwrap_or_else(|| panic!("no free range of ports {offsets:?} outside the ephemeral range"))
 }
 
 /// A cluster run by the monitor: a dpm-node, a routing node and `dinomo monitor` with the local
@@ -259,7 +254,7 @@ impl MonitoredCluster {
         let (dpm, routing) = dpm_and_routing(dir.path());
         let cfg_path = dir.path().join("monitor.toml");
         std::fs::write(&cfg_path, config).unwrap();
-        let base = free_port_base(16);
+        let base = free_port_base(&(1..=16).collect::<Vec<_>>());
         let monitor = Proc::spawn(
             &[
                 "monitor",
@@ -355,7 +350,8 @@ impl MonitoredCluster {
 }
 
 /// A base port for `dinomo up --kns <= max_kns` such that every port it may use (see
-/// `up --help`; KN ids up to `max_kns`, for KNs added later) is free right now.
+/// `up --help`; KN ids up to `max_kns`, for KNs added later) is free right now (and outside
+/// the ephemeral range: [`free_port_base`]).
 pub(crate) fn up_port_base(max_kns: u16) -> u16 {
     // dpm, fabric, routing, monitor (BASE-100), and their metrics.
     // And the dpm-node backups of `--dpm-replicas` (BASE+20.., metrics BASE+2020..).
@@ -365,16 +361,7 @@ pub(crate) fn up_port_base(max_kns: u16) -> u16 {
     for i in 1..=i32::from(max_kns) {
         offsets.extend([100 + i, 2100 + i]);
     }
-    for _ in 0..200 {
-        let base = 20_000 + i32::from(rand::random_range(0..40_000u16));
-        if offsets
-            .iter()
-            .all(|o| std::net::TcpListener::bind(("127.0.0.1", (base + o) as u16)).is_ok())
-        {
-            return base as u16;
-        }
-    }
-    panic!("no free port range for dinomo up");
+    free_port_base(&offsets)
 }
 
 /// Which node of an [`UpCluster`] a process is.

@@ -10,12 +10,9 @@ use super::cluster::{dpm_and_routing, Proc, Role, UpCluster};
 
 const KEYS: u32 = 200;
 
+/// A free port outside the ephemeral range: the KN is started again on it.
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    super::cluster::free_port_base(&[0])
 }
 
 fn spawn_kn_without_id(dpm: &str, listen: &str, log: &std::path::Path) -> Proc {
