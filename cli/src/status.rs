@@ -198,6 +198,10 @@ fn backup_line(b: &BackupState) -> String {
             b.resync_bytes as f64 / 1048576.0,
             b.bytes_sent as f64 / 1048576.0
         )),
+        "catching-up" if !b.detail.is_empty() => line.push_str(&format!(
+            " copied; acknowledgements wait for it; {}",
+            b.detail
+        )),
         "catching-up" => line.push_str(&format!(
             " copied; acknowledgements wait for it; {} records ({} B) to go before it may be \
              promoted",
@@ -248,6 +252,16 @@ mod tests {
             backup_line(&f).contains("no completion"),
             "{}",
             backup_line(&f)
+        );
+        let waiting = BackupState {
+            state: "catching-up".into(),
+            detail: "caught up; waiting for the backup to record its copy complete".into(),
+            ..Default::default()
+        };
+        assert!(
+            backup_line(&waiting).contains("waiting for the backup to record"),
+            "{}",
+            backup_line(&waiting)
         );
     }
 }

@@ -64,12 +64,14 @@ pub struct Args {
     /// (needs --fabric tcp; overrides backups).
     #[arg(long = "backup", env = "DINOMO_DPM_BACKUPS", value_delimiter = ',')]
     pub backups: Vec<String>,
-    /// Open the pool as a primary even if its copy marker (<pool>.copy) says "incomplete":
-    /// the pool is a backup's copy of a primary's pool that was never finished, a mix of
-    /// copied and zeroed chunks. THIS LOSES DATA: what was not copied is gone, and recovery
-    /// may turn what is left into a state the cluster never was in. Only for a last-resort
-    /// recovery when no complete copy exists (no primary pool, no backup that was in sync).
-    /// The marker is removed once the pool is open. Not settable in the config file.
+    /// Last resort, loses data: open a half-copied backup pool as a primary.
+    ///
+    /// Opens the pool even if its copy marker (<pool>.copy) says "incomplete": the pool is a
+    /// backup's copy of a primary's pool that was never finished, a mix of copied and zeroed
+    /// chunks. THIS LOSES DATA: what was not copied is gone, and recovery may turn what is
+    /// left into a state the cluster never was in. Only for a last-resort recovery when no
+    /// complete copy exists (no primary pool, no backup that was in sync). The marker is
+    /// removed once the pool is open. Not settable in the config file.
     #[arg(long)]
     pub accept_incomplete_copy: bool,
     /// Print "READY grpc=<addr> fabric=<endpoint>" on stdout once serving (for harnesses;

@@ -360,3 +360,57 @@ impl ReplicaSet {
         self.backups.iter().map(|b| b.addr.clone()).collect()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn marker(state: &str) -> String {
+        format!("format 1\nstate {state}\nterm 2\ninstance 7\ncopy 9\n")
+    }
+
+    #[test]
+    fn only_a_complete_copy_marker_makes_a_backup_promotable() {
+        let dir = tempfile::tempdir().unwrap();
+        let pool = dir.path().join("dpm-backup-1.pool");
+        std::fs::write(&pool, b"pool").unwrap();
+        assert!(!copy_complete(&pool), "no marker: never copied");
+        for (text, promotable) in [
+            (marker("complete"), true),
+            (marker("incomplete"), false),
+            ("format 2\nstate complete\n".to_string(), false),
+            ("garbage".to_string(), false),
+        ] {
+            std::fs::write(sibling(&pool, ".copy"), &text).unwrap();
+            assert_eq!(copy_complete(&pool), promotable, "{text:?}");
+        }
+    }
+
+    #[test]
+    fn swapping_pools_moves_their_term_files_and_copy_markers_with_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let (primary, backup) = (dir.path().join("p.pool"), dir.path().join("b.pool"));
+        std::fs::write(&primary, "primary pool").unwrap();
+        std::fs::write(sibling(&primary, ".term"), "primary term").unwrap();
+        // A primary's pool has no marker (removed once opened); its backup's says complete.
+        std::fs::write(&backup, "backup pool").unwrap();
+        std::fs::write(sibling(&backup, ".term"), "backup term").unwrap();
+        std::fs::write(sibling(&backup, ".copy"), marker("complete")).unwrap();
+        swap_pools(&primary, &backup).unwrap();
+        let read = |p: &Path, suffix: &str| std::fs::read_to_string(sibling(p, suffix)).ok();
+        assert_eq!(read(&primary, "").as_deref(), Some("backup pool"));
+        assert_eq!(read(&primary, ".term").as_deref(), Some("backup term"));
+        assert_eq!(read(&primary, ".copy"), Some(marker("complete")));
+        assert_eq!(read(&backup, "").as_deref(), Some("primary pool"));
+        assert_eq!(read(&backup, ".term").as_deref(), Some("primary term"));
+        assert_eq!(
+            read(&backup, ".copy"),
+            None,
+            "the dead primary's pool has no marker"
+        );
+        assert!(
+            !sibling(&primary, ".swap").exists() && !sibling(&primary, ".copy.swap").exists(),
+            "no temporary name is left behind"
+        );
+    }
+}

@@ -29,6 +29,7 @@
 //! verbs the RNIC does, so the primary never sees their WRITEs to ship them.
 
 pub mod backup;
+mod confirm;
 pub mod replicator;
 mod service;
 
@@ -188,7 +189,8 @@ impl Primary {
             secret,
         };
         // Once the backup caught up, it records this copy complete before it is reported in
-        // sync (the copy marker, see `backup`).
+        // sync (the copy marker, see `backup`); the call is tried until the backup answers
+        // (`confirm`), and the replicator stops waiting once the backup is removed or failed.
         let (security, backup, term, instance, copy) = (
             self.security.clone(),
             address.to_string(),
@@ -198,46 +200,18 @@ impl Primary {
         );
         let confirm: replicator::ConfirmCopy = Box::new(move || {
             Box::pin(async move {
-                // A refusal is final; a call that did not get through is tried again until it
-                // does (the replicator stops waiting once the backup is removed or failed):
-                // until then the backup stays catching-up, counted and not promotable. Giving up
-                // would fail a healthy backup for good after a network blip.
-                let mut backoff = Duration::from_millis(200);
-                loop {
-                    let r = match connect(&security, &backup, Duration::from_secs(30)).await {
-                        Ok(mut c) => c
-                            .copy_complete(pb::CopyCompleteRequest {
-                                term,
-                                instance,
-                                copy,
-                            })
-                            .await
-                            .map(|_| ())
-                            .map_err(|s| match s.code() {
-                                tonic::Code::FailedPrecondition => {
-                                    (true, format!("CopyComplete at {backup}: {}", s.message()))
-                                }
-                                tonic::Code::Unimplemented => (
-                                    false,
-                                    format!(
-                                        "{backup} runs a dpm-node without CopyComplete (older \
-                                         than this primary): upgrade the backups first"
-                                    ),
-                                ),
-                                _ => (false, format!("CopyComplete at {backup}: {}", s.message())),
-                            }),
-                        Err(e) => Err((false, e.to_string())),
-                    };
-                    match r {
-                        Ok(()) => return Ok(()),
-                        Err((true, why)) => return Err(why),
-                        Err((false, why)) => {
-                            tracing::warn!(%backup, error = %why, retry_in = ?backoff, "could not tell the backup its copy is complete: it stays catching-up (not promotable) until it hears");
-                            tokio::time::sleep(backoff).await;
-                            backoff = (backoff * 2).min(Duration::from_secs(5));
-                        }
-                    }
-                }
+                let request = pb::CopyCompleteRequest {
+                    term,
+                    instance,
+                    copy,
+                };
+                confirm::until_heard(&backup, || async {
+                    let mut c = connect(&security, &backup, Duration::from_secs(30))
+                        .await
+                        .map_err(|e| tonic::Status::unavailable(e.to_string()))?;
+                    c.copy_complete(request).await.map(|_| ())
+                })
+                .await
             })
         });
         self.replicator.add(address, nic, key, Some(confirm));

@@ -156,6 +156,9 @@ pub struct BackupStatus {
     /// Bytes of the whole-pool copy (non-zero chunks) and how long it took until in sync.
     pub resync_bytes: u64,
     pub resync_ms: Option<u64>,
+    /// Caught up, and the primary is telling it that its copy is complete (CopyComplete, tried
+    /// until it gets through): not in sync until the backup recorded that.
+    pub awaiting_copy_complete: bool,
 }
 
 struct Record {
@@ -360,6 +363,8 @@ impl Replicator {
                 // The phase first and on its own: `advance` holds the phase lock while it
                 // takes the queue lock, so taking them the other way round here deadlocks.
                 let phase = b.phase.lock().clone();
+                let awaiting_copy_complete = matches!(phase, Phase::CatchingUp { .. })
+                    && matches!(*b.confirm.lock(), Confirm::Pending);
                 let q = b.queue.lock();
                 BackupStatus {
                     address: b.address.clone(),
@@ -371,6 +376,7 @@ impl Replicator {
                     bytes_sent: b.bytes_sent.load(Ordering::Relaxed),
                     resync_bytes: b.resync_bytes.load(Ordering::Relaxed),
                     resync_ms: *b.resync_ms.lock(),
+                    awaiting_copy_complete,
                 }
             })
             .collect()

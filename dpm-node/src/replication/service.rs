@@ -47,6 +47,10 @@ impl ReplicaGrpc {
                         state: b.phase.name().into(),
                         detail: match &b.phase {
                             Phase::Failed { why, .. } => why.clone(),
+                            _ if b.awaiting_copy_complete => "caught up; waiting for the backup \
+                                to record its copy complete (CopyComplete, retried until it \
+                                answers)"
+                                .into(),
                             _ => String::new(),
                         },
                         behind_records: b.behind_records,

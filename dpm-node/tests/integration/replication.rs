@@ -44,6 +44,39 @@ fn config(dir: &Path, name: &str, extra: &str) -> (PathBuf, PathBuf) {
     (cfg, pool)
 }
 
+/// Two backups started (b1, b2) and the config of a primary that replicates to both, `extra`
+/// appended to it; the backups' pools.
+fn two_backups(dir: &Path, extra: &str) -> (DpmProcess, DpmProcess, PathBuf, [PathBuf; 2]) {
+    let (c1, pool1) = config(dir, "b1", "role = \"backup\"");
+    let (c2, pool2) = config(dir, "b2", "role = \"backup\"");
+    let b1 = DpmProcess::start(&c1, &dir.join("b1.log"));
+    let b2 = DpmProcess::start(&c2, &dir.join("b2.log"));
+    let (cp, _) = config(
+        dir,
+        "p",
+        &format!(
+            "fabric = \"tcp\"\nbackups = [\"{}\", \"{}\"]\n{extra}",
+            b1.grpc, b2.grpc
+        ),
+    );
+    (b1, b2, cp, [pool1, pool2])
+}
+
+/// The config (`n.toml` in `dir`) of a primary started on the existing pool `pool` (a
+/// backup's, promoted), `extra` appended.
+fn promoted_config(dir: &Path, pool: &Path, extra: &str) -> PathBuf {
+    let cfg = dir.join("n.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "pool_path = {pool:?}\ncreate = false\nlisten = \"127.0.0.1:0\"\n\
+             fabric_listen = \"127.0.0.1:0\"\nmetrics_listen = \"\"\n{extra}"
+        ),
+    )
+    .unwrap();
+    cfg
+}
+
 async fn replica_status(addr: std::net::SocketAddr) -> ReplicaStatusResponse {
     ReplicaServiceClient::connect(format!("http://{addr}"))
         .await
@@ -178,18 +211,7 @@ fn check_pool(pool: &Path, kn: u32, keys: u32) -> (Vec<u32>, Option<Vec<u8>>) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn acknowledged_batches_survive_the_primary_in_every_backup() {
     let dir = tempfile::tempdir().unwrap();
-    let (c1, pool1) = config(dir.path(), "b1", "role = \"backup\"");
-    let (c2, pool2) = config(dir.path(), "b2", "role = \"backup\"");
-    let mut b1 = DpmProcess::start(&c1, &dir.path().join("b1.log"));
-    let mut b2 = DpmProcess::start(&c2, &dir.path().join("b2.log"));
-    let (cp, _) = config(
-        dir.path(),
-        "p",
-        &format!(
-            "fabric = \"tcp\"\nbackups = [\"{}\", \"{}\"]",
-            b1.grpc, b2.grpc
-        ),
-    );
+    let (mut b1, mut b2, cp, [pool1, pool2]) = two_backups(dir.path(), "");
     let mut primary = DpmProcess::start(&cp, &dir.path().join("p.log"));
     let s = wait_in_sync(primary.grpc, 2).await;
     assert_eq!(s.role, "primary");
@@ -253,18 +275,7 @@ async fn acknowledged_batches_survive_the_primary_in_every_backup() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_promoted_backup_fences_the_old_primary() {
     let dir = tempfile::tempdir().unwrap();
-    let (c1, _) = config(dir.path(), "b1", "role = \"backup\"");
-    let (c2, pool2) = config(dir.path(), "b2", "role = \"backup\"");
-    let b1 = DpmProcess::start(&c1, &dir.path().join("b1.log"));
-    let mut b2 = DpmProcess::start(&c2, &dir.path().join("b2.log"));
-    let (cp, _) = config(
-        dir.path(),
-        "p",
-        &format!(
-            "fabric = \"tcp\"\nbackups = [\"{}\", \"{}\"]\nreplica_ack_timeout_ms = 1000",
-            b1.grpc, b2.grpc
-        ),
-    );
+    let (b1, mut b2, cp, [_, pool2]) = two_backups(dir.path(), "replica_ack_timeout_ms = 1000");
     let mut old = DpmProcess::start(&cp, &dir.path().join("p.log"));
     let s = wait_in_sync(old.grpc, 2).await;
     let (_, mut w) = kn_writer(&old).await;
@@ -272,17 +283,11 @@ async fn a_promoted_backup_fences_the_old_primary() {
 
     // Promote b2: stop it, start a primary on its pool that replicates to b1.
     b2.kill9();
-    let cn = dir.path().join("n.toml");
-    std::fs::write(
-        &cn,
-        format!(
-            "pool_path = {pool2:?}\ncreate = false\nlisten = \"127.0.0.1:0\"\n\
-             fabric_listen = \"127.0.0.1:0\"\nmetrics_listen = \"\"\nfabric = \"tcp\"\n\
-             backups = [\"{}\"]\n",
-            b1.grpc
-        ),
-    )
-    .unwrap();
+    let cn = promoted_config(
+        dir.path(),
+        &pool2,
+        &format!("fabric = \"tcp\"\nbackups = [\"{}\"]\n", b1.grpc),
+    );
     let new = DpmProcess::start(&cn, &dir.path().join("n.log"));
     let ns = wait_in_sync(new.grpc, 1).await;
     assert!(ns.term > s.term, "new term {} after {}", ns.term, s.term);
@@ -335,18 +340,7 @@ fn stop_process(pid: u32) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stopped_backup_holds_acknowledgements_until_it_is_removed() {
     let dir = tempfile::tempdir().unwrap();
-    let (c1, _) = config(dir.path(), "b1", "role = \"backup\"");
-    let (c2, _) = config(dir.path(), "b2", "role = \"backup\"");
-    let b1 = DpmProcess::start(&c1, &dir.path().join("b1.log"));
-    let b2 = DpmProcess::start(&c2, &dir.path().join("b2.log"));
-    let (cp, _) = config(
-        dir.path(),
-        "p",
-        &format!(
-            "fabric = \"tcp\"\nbackups = [\"{}\", \"{}\"]\nreplica_ack_timeout_ms = 800",
-            b1.grpc, b2.grpc
-        ),
-    );
+    let (b1, _b2, cp, _) = two_backups(dir.path(), "replica_ack_timeout_ms = 800");
     let primary = DpmProcess::start(&cp, &dir.path().join("p.log"));
     wait_in_sync(primary.grpc, 2).await;
     let (_, mut w) = kn_writer(&primary).await;
@@ -427,12 +421,9 @@ async fn a_stopped_backup_holds_acknowledgements_until_it_is_removed() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_backup_is_attached_anew_when_reattach_is_on() {
     let dir = tempfile::tempdir().unwrap();
-    // A fixed gRPC port: the restarted backup must answer where the primary looks for it.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    // A fixed gRPC port: the restarted backup must answer where the primary looks for it
+    // (outside the ephemeral range, where a client connection's TIME_WAIT could hold it).
+    let port = dinomo_node_common::address::free_port_base(&[0]).expect("a free port");
     let (c1, _) = config(
         dir.path(),
         "b1",
@@ -569,15 +560,7 @@ async fn a_backup_killed_while_copying_is_not_opened_as_a_primary() {
     );
 
     // A primary on that pool is refused, saying why.
-    let cn = dir.path().join("n.toml");
-    std::fs::write(
-        &cn,
-        format!(
-            "pool_path = {pool2:?}\ncreate = false\nlisten = \"127.0.0.1:0\"\n\
-             fabric_listen = \"127.0.0.1:0\"\nmetrics_listen = \"\"\n"
-        ),
-    )
-    .unwrap();
+    let cn = promoted_config(dir.path(), &pool2, "");
     let log = dir.path().join("n.log");
     let refused = DpmProcess::try_start(&cn, &log, &[]);
     assert!(refused.is_err(), "a primary started on a half-copied pool");

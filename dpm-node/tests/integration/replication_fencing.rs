@@ -460,6 +460,11 @@ async fn a_backup_is_in_sync_only_after_it_recorded_its_copy_complete() {
             "reported {:?} before the backup recorded its copy complete",
             s[0].phase
         );
+        assert!(
+            s[0].awaiting_copy_complete,
+            "status does not say why: {:?}",
+            s[0]
+        );
         let mut got = [0u8; 64];
         backup.read(0, &mut got).unwrap();
         assert_eq!(got, [1u8; 64]);
