@@ -189,6 +189,15 @@ if grep -q '^kind: ServiceMonitor' "$out/no-crd.yaml"; then
 fi
 grep -q '^kind: ServiceMonitor' "$out/rdma-on.yaml" || die "rdma-on: no ServiceMonitor rendered with the CRD present"
 echo "ok   ServiceMonitor only with metrics.serviceMonitor.enabled and monitoring.coreos.com/v1"
+# The data-losing override renders only where it is asked for, and only on the primary.
+for f in "$out"/*.yaml; do
+  n=$(grep -c -- '--accept-incomplete-copy' "$f" || true)
+  case "$(basename "$f" .yaml)" in
+    recovery) [ "$n" = 1 ] || die "recovery: --accept-incomplete-copy rendered $n times, not once" ;;
+    *) [ "$n" = 0 ] || die "$(basename "$f"): --accept-incomplete-copy rendered without dpm.acceptIncompleteCopy" ;;
+  esac
+done
+echo "ok   --accept-incomplete-copy only with dpm.acceptIncompleteCopy, on the primary"
 
 step "negative cases (each must fail, for the stated reason)"
 negatives=0
@@ -249,6 +258,8 @@ expect_failure "ack timeout above the KNs' fabric deadline (dpm.replication.ackT
   "/dpm/replication/ackTimeoutMs" --set dpm.replication.ackTimeoutMs=6000
 expect_failure "unknown anti-affinity (dpm.replication.antiAffinity=never)" \
   "/dpm/replication/antiAffinity" --set dpm.replication.antiAffinity=never
+expect_failure "the data-losing override as a string (dpm.acceptIncompleteCopy=yes)" \
+  "/dpm/acceptIncompleteCopy" --set-string dpm.acceptIncompleteCopy=yes
 expect_render_failure "cross-field rule (kv.replicas above policy.max_kns)" \
   "kv.replicas must be within" --set kv.replicas=5 --set monitor.config.policy.max_kns=4
 expect_render_failure "cross-field rule (under_utilized >= over_utilized)" \
