@@ -19,7 +19,8 @@ pub struct StatusArgs {
     /// A routing node (host:port).
     #[arg(long, env = "DINOMO_ROUTING", default_value = "127.0.0.1:7900")]
     routing: String,
-    /// The dpm-node (host:port).
+    /// The dpm-node (host:port). A backup's address prints only that backup: its term, its
+    /// primary and whether its copy may be promoted.
     #[arg(long, env = "DINOMO_DPM", default_value = "127.0.0.1:7700")]
     dpm: String,
 }
@@ -43,6 +44,15 @@ fn per_key(index_bytes: u64, keys: u64) -> String {
 }
 
 pub async fn run(a: StatusArgs) -> anyhow::Result<()> {
+    let replicas = replica_status(&a.dpm).await;
+    if let Ok(r) = &replicas {
+        if r.role == "backup" {
+            // A backup serves no DpmService: what it is, and whether it may be promoted
+            // (asked without the routing node, which may be gone with the primary).
+            println!("{}", backup_node_line(&a.dpm, r));
+            return Ok(());
+        }
+    }
     let client = Client::connect(&[&a.routing])
         .await
         .with_context(|| format!("routing node {}", a.routing))?;
@@ -150,7 +160,7 @@ pub async fn run(a: StatusArgs) -> anyhow::Result<()> {
         }
         Err(e) => println!("dpm-node {}: unreachable: {e}", a.dpm),
     }
-    match replica_status(&a.dpm).await {
+    match replicas {
         Ok(r) if r.backups.is_empty() => println!(
             "  replicas: none (a single dpm-node; `dinomo up --dpm-replicas 3` replicates it)"
         ),
@@ -162,7 +172,9 @@ pub async fn run(a: StatusArgs) -> anyhow::Result<()> {
                 r.backups.len()
             );
             for b in &r.backups {
-                println!("{}", backup_line(b));
+                // Each backup's own word on its copy marker (what promoting it would read).
+                let own = replica_status(&b.address).await;
+                println!("{}{}", backup_line(b), copy_note(&own));
             }
         }
         // An older dpm-node without the ReplicaService, or one that is starting.
@@ -184,6 +196,41 @@ pub(crate) async fn replica_status(dpm: &str) -> anyhow::Result<ReplicaStatusRes
         .status(ReplicaStatusRequest {})
         .await?
         .into_inner())
+}
+
+/// A dpm-node that answered as a backup (`dinomo status --dpm <backup>`).
+fn backup_node_line(addr: &str, r: &ReplicaStatusResponse) -> String {
+    let primary = if r.primary.is_empty() {
+        "no primary has attached it yet".to_string()
+    } else {
+        format!("primary {}", r.primary)
+    };
+    format!(
+        "dpm-node {addr}: a backup (term {}, {primary}){}",
+        r.term,
+        copy_note(&Ok(r.clone()))
+    )
+}
+
+/// What a backup says of its copy marker (`<pool>.copy`), as `; copy ...` for its line.
+fn copy_note(own: &anyhow::Result<ReplicaStatusResponse>) -> String {
+    match own {
+        Ok(r) => match r.copy_state.as_str() {
+            "complete" => format!(
+                "; copy complete (made under term {}): promotable",
+                r.copy_term
+            ),
+            "incomplete" => format!(
+                "; copy INCOMPLETE (started under term {}): not promotable",
+                r.copy_term
+            ),
+            "none" => "; no copy marker (never attached since its pool was made)".into(),
+            // An older dpm-node that does not say.
+            "" => String::new(),
+            other => format!("; copy marker {other}"),
+        },
+        Err(e) => format!("; its copy marker not asked: {e}"),
+    }
 }
 
 /// One backup as `dinomo status` prints it: its state and how far behind the primary it is.
@@ -252,6 +299,26 @@ mod tests {
             backup_line(&f).contains("no completion"),
             "{}",
             backup_line(&f)
+        );
+        let own = |state: &str| {
+            Ok(ReplicaStatusResponse {
+                role: "backup".into(),
+                term: 3,
+                copy_state: state.into(),
+                copy_term: 2,
+                ..Default::default()
+            })
+        };
+        assert!(copy_note(&own("complete")).contains("complete (made under term 2): promotable"));
+        assert!(copy_note(&own("incomplete")).contains("not promotable"));
+        assert!(copy_note(&own("none")).contains("no copy marker"));
+        assert_eq!(copy_note(&own("")), "");
+        assert!(copy_note(&Err(anyhow::anyhow!("refused"))).contains("not asked: refused"));
+        let line = backup_node_line("b:1", &own("incomplete").unwrap());
+        assert!(
+            line.starts_with("dpm-node b:1: a backup (term 3, no primary has attached it yet)")
+                && line.contains("not promotable"),
+            "{line}"
         );
         let waiting = BackupState {
             state: "catching-up".into(),

@@ -6,6 +6,9 @@
 //! for linearizability (dinomo-checker): an acknowledged write lost in a failover is a read
 //! that misses it, a violation.
 //!
+//! Before the first kill, `dinomo status` must show both backups' copies complete
+//! (promotable), asked of each backup.
+//!
 //! Printed: one `DPM-FAILOVER` line with the kills, operations, unknown outcomes, violations
 //! and the failover times (kill -> a new primary answers; kill -> a probe client's write is
 //! acknowledged again), median and max.
@@ -108,6 +111,20 @@ async fn fail_dpm(dpm: &str, routing: &str) -> String {
     )
 }
 
+/// `dinomo status --dpm <dpm>`'s output (stdout and stderr).
+async fn dinomo_status(dpm: &str, routing: &str) -> String {
+    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_dinomo"))
+        .args(["status", "--insecure", "--dpm", dpm, "--routing", routing])
+        .output()
+        .await
+        .expect("running dinomo status");
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+}
+
 fn median_max(v: &mut [u128]) -> (u128, u128) {
     v.sort_unstable();
     (v[v.len() / 2], v[v.len() - 1])
@@ -135,6 +152,22 @@ async fn killing_the_dpm_primary_loses_no_acknowledged_write() {
     let probe = client(Duration::from_secs(10))
         .await
         .expect("the probe connects");
+    // `dinomo status` asks each backup for its copy marker: complete once in sync. Asked
+    // directly, a backup says what it is.
+    let synced = wait_in_sync(&dpm, 2)
+        .await
+        .expect("the backups get in sync");
+    let out = dinomo_status(&dpm, &up.routing_addr()).await;
+    assert_eq!(
+        out.matches("copy complete (made under term").count(),
+        2,
+        "{out}"
+    );
+    let out = dinomo_status(&synced.backups[0].address, &up.routing_addr()).await;
+    assert!(
+        out.contains("a backup (term") && out.contains(": promotable"),
+        "{out}"
+    );
     let history = Arc::new(History::new());
     let first_id = (seed % 1_000_000) * 1000;
     let load = start_load_with(

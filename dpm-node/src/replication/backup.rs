@@ -317,6 +317,15 @@ impl Backup {
         self.state.lock().await.primary.clone()
     }
 
+    /// What this backup's copy marker says now (read from the file, as whoever promotes the
+    /// backup reads it).
+    pub async fn copy_marker(&self) -> Result<Option<CopyMarker>> {
+        let pool = self.pool_path.clone();
+        tokio::task::spawn_blocking(move || read_copy_marker(&pool))
+            .await
+            .map_err(|e| DpmError::Io(std::io::Error::other(e)))?
+    }
+
     /// Becomes the backup of `primary` (instance `instance`) for `term` (see the module doc).
     pub async fn attach(
         &self,

@@ -61,14 +61,24 @@ impl ReplicaGrpc {
                     })
                     .collect(),
                 pid,
+                ..Default::default()
             },
-            ReplicaGrpc::Backup(b) => pb::ReplicaStatusResponse {
-                role: "backup".into(),
-                term: b.term().await,
-                primary: b.primary().await,
-                backups: Vec::new(),
-                pid,
-            },
+            ReplicaGrpc::Backup(b) => {
+                let (copy_state, copy_term) = match b.copy_marker().await {
+                    Ok(Some(m)) => (m.state.as_str().to_string(), m.term),
+                    Ok(None) => ("none".to_string(), 0),
+                    Err(e) => (format!("unreadable: {e}"), 0),
+                };
+                pb::ReplicaStatusResponse {
+                    role: "backup".into(),
+                    term: b.term().await,
+                    primary: b.primary().await,
+                    backups: Vec::new(),
+                    pid,
+                    copy_state,
+                    copy_term,
+                }
+            }
         }
     }
 
