@@ -20,7 +20,7 @@
 #   --clients N          bench clients (default 8), --outstanding M each (default 4)
 #   --warmup S           warm-up seconds per workload (default 2), --duration S measured
 #                        seconds (default 8)
-#   --port-base N        the cluster's port base (default 37700)
+#   --port-base N        the cluster's port base (default 20700)
 #   --out DIR            logs and JSON summaries (default target/fig5)
 #   -h, --help           this text
 #
@@ -37,7 +37,7 @@ usage() { sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; }
 
 dinomo=target/release/dinomo kns_list=1,2,4,8 policies=dac,value-only,shortcut-only
 workloads=c,b records=50000 value_size=1000 share=0.5 clients=8 outstanding=4 warmup=2
-duration=8 base=37700 out=target/fig5
+duration=8 base=20700 out=target/fig5
 while [ $# -gt 0 ]; do
   case "$1" in
     --dinomo) dinomo=$2; shift 2 ;;

@@ -73,15 +73,15 @@ start() {
   echo "dinomo up ($name) did not start; see $out/$name.up.err" >&2
   exit 1
 }
-start tls 37700
-start plain 47700 --insecure
+start tls 14700
+start plain 17700 --insecure
 
 common=(--records "$records" --value-size "$value_size" --clients "$clients" --outstanding "$outstanding"
   --connections 1)
 bench() { # name workload run extra...
   local name=$1 wl=$2 run=$3; shift 3
-  local base=37700 sec=(--credentials "$work/tls/credentials")
-  if [ "$name" = plain ]; then base=47700 sec=(--insecure); fi
+  local base=14700 sec=(--credentials "$work/tls/credentials")
+  if [ "$name" = plain ]; then base=17700 sec=(--insecure); fi
   echo "== $name $wl $run" >&2
   "$dinomo" bench --target "dinomo://127.0.0.1:$((base + 200))" "${sec[@]}" --workload "$wl" \
     "${common[@]}" "$@" --json "$out/$name-$wl-$run.json" >"$out/$name-$wl-$run.txt" 2>&1

@@ -136,22 +136,34 @@ pub fn ephemeral_ports() -> std::ops::RangeInclusive<u16> {
         .unwrap_or(32768..=60999)
 }
 
-/// A base port such that `base + o` is free on 127.0.0.1 right now for every offset `o`, and
-/// outside [`ephemeral_ports`] (and above 10000), for a set of local servers that may be
-/// restarted on their ports (`dinomo up`'s tests, `dinomo scenario`'s KV nodes). `None` when
-/// 200 random tries found none. Seen in CI before this: a dpm-node backup restarted after a
-/// failover could not listen on its port for 62 s, held by a client connection's TIME_WAIT.
+/// A base port such that `base + o` is free on 127.0.0.1 right now for every offset `o`
+/// (offsets within +-30000), outside [`ephemeral_ports`] and above 10000, for a set of local
+/// servers that may be restarted on their ports (`dinomo up`'s tests, `dinomo scenario`'s KV
+/// nodes). Seen in CI before this: a dpm-node backup restarted after a failover could not
+/// listen on its port for 62 s, held by a client connection's TIME_WAIT. On a host whose
+/// ephemeral range leaves no room (e.g. 1024-65535), any free base above 10000, with that risk.
+/// "Free" is a bind with `SO_REUSEADDR` (tokio's and std's listeners set it), so a port whose
+/// own listener's TIME_WAIT is pending counts as free, as it is for the node. `None` when 200
+/// random tries found nothing.
 pub fn free_port_base(offsets: &[i32]) -> Option<u16> {
     let ephemeral = ephemeral_ports();
     let (first, last) = (*offsets.iter().min()?, *offsets.iter().max()?);
-    // Bases whose ports all lie in 10000..ephemeral, or above it.
-    let spans: Vec<(i32, i32)> = [
-        (10_000 - first, i32::from(*ephemeral.start()) - 1 - last),
-        (i32::from(*ephemeral.end()) + 1 - first, 65_535 - last),
+    if first < -30_000 || last > 30_000 {
+        return None;
+    }
+    // Bases whose ports all lie in 10000..ephemeral, or above it; the base itself a port too.
+    let span =
+        |low: i32, high: i32| Some(((low - first).max(0), high - last)).filter(|(a, b)| a <= b);
+    let mut spans: Vec<(i32, i32)> = [
+        span(10_000, i32::from(*ephemeral.start()) - 1),
+        span(i32::from(*ephemeral.end()) + 1, 65_535),
     ]
     .into_iter()
-    .filter(|(a, b)| a <= b)
+    .flatten()
     .collect();
+    if spans.is_empty() {
+        spans.extend(span(10_000, 65_535));
+    }
     if spans.is_empty() {
         return None;
     }
@@ -261,15 +273,22 @@ mod tests {
     #[test]
     fn a_free_port_base_keeps_every_port_outside_the_ephemeral_range() {
         let ephemeral = ephemeral_ports();
+        // Room for the span below or above the range (as on Linux's default 32768-60999);
+        // otherwise any base above 10000 is allowed.
+        let room = *ephemeral.start() > 10_000 + 2300 || *ephemeral.end() < 65_535 - 2300;
         let offsets = [-100, 0, 1, 20, 2200];
         for _ in 0..20 {
             let base = free_port_base(&offsets).expect("a free base");
             for o in offsets {
                 let p = u16::try_from(i32::from(base) + o).unwrap();
-                assert!(!ephemeral.contains(&p) && p >= 10_000, "{p}");
+                assert!(p >= 10_000, "{p}");
+                assert!(!room || !ephemeral.contains(&p), "{p} in {ephemeral:?}");
             }
         }
+        let high = free_port_base(&[20_000]).expect("a base for a high offset");
+        assert!(i32::from(high) + 20_000 <= 65_535);
         assert_eq!(free_port_base(&[]), None);
+        assert_eq!(free_port_base(&[0, 40_000]), None);
     }
 
     #[test]

@@ -260,17 +260,31 @@ pub async fn run(a: UpArgs) -> anyhow::Result<()> {
     // `up` starts a failed node again on its port; a port of the ephemeral range may meanwhile
     // have become the local port of a client connection, whose TIME_WAIT holds it for a minute.
     let ephemeral = dinomo_node_common::address::ephemeral_ports();
-    let (first, last) = (a.port_base - 100, a.port_base.saturating_add(2200));
+    // BASE-100 (the monitor) up to BASE+2200 (the routing node's metrics), or the last KN's
+    // metrics port (BASE+2100+id) when there are more than 100 KNs.
+    let (first, last) = (
+        a.port_base - 100,
+        a.port_base.saturating_add(2200).max(
+            a.port_base
+                .saturating_add(2100)
+                .saturating_add(u16::try_from(a.kns).unwrap_or(u16::MAX)),
+        ),
+    );
     if first <= *ephemeral.end() && last >= *ephemeral.start() {
+        let below = ephemeral.start().saturating_sub(2300);
+        let above = u32::from(*ephemeral.end()) + 101;
+        let avoid = match (below > 1124, above + 2200 <= 65_535) {
+            (true, _) => format!("a base of {below} or below avoids it"),
+            (false, true) => format!("a base of {above} or above avoids it"),
+            (false, false) => "no base avoids it on this host".to_string(),
+        };
         tracing::warn!(
             "--port-base {}: the cluster's ports ({first}-{last}) overlap the ports this host \
              gives outgoing connections ({}-{}, net.ipv4.ip_local_port_range): a node started \
-             again after a failure may find its port taken for up to a minute; a base below \
-             {} avoids it",
+             again after a failure may find its port taken for up to a minute; {avoid}",
             a.port_base,
             ephemeral.start(),
             ephemeral.end(),
-            ephemeral.start().saturating_sub(2200),
         );
     }
     let logs = a.data_dir.join("logs");
