@@ -70,8 +70,9 @@ pub struct Args {
     /// backup's copy of a primary's pool that was never finished, a mix of copied and zeroed
     /// chunks. THIS LOSES DATA: what was not copied is gone, and recovery may turn what is
     /// left into a state the cluster never was in. Only for a last-resort recovery when no
-    /// complete copy exists (no primary pool, no backup that was in sync). The marker is
-    /// removed once the pool is open. Not settable in the config file.
+    /// complete copy exists (no primary pool, no backup that was in sync). A marker this
+    /// dpm-node cannot read counts as incomplete. The marker is removed once the pool is open.
+    /// Not settable in the config file.
     #[arg(long)]
     pub accept_incomplete_copy: bool,
     /// Print "READY grpc=<addr> fabric=<endpoint>" on stdout once serving (for harnesses;

@@ -154,7 +154,33 @@ impl Dpm {
         let path = &config.pool_path;
         // A backup's pool carries a copy marker (replication/backup.rs): an unfinished copy is
         // not a pool to serve from, unless the operator accepts the loss.
-        let marker = crate::replication::backup::read_copy_marker(path)?;
+        let marker = match crate::replication::backup::read_copy_marker(path) {
+            Ok(m) => m,
+            // A marker this dpm-node cannot read (damaged, or written by a newer one) may say
+            // anything: with the override, it counts as incomplete; without, the error says
+            // what the override would do.
+            Err(e) if config.accept_incomplete_copy => {
+                tracing::warn!(error = %e, "the copy marker cannot be read: treating the pool as an unfinished copy (--accept-incomplete-copy)");
+                Some(crate::replication::CopyMarker {
+                    state: crate::replication::CopyState::Incomplete,
+                    term: 0,
+                    instance: 0,
+                    copy: 0,
+                })
+            }
+            Err(DpmError::BadPool { path, detail }) => {
+                return Err(DpmError::BadPool {
+                    path,
+                    detail: format!(
+                        "{detail}; it says whether this pool is a finished copy of a primary's \
+                         pool. Read it (or replace it with a marker written by this version), or, \
+                         as a last resort that may lose data, start with \
+                         --accept-incomplete-copy to open the pool as an unfinished copy"
+                    ),
+                })
+            }
+            Err(e) => return Err(e),
+        };
         if let Some(m) = marker {
             let marker_path = crate::replication::backup::copy_marker_path(path);
             match m.state {

@@ -416,6 +416,32 @@ fn bad_pools_are_refused_with_clear_errors() {
     Dpm::open(cfg.clone()).expect("the undamaged pool opens");
 }
 
+/// A copy marker this dpm-node cannot read (a newer format, or damaged) is refused with the
+/// way out named; with --accept-incomplete-copy the pool opens as an unfinished copy, and the
+/// marker is removed.
+#[test]
+fn an_unreadable_copy_marker_is_refused_unless_the_loss_is_accepted() {
+    let dir = tempfile::tempdir().unwrap();
+    drop(Dpm::open(config(dir.path(), |_| {})).unwrap());
+    let cfg = config(dir.path(), |c| c.create = false);
+    let marker = dinomo_dpm_node::replication::backup::copy_marker_path(&cfg.pool_path);
+    for text in ["format 2\nstate complete\n", "\u{0}\u{1} torn"] {
+        std::fs::write(&marker, text).unwrap();
+        let e = Dpm::open(cfg.clone()).map(|_| ()).unwrap_err().to_string();
+        assert!(
+            e.contains(".copy") && e.contains("--accept-incomplete-copy"),
+            "{text:?}: {e}"
+        );
+        let mut accepting = cfg.clone();
+        accepting.accept_incomplete_copy = true;
+        drop(Dpm::open(accepting).expect("opened with the override"));
+        assert!(
+            !marker.exists(),
+            "the marker is removed once the pool is open"
+        );
+    }
+}
+
 /// Selective replication at the DPM: a cell pins the segment its entry lives in (even when the
 /// index no longer points there), and removing the cell writes its value back into the index.
 #[tokio::test]
