@@ -303,11 +303,21 @@ async fn watch_failed_backups(primary: std::sync::Weak<Primary>) {
         if p.replicator.ended().is_some() {
             return;
         }
+        // Asked all at once: an unreachable backup (2 s to give up on) must not delay
+        // noticing that another one was taken over.
+        let mut asks = tokio::task::JoinSet::new();
         for b in p.replicator.status() {
             let Phase::Failed { counted, .. } = b.phase else {
                 continue;
             };
-            let Some(s) = p.ask_status(&b.address).await else {
+            let p = p.clone();
+            asks.spawn(async move {
+                let s = p.ask_status(&b.address).await;
+                (b, counted, s)
+            });
+        }
+        while let Some(answer) = asks.join_next().await {
+            let Ok((b, counted, Some(s))) = answer else {
                 continue; // unreachable: stays failed
             };
             if let Some(why) = p.taken_over(&b.address, &s) {
