@@ -2,48 +2,15 @@
 //! nowhere when switched off (issue 12: no client reported unless told where the monitor was,
 //! so the monitor took a loaded cluster for an idle one and removed a KN).
 
-use std::pin::Pin;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use crate::fakes::FakeRouting;
 use dinomo_client::{Client, ClientConfig};
 use dinomo_placement::{ClusterMap, KnInfo};
 use dinomo_proto::monitor as mpb;
 use dinomo_proto::monitor::monitor_service_server::{MonitorService, MonitorServiceServer};
-use dinomo_proto::routing as pb;
-use dinomo_proto::routing::routing_service_server::{RoutingService, RoutingServiceServer};
 use tonic::{Request, Response, Status};
-
-/// A routing node serving one map (its only KN refuses connections) and a monitor address.
-struct Routing {
-    map: Vec<u8>,
-    monitor: String,
-}
-
-type MapStream = Pin<Box<dyn futures::Stream<Item = Result<pb::ClusterMapReply, Status>> + Send>>;
-
-#[tonic::async_trait]
-impl RoutingService for Routing {
-    async fn get_cluster_map(
-        &self,
-        _: Request<pb::GetClusterMapRequest>,
-    ) -> Result<Response<pb::ClusterMapReply>, Status> {
-        Ok(Response::new(pb::ClusterMapReply {
-            version: 1,
-            map: self.map.clone(),
-            monitor: self.monitor.clone(),
-        }))
-    }
-
-    type WatchClusterMapStream = MapStream;
-
-    async fn watch_cluster_map(
-        &self,
-        _: Request<pb::WatchClusterMapRequest>,
-    ) -> Result<Response<MapStream>, Status> {
-        Err(Status::unimplemented("not in this test"))
-    }
-}
 
 /// A monitor that keeps the latency reports it receives.
 #[derive(Clone, Default)]
@@ -128,15 +95,11 @@ async fn setup(report_latency: bool) -> (Client, Reports, String) {
         1,
     )
     .unwrap();
-    let (rl, routing) = listener().await;
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(RoutingServiceServer::new(Routing {
-                map: map.encode(),
-                monitor: monitor.clone(),
-            }))
-            .serve_with_incoming(dinomo_proto::nodelay_incoming(rl)),
-    );
+    // Its only KN refuses connections.
+    let routing = FakeRouting::fixed(map.encode())
+        .with_monitor(&monitor)
+        .serve()
+        .await;
     let mut cfg = ClientConfig::new(&[routing]);
     cfg.deadline = Duration::from_millis(100);
     cfg.report_every = Duration::from_millis(100);

@@ -13,12 +13,11 @@ use dinomo_client::{Client, ClientConfig, KvTransport};
 use dinomo_placement::{ClusterMap, KnInfo};
 use dinomo_proto::kv;
 use dinomo_proto::kv::kv_service_server::{KvService, KvServiceServer};
-use dinomo_proto::routing::routing_service_server::RoutingServiceServer;
 use futures::StreamExt;
 use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
-use crate::write_outcome::FixedMap;
+use crate::fakes::FakeRouting;
 
 /// A KV node that answers a Get with its key as the value, each answer after a delay that
 /// depends on the request id (so answers overtake each other). Its first stream fails after
@@ -138,13 +137,7 @@ async fn setup(fail_first_after: usize) -> (Client, Arc<AtomicUsize>) {
         1,
     )
     .unwrap();
-    let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let routing = l.local_addr().unwrap().to_string();
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(RoutingServiceServer::new(FixedMap(map.encode())))
-            .serve_with_incoming(dinomo_proto::nodelay_incoming(l)),
-    );
+    let routing = FakeRouting::fixed(map.encode()).serve().await;
     let mut cfg = ClientConfig::new(&[routing]);
     cfg.transport = KvTransport::Grpc; // the fake KN serves gRPC only
     cfg.deadline = Duration::from_secs(10);

@@ -5,42 +5,13 @@
 use std::pin::Pin;
 use std::time::Duration;
 
+use crate::fakes::FakeRouting;
 use dinomo_client::{Client, ClientConfig, ClientError, KvTransport};
 use dinomo_placement::{ClusterMap, KnInfo};
 use dinomo_proto::kv;
 use dinomo_proto::kv::kv_service_server::{KvService, KvServiceServer};
-use dinomo_proto::routing as pb;
-use dinomo_proto::routing::routing_service_server::{RoutingService, RoutingServiceServer};
 use tokio::io::AsyncReadExt;
 use tonic::{Request, Response, Status};
-
-/// A routing node that always serves one map.
-pub(crate) struct FixedMap(pub(crate) Vec<u8>);
-
-type MapStream = Pin<Box<dyn futures::Stream<Item = Result<pb::ClusterMapReply, Status>> + Send>>;
-
-#[tonic::async_trait]
-impl RoutingService for FixedMap {
-    async fn get_cluster_map(
-        &self,
-        _: Request<pb::GetClusterMapRequest>,
-    ) -> Result<Response<pb::ClusterMapReply>, Status> {
-        Ok(Response::new(pb::ClusterMapReply {
-            version: 1,
-            map: self.0.clone(),
-            monitor: String::new(),
-        }))
-    }
-
-    type WatchClusterMapStream = MapStream;
-
-    async fn watch_cluster_map(
-        &self,
-        _: Request<pb::WatchClusterMapRequest>,
-    ) -> Result<Response<MapStream>, Status> {
-        Err(Status::unimplemented("not in this test"))
-    }
-}
 
 /// A client whose only KN is at `kn`, through a fake routing node, on the gRPC transport (the
 /// fake KNs here speak gRPC; wire.rs has the same cases for the KV wire).
@@ -59,13 +30,7 @@ pub(crate) async fn client_over(kn: std::net::SocketAddr, transport: KvTransport
         1,
     )
     .unwrap();
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let routing = listener.local_addr().unwrap().to_string();
-    tokio::spawn(
-        tonic::transport::Server::builder()
-            .add_service(RoutingServiceServer::new(FixedMap(map.encode())))
-            .serve_with_incoming(dinomo_proto::nodelay_incoming(listener)),
-    );
+    let routing = FakeRouting::fixed(map.encode()).serve().await;
     let mut cfg = ClientConfig::new(&[routing]);
     cfg.deadline = Duration::from_millis(500);
     cfg.rpc_timeout = Duration::from_secs(2);
