@@ -72,6 +72,9 @@ pub enum ShardOp {
     },
     Put {
         key: Bytes,
+        /// A buffer of its own, not a view into the buffer the request arrived in (the KV
+        /// service copies it out, see `service::owned`): the unmerged log and the cache keep
+        /// it as it is.
         value: Bytes,
         mode: PutMode,
     },

@@ -130,6 +130,26 @@ use dinomo_layout::index::EntryPtr;
 pub use policy::{ParsePolicyError, Policy};
 use store::{shortcut_cost, value_cost, Store};
 
+/// Where a value handed to the cache lives. The cache keeps only buffers of their own: a view
+/// into a larger buffer (a READ's, with the entry's header and key) would keep all of it alive
+/// while the budget counts only the value.
+#[derive(Debug, Clone, Copy)]
+enum Source {
+    /// A buffer of its own (a write's value): kept as it is.
+    Own,
+    /// A view into a larger buffer: copied when kept.
+    View,
+}
+
+impl Source {
+    fn keep(self, value: Bytes) -> Bytes {
+        match self {
+            Source::Own => value,
+            Source::View => Bytes::copy_from_slice(&value),
+        }
+    }
+}
+
 /// Bytes a value entry costs besides `key.len() + value.len()`.
 pub const VALUE_OVERHEAD: usize = 168;
 /// Bytes a shortcut entry costs besides `key.len()`.
@@ -360,15 +380,16 @@ impl Cache {
     pub fn on_miss_read(&mut self, key: &[u8], shortcut: Shortcut, value: Bytes, rts: u32) {
         ewma(&mut self.avg_miss_rts, rts);
         let hits = self.take(key);
-        self.place(key, shortcut, value, hits);
+        self.place(key, shortcut, value, Source::View, hits);
     }
 
     /// The KN itself wrote `key` (it knows where): replace any cached entry; DAC caches the
     /// value if there is free space (Table 3 BEGIN), otherwise the shortcut; the key's access
-    /// count is kept (a key not cached gets the initial count, see the module doc).
+    /// count is kept (a key not cached gets the initial count, see the module doc). `value`
+    /// must be a buffer of its own (a write's is: see `ShardOp::Put`); it is kept as it is.
     pub fn on_write(&mut self, key: &[u8], shortcut: Shortcut, value: Bytes) {
         let hits = self.take(key);
-        self.place(key, shortcut, value, hits);
+        self.place(key, shortcut, value, Source::Own, hits);
     }
 
     /// Shortcut found stale (entry moved/changed) or key deleted: drop whatever is cached
@@ -448,13 +469,20 @@ impl Cache {
 
     /// Caches a key that is not cached (after a miss or a write) per the policy; `hits` is
     /// the count it had if it was cached until now.
-    fn place(&mut self, key: &[u8], shortcut: Shortcut, value: Bytes, hits: Option<u64>) {
+    fn place(
+        &mut self,
+        key: &[u8],
+        shortcut: Shortcut,
+        value: Bytes,
+        source: Source,
+        hits: Option<u64>,
+    ) {
         let vcost = value_cost(key.len(), value.len());
         let scost = shortcut_cost(key.len());
         match self.policy {
             Policy::Dac => {
                 if vcost <= self.free_bytes() {
-                    let value = Bytes::copy_from_slice(&value);
+                    let value = source.keep(value);
                     self.admit(key, Some(value), shortcut, hits);
                 } else if scost <= self.budget {
                     while self.free_bytes() < scost {
@@ -474,14 +502,14 @@ impl Cache {
             Policy::ValueOnly => {
                 if vcost <= self.budget {
                     self.evict_lru_until(self.budget, vcost);
-                    let value = Bytes::copy_from_slice(&value);
+                    let value = source.keep(value);
                     self.admit(key, Some(value), shortcut, hits);
                 }
             }
             Policy::Static { value_percent } => {
                 let (value_area, shortcut_area) = self.areas(value_percent);
                 if vcost <= value_area {
-                    let value = Bytes::copy_from_slice(&value);
+                    let value = source.keep(value);
                     self.place_value_static(key, value, shortcut, hits);
                 } else if scost <= shortcut_area {
                     self.evict_lfu_until(shortcut_area, scost);

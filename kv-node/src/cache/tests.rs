@@ -808,3 +808,28 @@ proptest! {
         }
     }
 }
+
+/// A write's value is a buffer of its own and is kept as it is (no second copy); a value READ
+/// from the DPM is a view into the READ's buffer and is copied, so the cache never keeps that
+/// larger buffer alive.
+#[test]
+fn a_written_value_is_kept_as_is_and_a_read_one_is_copied() {
+    for policy in [Policy::Dac, Policy::ValueOnly] {
+        let mut c = cache(policy, 1 << 20);
+        let written = val(100, 1);
+        c.on_write(&key(1), sc(1, 1), written.clone());
+        let Lookup::Value { value, .. } = c.peek(&key(1)) else {
+            panic!("{policy:?}: the written value is not cached");
+        };
+        assert_eq!(value.as_ptr(), written.as_ptr(), "{policy:?}: copied");
+
+        let read_buffer = val(4096, 2);
+        let read = read_buffer.slice(64..164);
+        c.on_miss_read(&key(2), sc(2, 1), read.clone(), 2);
+        let Lookup::Value { value, .. } = c.peek(&key(2)) else {
+            panic!("{policy:?}: the read value is not cached");
+        };
+        assert_eq!(value, read);
+        assert_ne!(value.as_ptr(), read.as_ptr(), "{policy:?}: a view kept");
+    }
+}
