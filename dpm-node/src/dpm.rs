@@ -154,28 +154,26 @@ impl Dpm {
         let path = &config.pool_path;
         // A backup's pool carries a copy marker (replication/backup.rs): an unfinished copy is
         // not a pool to serve from, unless the operator accepts the loss.
+        // Set when an unreadable marker was overridden: removed like a readable one.
+        let mut overridden_unreadable_marker = false;
         let marker = match crate::replication::backup::read_copy_marker(path) {
             Ok(m) => m,
-            // A marker this dpm-node cannot read (damaged, or written by a newer one) may say
-            // anything: with the override, it counts as incomplete; without, the error says
-            // what the override would do.
-            Err(e) if config.accept_incomplete_copy => {
-                tracing::warn!(error = %e, "the copy marker cannot be read: treating the pool as an unfinished copy (--accept-incomplete-copy)");
-                Some(crate::replication::CopyMarker {
-                    state: crate::replication::CopyState::Incomplete,
-                    term: 0,
-                    instance: 0,
-                    copy: 0,
-                })
+            // A marker this dpm-node cannot make sense of (damaged, or written by a newer one)
+            // may say anything: with the override, it counts as incomplete; without, the error
+            // says what the override would do. A marker that cannot be read at all (an I/O
+            // error, a permission) is never overridden: it may say complete, and opening the
+            // pool would remove it.
+            Err(DpmError::BadPool { path, detail }) if config.accept_incomplete_copy => {
+                tracing::warn!(marker = %path, error = %detail, "the copy marker cannot be understood: treating the pool as an unfinished copy (--accept-incomplete-copy): chunks that were not copied are zeroes, and what recovery makes of them is data lost");
+                overridden_unreadable_marker = true;
+                None
             }
             Err(DpmError::BadPool { path, detail }) => {
                 return Err(DpmError::BadPool {
                     path,
                     detail: format!(
-                        "{detail}; it says whether this pool is a finished copy of a primary's \
-                         pool. Read it (or replace it with a marker written by this version), or, \
-                         as a last resort that may lose data, start with \
-                         --accept-incomplete-copy to open the pool as an unfinished copy"
+                        "{detail}. As a last resort that may lose data, \
+                         --accept-incomplete-copy opens the pool as an unfinished copy"
                     ),
                 })
             }
@@ -321,7 +319,7 @@ impl Dpm {
         // marker, so the next open decides again (a complete copy opens; an incomplete one
         // needs the override again), which errs on the side of refusing. For the same reason a
         // failure to remove it is only logged: the workers run already.
-        if marker.is_some() {
+        if marker.is_some() || overridden_unreadable_marker {
             if let Err(e) = crate::replication::backup::remove_copy_marker(path) {
                 tracing::warn!(pool = %path.display(), error = %e, "could not remove the copy marker of a pool opened as a primary; the next open will read it again");
             }

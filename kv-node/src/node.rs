@@ -531,7 +531,8 @@ impl KvNode {
         }
     }
 
-    /// Validates, checks ownership and runs one operation on its shard.
+    /// Validates, checks ownership and runs one operation on its shard. A put's value must be a
+    /// buffer of its own (see `ShardOp::Put`), as for [`KvNode::submit`].
     pub async fn execute(&self, op: ShardOp) -> KvResult<Option<Bytes>> {
         let kind = op.kind();
         let start = Instant::now();
@@ -567,6 +568,8 @@ impl KvNode {
     /// Runs the requests a Pipeline stream read together; their answers go to `to`, each as
     /// soon as its shard has it. The gate, the stop flag and the maps are consulted once for
     /// all of them, and each shard gets one message with its requests in the order given.
+    /// A put's value must be a buffer of its own, not a view into a read buffer: the cache and
+    /// the unmerged log keep it as it is (see `ShardOp::Put`).
     pub async fn submit(&self, reqs: Vec<(Tag, ShardOp)>, to: &AnswerSink) {
         let _admitted = self.gate.read().await;
         if self.stopping.load(Ordering::Acquire) {

@@ -90,34 +90,31 @@ async fn probe_write(probe: &Client, n: u64) -> Result<(), String> {
 
 /// Runs `dinomo admin fail-dpm` against the cluster; its output (stdout and stderr).
 async fn fail_dpm(dpm: &str, routing: &str) -> String {
-    let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_dinomo"))
-        .args([
-            "admin",
-            "--insecure",
-            "fail-dpm",
-            "--dpm",
-            dpm,
-            "--routing",
-            routing,
-        ])
-        .env("RUST_BACKTRACE", "0")
-        .output()
-        .await
-        .expect("running dinomo admin fail-dpm");
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    )
+    dinomo(&[
+        "admin",
+        "--insecure",
+        "fail-dpm",
+        "--dpm",
+        dpm,
+        "--routing",
+        routing,
+    ])
+    .await
 }
 
 /// `dinomo status --dpm <dpm>`'s output (stdout and stderr).
 async fn dinomo_status(dpm: &str, routing: &str) -> String {
+    dinomo(&["status", "--insecure", "--dpm", dpm, "--routing", routing]).await
+}
+
+/// Runs the dinomo binary with `args`; its output (stdout and stderr).
+async fn dinomo(args: &[&str]) -> String {
     let out = tokio::process::Command::new(env!("CARGO_BIN_EXE_dinomo"))
-        .args(["status", "--insecure", "--dpm", dpm, "--routing", routing])
+        .args(args)
+        .env("RUST_BACKTRACE", "0")
         .output()
         .await
-        .expect("running dinomo status");
+        .unwrap_or_else(|e| panic!("running dinomo {args:?}: {e}"));
     format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),

@@ -4,7 +4,6 @@
 
 use std::pin::Pin;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Arc;
 
 use dinomo_proto::routing as pb;
 use dinomo_proto::routing::routing_service_server::{RoutingService, RoutingServiceServer};
@@ -17,7 +16,8 @@ pub(crate) struct FakeRouting {
     /// The reply's version field (the encoded maps carry their own).
     version: u64,
     monitor: String,
-    calls: Arc<AtomicU32>,
+    /// GetClusterMap calls answered so far.
+    calls: AtomicU32,
 }
 
 impl FakeRouting {
@@ -28,7 +28,7 @@ impl FakeRouting {
             later: map,
             version: 1,
             monitor: String::new(),
-            calls: Arc::default(),
+            calls: AtomicU32::new(0),
         }
     }
 
@@ -39,7 +39,7 @@ impl FakeRouting {
             later,
             version: 0,
             monitor: String::new(),
-            calls: Arc::default(),
+            calls: AtomicU32::new(0),
         }
     }
 
@@ -47,11 +47,6 @@ impl FakeRouting {
     pub(crate) fn with_monitor(mut self, monitor: &str) -> Self {
         self.monitor = monitor.to_string();
         self
-    }
-
-    /// How many GetClusterMap calls it answered (shared with the running server).
-    pub(crate) fn calls(&self) -> Arc<AtomicU32> {
-        self.calls.clone()
     }
 
     /// Serves on a fresh loopback port until the test's runtime ends; the address.

@@ -26,9 +26,9 @@ async fn a_map_where_no_kn_owns_the_key_is_refreshed() {
     )
     .unwrap();
     replaced.version = 3;
-    let fake = FakeRouting::changing(empty.encode(), replaced.encode());
-    let _calls = fake.calls();
-    let routing = fake.serve().await;
+    let routing = FakeRouting::changing(empty.encode(), replaced.encode())
+        .serve()
+        .await;
     let mut cfg = ClientConfig::new(&[routing]);
     cfg.deadline = Duration::from_millis(500);
     cfg.report_latency = false;

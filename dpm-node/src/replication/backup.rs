@@ -250,8 +250,10 @@ impl CopyMarker {
 /// What `<pool>.copy` says, if it exists (a pool that never was a backup's has none).
 pub fn read_copy_marker(pool: &Path) -> Result<Option<CopyMarker>> {
     let path = copy_marker_path(pool);
-    match std::fs::read_to_string(&path) {
-        Ok(s) => CopyMarker::parse(&s)
+    match std::fs::read(&path) {
+        Ok(bytes) => std::str::from_utf8(&bytes)
+            .map_err(|_| "is not text".to_string())
+            .and_then(CopyMarker::parse)
             .map(Some)
             .map_err(|detail| DpmError::BadPool {
                 path: path.display().to_string(),

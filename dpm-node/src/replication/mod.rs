@@ -316,14 +316,23 @@ async fn watch_failed_backups(primary: std::sync::Weak<Primary>) {
                 (b, counted, s)
             });
         }
+        // Every answer first: a takeover is acted on before any re-attach (which may take
+        // tens of seconds) is tried.
+        let mut answered = Vec::new();
         while let Some(answer) = asks.join_next().await {
-            let Ok((b, counted, Some(s))) = answer else {
-                continue; // unreachable: stays failed
-            };
-            if let Some(why) = p.taken_over(&b.address, &s) {
+            match answer {
+                Ok((b, counted, Some(s))) => answered.push((b, counted, s)),
+                Ok((_, _, None)) => {} // unreachable: stays failed
+                Err(e) => tracing::warn!(error = %e, "asking a failed backup for its status"),
+            }
+        }
+        for (b, _, s) in &answered {
+            if let Some(why) = p.taken_over(&b.address, s) {
                 p.depose(why);
                 return;
             }
+        }
+        for (b, counted, _) in answered {
             // A counted backup that failed before it was in sync is a copy made by an earlier
             // re-attach that failed too (the fabric unreachable, the disk full...): attached
             // again, it would let acknowledgements go on with fewer copies over and over. It
