@@ -173,18 +173,16 @@ pub async fn run(a: StatusArgs) -> anyhow::Result<()> {
             );
             // Each backup's own word on its copy marker (what promoting it would read), all
             // asked at once: an unreachable one costs up to 2.5 s.
-            let mut asks = tokio::task::JoinSet::new();
-            for (i, b) in r.backups.iter().enumerate() {
-                let addr = b.address.clone();
-                asks.spawn(async move { (i, replica_status(&addr).await) });
-            }
-            let mut own: Vec<Option<anyhow::Result<ReplicaStatusResponse>>> =
-                r.backups.iter().map(|_| None).collect();
-            while let Some(Ok((i, answer))) = asks.join_next().await {
-                own[i] = Some(answer);
-            }
-            for (b, own) in r.backups.iter().zip(own) {
-                let own = own.unwrap_or_else(|| Err(anyhow::anyhow!("the question failed")));
+            let asks: Vec<_> = r
+                .backups
+                .iter()
+                .map(|b| {
+                    let addr = b.address.clone();
+                    tokio::spawn(async move { replica_status(&addr).await })
+                })
+                .collect();
+            for (b, ask) in r.backups.iter().zip(asks) {
+                let own = ask.await.unwrap_or_else(|e| Err(e.into()));
                 println!("{}{}", backup_line(b), copy_note(&own));
             }
         }
