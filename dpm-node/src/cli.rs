@@ -54,6 +54,10 @@ pub struct Args {
     /// Merge worker threads (overrides merge_workers).
     #[arg(long, env = "DINOMO_DPM_MERGE_WORKERS")]
     pub merge_workers: Option<usize>,
+    /// Fault the pool into memory in the background at start: true or false (overrides
+    /// prefault; default true).
+    #[arg(long, env = "DINOMO_DPM_PREFAULT")]
+    pub prefault: Option<bool>,
     /// primary (the default) or backup: a backup holds a mirror of a primary's pool, written
     /// only by the primary that attaches it (over the tcp fabric NIC on --fabric-listen), and
     /// is promoted by starting it again as a primary on the same pool (overrides role).
@@ -126,6 +130,9 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
     }
     if let Some(v) = args.merge_workers {
         file.merge_workers = v;
+    }
+    if let Some(v) = args.prefault {
+        file.prefault = v;
     }
     if let Some(v) = args.role {
         file.role = v;

@@ -49,6 +49,13 @@ pub struct DpmConfigFile {
     /// lines, from which crash images that lose or tear unpersisted lines are made).
     #[serde(deserialize_with = "from_str_field")]
     pub durability: DurabilityRequest,
+    /// Fault the whole pool into memory in the background after it opens (reads only: nothing
+    /// is written), so that the kernel allocates and zero-fills a pool file's page-cache pages
+    /// then, not inside the request path. Pages never written stay clean and reclaimable.
+    /// Skipped on tmpfs and for a pool larger than half the available memory. On this
+    /// project's 2-core VM a fresh 1 GiB pool file costs about 2.5 s of one core once
+    /// (docs/operations.md, "Prefaulting the pool").
+    pub prefault: bool,
     /// Threads that merge KN logs into the index.
     pub merge_workers: usize,
     /// Home buckets of a new index (rounded up to a power of two, at most one segment's worth);
@@ -139,6 +146,7 @@ impl Default for DpmConfigFile {
             create: true,
             format_device: false,
             durability: DurabilityRequest::Auto,
+            prefault: true,
             merge_workers: 2,
             initial_index_buckets: 16384,
             gc_interval_ms: 200,
@@ -200,6 +208,7 @@ pub struct DpmConfig {
     pub create: bool,
     pub format_device: bool,
     pub durability: DurabilityRequest,
+    pub prefault: bool,
     pub merge_workers: usize,
     pub initial_index_buckets: u64,
     pub gc_interval_ms: u64,
@@ -248,6 +257,8 @@ impl DpmConfigFile {
             listen: "127.0.0.1:0".into(),
             fabric_listen: "127.0.0.1:0".into(),
             metrics_listen: String::new(),
+            // Tests and benchmarks open many small pools and time what they do with them.
+            prefault: false,
             ..Default::default()
         }
     }
@@ -336,6 +347,7 @@ impl DpmConfigFile {
             create: self.create,
             format_device: self.format_device,
             durability: self.durability,
+            prefault: self.prefault,
             merge_workers: self.merge_workers,
             initial_index_buckets: self.initial_index_buckets.max(64),
             gc_interval_ms: self.gc_interval_ms.max(1),

@@ -288,6 +288,9 @@ impl Dpm {
         )?);
         let stop = Arc::new(AtomicBool::new(false));
         let mut threads = merger.spawn_workers(config.merge_workers, stop.clone());
+        if config.prefault {
+            threads.extend(crate::prefault::spawn(path, pool.clone(), stop.clone()));
+        }
         {
             let (gc, stop, every) = (
                 gc.clone(),

@@ -2,7 +2,7 @@
 //! DAX filesystem), merges the log segments KV nodes write into a persistent hash index,
 //! collects garbage, and keeps cluster metadata. Its CPU stays off the request path.
 //!
-//! Modules: [`pool`] (the file and its areas), [`index`] (P-CLHT-like table), [`segments`]
+//! Modules: [`pool`] (the file and its areas), [`prefault`] (faulting it in at start), [`index`] (P-CLHT-like table), [`segments`]
 //! (allocator, log chains, live bytes), [`cells`] (indirect cells), [`merge`] (log -> index), [`gc`],
 //! [`fenced_procs`] (shm KNs fenced while still running), [`metastore`], [`replication`]
 //! (backups mirroring the pool), [`limits`] (what
@@ -21,6 +21,7 @@ pub mod limits;
 pub mod merge;
 pub mod metastore;
 pub mod pool;
+pub mod prefault;
 pub mod replication;
 pub mod segments;
 pub mod server;

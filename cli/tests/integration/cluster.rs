@@ -22,6 +22,11 @@ pub struct Proc {
     pub addr: String,
 }
 
+/// The dpm-nodes of these tests do not fault their pools in at start (a background pass of
+/// about 0.6 s of CPU per 256 MiB pool on the CI machine, while the test's own deadlines run);
+/// dpm-node's own tests cover prefaulting.
+const NO_PREFAULT: (&str, &str) = ("DINOMO_DPM_PREFAULT", "false");
+
 impl Proc {
     pub(crate) fn spawn(args: &[&str], log: &Path, field: &str) -> Proc {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_dinomo"));
@@ -30,7 +35,8 @@ impl Proc {
         cmd.env(INSECURE.0, INSECURE.1);
         cmd.args(args)
             .arg("--print-ready")
-            .env("DINOMO_LOG", "info");
+            .env("DINOMO_LOG", "info")
+            .env(NO_PREFAULT.0, NO_PREFAULT.1);
         let (child, line) = dinomo_node_common::spawn_until_ready(
             &format!("{args:?}"),
             cmd,
@@ -538,6 +544,7 @@ impl UpCluster {
             .args(["--port-base", &base.to_string()])
             .args(&args)
             .env("DINOMO_LOG", "info")
+            .env(NO_PREFAULT.0, NO_PREFAULT.1)
             // A node's error, not a backtrace, should be the last line of its log.
             .env("RUST_BACKTRACE", "0")
             .stdout(Stdio::piped())

@@ -123,6 +123,25 @@ async fn sealed_segments_are_merged_in_order_by_workers() {
 }
 
 #[tokio::test]
+async fn a_pool_being_prefaulted_serves_at_once_and_shuts_down_promptly() {
+    let dir = tempfile::tempdir().unwrap();
+    let dpm = Dpm::open(config(dir.path(), |c| {
+        c.prefault = true;
+        c.pool_size = "512MiB".parse().unwrap();
+    }))
+    .unwrap();
+    let mut w = writer(&dpm, 1);
+    w.append(&[put("a", "1", 1)]).await.unwrap();
+    w.seal().await.unwrap();
+    wait_until("merge", || dpm.pending_segments(1) == 0);
+    assert_eq!(value(&dpm, "a").as_deref(), Some("1"));
+    // The prefault pass (if it is still going) stops at its next chunk.
+    let t = Instant::now();
+    dpm.shutdown();
+    assert!(t.elapsed() < Duration::from_secs(5), "{:?}", t.elapsed());
+}
+
+#[tokio::test]
 async fn merge_all_covers_open_segments_and_many_segments() {
     let dir = tempfile::tempdir().unwrap();
     let dpm = Dpm::open(config(dir.path(), |c| c.merge_workers = 1)).unwrap();
