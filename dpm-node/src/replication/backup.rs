@@ -294,6 +294,17 @@ impl Backup {
         fabric_listen: SocketAddr,
         fabric_advertise: String,
     ) -> Result<Self> {
+        // The term and the copy marker are files beside the pool; beside a device that is
+        // /dev, which a reboot empties: the backup would then accept a primary it had fenced,
+        // and a half-finished copy would open as a primary's pool without the refusal.
+        if dinomo_fabric::pm::DaxDevice::probe(&pool_path)?.is_some() {
+            return Err(DpmError::Config(format!(
+                "{} is a device-DAX device: a backup keeps its term and copy marker in files \
+                 beside its pool, and beside a device they would be in /dev, which a reboot \
+                 empties; give the backup a pool file instead",
+                pool_path.display()
+            )));
+        }
         let (term, instance) = read_term_instance(&pool_path)?;
         let grants = Arc::new(GrantTable::create(&GrantTable::path_for(&pool_path), 4)?);
         tracing::info!(pool = %pool_path.display(), term, "backup ready: waiting for a primary to attach");
@@ -421,12 +432,9 @@ impl Backup {
     }
 }
 
-/// A zero-filled pool of `len` bytes at `path`: a new file renamed over the old one, or the
-/// device-DAX device zeroed in place.
+/// A zero-filled pool of `len` bytes at `path`: a new file renamed over the old one (a backup's
+/// pool is never a device: see [`Backup::new`]).
 fn fresh_pool(path: &Path, len: u64, durability: DurabilityRequest) -> Result<PmRegion> {
-    if dinomo_fabric::pm::DaxDevice::probe(path)?.is_some() {
-        return Ok(PmRegion::create(path, len, durability)?);
-    }
     let mut tmp = path.as_os_str().to_owned();
     tmp.push(".new");
     let tmp = PathBuf::from(tmp);

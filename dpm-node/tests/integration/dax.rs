@@ -146,8 +146,19 @@ async fn dpm_on_device_dax_formats_only_when_told_and_reopens() {
             );
         }
     }
+    // A backup's term and copy marker would sit in /dev beside the device, lost at reboot.
+    let e = match dinomo_dpm_node::replication::backup::Backup::new(
+        path.clone(),
+        DurabilityRequest::Dax,
+        "127.0.0.1:0".parse().unwrap(),
+        String::new(),
+    ) {
+        Ok(_) => panic!("a backup on a device-DAX device must be refused"),
+        Err(e) => e.to_string(),
+    };
+    assert!(e.contains("reboot"), "{e}");
     println!(
-        "dpm on device-DAX {}: {size} bytes, 200 entries merged and reopened",
+        "dpm on device-DAX {}: {size} bytes, 200 entries merged and reopened; a backup on it refused",
         path.display()
     );
 }
