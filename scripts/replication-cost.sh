@@ -6,7 +6,8 @@
 # operation of the client, the primary and each backup (from /proc, as `dinomo bench`
 # reports it), and the bytes the primary shipped to each backup per write (its
 # ReplicaStatus, from `dinomo status`). Then a backup is killed and `up` brings it back: the
-# time and bytes of its re-replication.
+# time and bytes of its re-replication; and the primary is failed (`dinomo admin fail-dpm`):
+# the time and bytes until both backups are in sync with the new primary.
 #   bash scripts/replication-cost.sh [--dinomo PATH] [--records N] [--duration S] [--workloads load,a]
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -20,7 +21,7 @@ while [ $# -gt 0 ]; do
     --workloads) workloads=$2; shift 2 ;;
     --clients) clients=$2; shift 2 ;;
     --outstanding) outstanding=$2; shift 2 ;;
-    -h|--help) sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
 done
@@ -50,7 +51,7 @@ start() { # replicas
 stop() { kill -TERM "$up_pid"; wait "$up_pid" || true; up_pid=""; }
 sent_mib() { # total MiB shipped to the backups so far
   "$dinomo" status --routing $routing --dpm $dpm 2>/dev/null \
-    | sed -n 's/.* \([0-9.]*\) MiB sent$/\1/p' | awk '{s += $1} END {printf "%.1f", s + 0}'
+    | sed -n 's/.* \([0-9.]*\) MiB sent.*/\1/p' | awk '{s += $1} END {printf "%.1f", s + 0}'
 }
 bench() { # replicas workload
   local load=""; [ "$2" = load ] || load=""
@@ -84,7 +85,19 @@ for replicas in 1 3; do
       sleep 0.05
     done
     t1=$(date +%s%N)
-    echo "re-replication of backup 1 (SIGKILL; up restarts it, the primary copies the pool): $(( (t1 - t0) / 1000000 )) ms from the kill to in sync; its status: ${line## }"
+    echo "re-replication of backup 1 (SIGKILL; up restarts it on its pool, the primary copies the chunks that differ): $(( (t1 - t0) / 1000000 )) ms from the kill to in sync; its status: ${line## }"
+    # After a failover: the promoted backup's place is taken by a backup on the dead primary's
+    # pool, and the other backup (in sync with the old primary) is attached by the new one;
+    # both are copied what differs. Timed from the end of fail-dpm until both are in sync.
+    "$dinomo" admin fail-dpm --dpm $dpm --routing $routing | tail -2
+    t0=$(date +%s%N)
+    for _ in $(seq 1 1200); do
+      [ "$("$dinomo" status --routing $routing --dpm $dpm 2>/dev/null | grep -c "backup .* in-sync")" = 2 ] && break
+      sleep 0.05
+    done
+    t1=$(date +%s%N)
+    echo "after the failover, both backups in sync $(( (t1 - t0) / 1000000 )) ms after fail-dpm returned:"
+    "$dinomo" status --routing $routing --dpm $dpm 2>/dev/null | grep "    backup " || true
   fi
   stop
 done

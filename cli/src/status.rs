@@ -251,11 +251,13 @@ fn backup_line(b: &BackupState) -> String {
     let mut line = format!("    backup {:<21} {:<8}", b.address, b.state);
     match b.state.as_str() {
         "in-sync" => line.push_str(&format!(
-            " behind {} records ({} B); copied in {} ms ({:.1} MiB); {:.1} MiB sent",
+            " behind {} records ({} B); copied in {} ms ({:.1} MiB, {:.1} MiB it held already); \
+             {:.1} MiB sent",
             b.behind_records,
             b.behind_bytes,
             b.resync_ms,
             b.resync_bytes as f64 / 1048576.0,
+            b.resync_skipped_bytes as f64 / 1048576.0,
             b.bytes_sent as f64 / 1048576.0
         )),
         "catching-up" if !b.detail.is_empty() => line.push_str(&format!(
@@ -295,12 +297,15 @@ mod tests {
             behind_bytes: 192,
             resync_ms: 40,
             resync_bytes: 2 << 20,
+            resync_skipped_bytes: 5 << 20,
             bytes_sent: 3 << 20,
             ..Default::default()
         };
         let line = backup_line(&b);
         assert!(
-            line.contains("in-sync") && line.contains("behind 3 records (192 B)"),
+            line.contains("in-sync")
+                && line.contains("behind 3 records (192 B)")
+                && line.contains("(2.0 MiB, 5.0 MiB it held already)"),
             "{line}"
         );
         let f = BackupState {

@@ -10,15 +10,17 @@
 //! Supervision, every round:
 //! - the primary's ReplicaStatus is read, and the backups it reports in sync are remembered;
 //! - a backup whose process exited, or that the primary reports failed, is removed from the
-//!   set (so the primary acknowledges again), started again, and added back (copied anew);
+//!   set (so the primary acknowledges again), started again on its pool, and added back: the
+//!   primary copies the chunks that differ from what the pool holds (incremental copy);
 //! - a primary whose process exited is replaced by a backup that was in sync at the last
 //!   round (failover) and whose copy marker (`<pool>.copy`) says complete: that backup is
 //!   stopped, its pool and the dead primary's swap names (with their `.term` and `.copy`
 //!   files), a new primary starts on it at the primary's addresses (taking the next term, which
 //!   fences the old one at every backup; it removes the marker once it opened the pool) and a
-//!   fresh backup takes the promoted one's place. The dead primary's pool is never read again:
-//!   this is what losing its machine would leave. With no such backup (all were still
-//!   copying), the primary is restarted on its own pool.
+//!   new backup takes the promoted one's place, on the dead primary's old pool file. That pool
+//!   is never opened as a primary's again; as a backup's, the new primary compares it chunk by
+//!   chunk with its own and copies what differs (as for a machine that came back). With no such
+//!   backup (all were still copying), the primary is restarted on its own pool.
 //!
 //! A primary reports a backup in sync only after the backup recorded its copy complete, so a
 //! backup seen in sync has a complete marker; `up` checks the marker anyway before it swaps,
@@ -325,9 +327,9 @@ impl ReplicaSet {
         // round restarts it in place (no backup is in sync any more).
         let (fresh, _) = spawn(&self.primary.name, &self.primary.args, &self.primary.log)?;
         self.primary.child = fresh.child;
-        // The promoted backup's place: a fresh backup (its pool, the dead primary's old file,
-        // is emptied when the new primary attaches it). If it does not start, the next round
-        // sees it exited and tries again.
+        // The promoted backup's place: a new backup on the dead primary's old file, which the
+        // new primary's attach compares with its own pool (only differing chunks are copied).
+        // If it does not start, the next round sees it exited and tries again.
         match spawn(&b.node.name, &b.args, &b.log) {
             Ok((node, _)) => b.node = node,
             Err(e) => eprintln!("starting a new backup {}: {e:#}; retrying", b.index),

@@ -13,9 +13,13 @@
 //! - An attach revokes every key of the backup's grant table before anything else, so once it
 //!   returns, no WRITE of the previous primary lands any more (the revoke waits for posts in
 //!   progress, as for KNs).
-//! - Each attach starts from a fresh, zero-filled pool (a new file renamed over the old one, so
-//!   a connection of the previous primary still mapping the old file never sees it shrink);
-//!   the primary then copies its whole pool, skipping zero chunks.
+//! - An attach that asks for an incremental copy keeps the pool the backup holds, if it has
+//!   the asked size, and answers the digest of each chunk ([`super::digest`]), taken after the
+//!   revoke: from then on only the attaching primary writes the pool, so the digests describe
+//!   what its copy starts from. Any other attach (an older primary, another size, no pool yet)
+//!   starts from a fresh, zero-filled pool (a new file renamed over the old one, so a
+//!   connection of the previous primary still mapping the old file never sees it shrink).
+//!   The primary then copies the chunks that differ (or every non-zero chunk).
 //! - The copy marker `<pool>.copy` ([`CopyMarker`]) says whether the pool holds a consistent
 //!   image. An attach makes it durably say `incomplete` (with the term, the primary instance
 //!   and a copy number drawn for this attach) before it revokes, zeroes or replaces anything;
@@ -40,6 +44,7 @@ use dinomo_fabric::grants::{GrantTable, WindowRange};
 use dinomo_fabric::tcp::TcpNic;
 use dinomo_fabric::{AccessKey, DurabilityRequest, PmRegion};
 
+use super::digest;
 use crate::error::{DpmError, Result};
 
 /// The largest pool a primary may ask a backup to hold (1 TiB).
@@ -76,6 +81,15 @@ pub struct Attached {
     pub key: AccessKey,
     /// The number of the copy this attach started (its CopyComplete names it).
     pub copy: u64,
+    /// The digests of the pool's chunks, when the attach asked for them ([`Incremental`]).
+    pub chunk_digests: Vec<u8>,
+}
+
+/// An attach's request for an incremental copy: keep the pool, answer its chunks' digests.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Incremental {
+    pub chunk_bytes: u64,
+    pub seed: u64,
 }
 
 fn term_path(pool: &Path) -> PathBuf {
@@ -339,13 +353,15 @@ impl Backup {
             .map_err(|e| DpmError::Io(std::io::Error::other(e)))?
     }
 
-    /// Becomes the backup of `primary` (instance `instance`) for `term` (see the module doc).
+    /// Becomes the backup of `primary` (instance `instance`) for `term` (see the module doc);
+    /// with `incremental`, keeps a pool of `pool_bytes` it holds and answers its digests.
     pub async fn attach(
         &self,
         term: u64,
         instance: u64,
         pool_bytes: u64,
         primary: &str,
+        incremental: Option<Incremental>,
     ) -> Result<Attached> {
         let mut st = self.state.lock().await;
         if term < st.term || (term == st.term && instance != st.instance) {
@@ -358,6 +374,16 @@ impl Backup {
             return Err(DpmError::Config(format!(
                 "a backup pool of {pool_bytes} bytes: expected a multiple of 4096 up to {MAX_POOL_BYTES}"
             )));
+        }
+        if let Some(inc) = incremental {
+            if inc.chunk_bytes != digest::chunk_bytes_for(pool_bytes) {
+                return Err(DpmError::Config(format!(
+                    "an incremental copy in chunks of {} bytes: a pool of {pool_bytes} bytes \
+                     is cut in chunks of {} bytes",
+                    inc.chunk_bytes,
+                    digest::chunk_bytes_for(pool_bytes)
+                )));
+            }
         }
         // Durably "incomplete" before anything of the previous image is touched: from here
         // until CopyComplete of this copy, the pool is not a consistent image.
@@ -381,7 +407,19 @@ impl Backup {
         self.grants.revoke_all()?;
         st.nic = None;
         st.region = None;
-        let region = Arc::new(fresh_pool(&self.pool_path, pool_bytes, self.durability)?);
+        let (region, chunk_digests) = match incremental {
+            None => (
+                fresh_pool(&self.pool_path, pool_bytes, self.durability)?,
+                Vec::new(),
+            ),
+            Some(inc) => {
+                let (path, durability) = (self.pool_path.clone(), self.durability);
+                tokio::task::spawn_blocking(move || kept_pool(&path, pool_bytes, durability, inc))
+                    .await
+                    .map_err(|e| DpmError::Io(std::io::Error::other(e)))??
+            }
+        };
+        let region = Arc::new(region);
         let key = self
             .grants
             .grant_with_window(&[WindowRange::write(0, pool_bytes)])?;
@@ -392,12 +430,21 @@ impl Backup {
             &self.fabric_advertise,
         )
         .map_err(DpmError::Config)?;
-        tracing::info!(term, %primary, %fabric, pool_bytes, "attached to a primary: the pool starts over and is copied from it");
+        if incremental.is_some() {
+            tracing::info!(term, %primary, %fabric, pool_bytes, "attached to a primary: it copies the chunks of the pool that differ from its own");
+        } else {
+            tracing::info!(term, %primary, %fabric, pool_bytes, "attached to a primary: the pool starts over and is copied from it");
+        }
         st.primary = primary.to_string();
         st.nic = Some(nic);
         st.region = Some(region);
         st.copy = copy;
-        Ok(Attached { fabric, key, copy })
+        Ok(Attached {
+            fabric,
+            key,
+            copy,
+            chunk_digests,
+        })
     }
 
     /// Records durably that the copy `copy` of `term`/`instance` is complete (the primary saw
@@ -441,6 +488,30 @@ fn fresh_pool(path: &Path, len: u64, durability: DurabilityRequest) -> Result<Pm
     let region = PmRegion::create(&tmp, len, durability)?;
     std::fs::rename(&tmp, path)?;
     Ok(region)
+}
+
+/// The pool for an incremental copy and its chunks' digests: the pool file as it is, if it has
+/// `len` bytes (what an earlier copy, or an earlier life as a primary, left there: the
+/// primary compares before it skips anything); else a fresh one, whose digests need no read.
+fn kept_pool(
+    path: &Path,
+    len: u64,
+    durability: DurabilityRequest,
+    inc: Incremental,
+) -> Result<(PmRegion, Vec<u8>)> {
+    let existing = std::fs::metadata(path)
+        .ok()
+        .filter(|m| m.is_file() && m.len() == len);
+    if existing.is_some() {
+        let region = PmRegion::open(path, durability)?;
+        let started = Instant::now();
+        let file = std::fs::File::open(path)?;
+        let digests = digest::region_digests(&region, Some(&file), inc.chunk_bytes, inc.seed)?;
+        tracing::info!(pool = %path.display(), took_ms = started.elapsed().as_millis() as u64, "kept the pool for an incremental copy and digested its chunks");
+        return Ok((region, digests));
+    }
+    let region = fresh_pool(path, len, durability)?;
+    Ok((region, digest::zero_digests(len, inc.chunk_bytes, inc.seed)))
 }
 
 /// Starts the NIC, retrying for a moment while the previous one's listener is being dropped.
@@ -488,7 +559,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let b = backup(dir.path());
         assert_eq!(read_copy_marker(&dir.path().join("pool")).unwrap(), None);
-        let a = b.attach(3, 11, 1 << 20, "p:1").await.unwrap();
+        let a = b.attach(3, 11, 1 << 20, "p:1", None).await.unwrap();
         let m = marker(dir.path());
         assert_eq!(
             (m.state, m.term, m.instance, m.copy),
@@ -504,7 +575,7 @@ mod tests {
 
         // A new attach (even of the same primary) starts a new copy: incomplete again, and
         // the earlier copy's CopyComplete no longer counts.
-        let again = b.attach(3, 11, 1 << 20, "p:1").await.unwrap();
+        let again = b.attach(3, 11, 1 << 20, "p:1", None).await.unwrap();
         assert_ne!(again.copy, a.copy);
         assert_eq!(marker(dir.path()).state, CopyState::Incomplete);
         assert!(b.copy_complete(3, 11, a.copy).await.is_err());
@@ -514,6 +585,76 @@ mod tests {
         let restarted = backup(dir.path());
         assert!(restarted.copy_complete(3, 11, again.copy).await.is_err());
         assert_eq!(marker(dir.path()).state, CopyState::Incomplete);
+    }
+
+    /// An attach asking for an incremental copy keeps the pool it finds (of the asked size)
+    /// and answers its chunks' digests; one of another size starts from zeroes (and says so
+    /// in its digests); an attach without it zeroes the pool, as older primaries expect; a
+    /// chunk size other than the pool's is refused.
+    #[tokio::test]
+    async fn an_incremental_attach_keeps_the_pool_and_digests_it() {
+        let dir = tempfile::tempdir().unwrap();
+        let pool = dir.path().join("pool");
+        let b = backup(dir.path());
+        let len = 2 << 20;
+        let inc = Incremental {
+            chunk_bytes: digest::chunk_bytes_for(len),
+            seed: 42,
+        };
+        b.attach(3, 11, len, "p:1", None).await.unwrap();
+        // What the primary wrote through the NIC, as another mapping of the same file sees it.
+        PmRegion::open(&pool, DurabilityRequest::ProcessCrash)
+            .unwrap()
+            .write_durable((1 << 20) + 64, b"held")
+            .unwrap();
+        let read_back = |at: u64| {
+            let r = PmRegion::open(&pool, DurabilityRequest::ProcessCrash).unwrap();
+            let mut got = [0u8; 4];
+            r.read(at, &mut got).unwrap();
+            got
+        };
+
+        let a = b.attach(4, 12, len, "p:2", Some(inc)).await.unwrap();
+        assert_eq!(read_back((1 << 20) + 64), *b"held", "the pool was not kept");
+        let want = {
+            let r = PmRegion::open(&pool, DurabilityRequest::ProcessCrash).unwrap();
+            digest::region_digests(&r, None, inc.chunk_bytes, inc.seed).unwrap()
+        };
+        assert_eq!(a.chunk_digests, want);
+        assert_ne!(
+            a.chunk_digests,
+            digest::zero_digests(len, inc.chunk_bytes, 42)
+        );
+
+        let bad = Incremental {
+            chunk_bytes: 4096,
+            ..inc
+        };
+        assert!(b.attach(4, 12, len, "p:2", Some(bad)).await.is_err());
+
+        let bigger = 4 << 20;
+        let inc4 = Incremental {
+            chunk_bytes: digest::chunk_bytes_for(bigger),
+            seed: 42,
+        };
+        let a = b.attach(4, 12, bigger, "p:2", Some(inc4)).await.unwrap();
+        assert_eq!(
+            a.chunk_digests,
+            digest::zero_digests(bigger, inc4.chunk_bytes, 42)
+        );
+        assert_eq!(read_back((1 << 20) + 64), [0; 4]);
+
+        PmRegion::open(&pool, DurabilityRequest::ProcessCrash)
+            .unwrap()
+            .write_durable(64, b"gone")
+            .unwrap();
+        let a = b.attach(4, 12, bigger, "p:2", None).await.unwrap();
+        assert!(a.chunk_digests.is_empty());
+        assert_eq!(
+            read_back(64),
+            [0; 4],
+            "an attach without digests starts from zeroes"
+        );
     }
 
     #[test]

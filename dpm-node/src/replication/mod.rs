@@ -30,6 +30,7 @@
 
 pub mod backup;
 mod confirm;
+pub mod digest;
 pub mod replicator;
 mod service;
 
@@ -137,12 +138,18 @@ impl Primary {
         }
         let mut client = self.client(address, Duration::from_secs(30)).await?;
         let pool_bytes = self.dpm.pool().region().len();
+        // Incremental: the backup keeps what it holds and the copy skips the chunks it holds
+        // already (a backup restarted, re-attached, or one of the old primary's after a
+        // failover holds most of the pool). A fresh seed each time (see `digest`).
+        let (chunk_bytes, digest_seed) = (digest::chunk_bytes_for(pool_bytes), rand::random());
         let r = client
             .attach(pb::AttachRequest {
                 term: self.term,
                 instance: self.instance,
                 pool_bytes,
                 primary: self.address.clone(),
+                chunk_bytes,
+                digest_seed,
             })
             .await;
         let r = match r {
@@ -188,6 +195,23 @@ impl Primary {
             generation: r.generation,
             secret,
         };
+        // A backup that does not know the incremental copy answers no digests: it started
+        // from zeroes, and the copy skips the zero chunks.
+        let held = if r.chunk_digests.is_empty() {
+            None
+        } else {
+            Some(
+                digest::BackupChunks::from_wire(
+                    pool_bytes,
+                    chunk_bytes,
+                    digest_seed,
+                    &r.chunk_digests,
+                )
+                .map_err(|e| {
+                    DpmError::Replication(format!("the backup at {address} answered {e}"))
+                })?,
+            )
+        };
         // Once the backup caught up, it records this copy complete before it is reported in
         // sync (the copy marker, see `backup`); the call is tried until the backup answers
         // (`confirm`), and the replicator stops waiting once the backup is removed or failed.
@@ -214,7 +238,7 @@ impl Primary {
                 .await
             })
         });
-        self.replicator.add(address, nic, key, Some(confirm));
+        self.replicator.add(address, nic, key, held, Some(confirm));
         Ok(())
     }
 

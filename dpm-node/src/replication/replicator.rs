@@ -10,8 +10,15 @@
 //!   in part): a state the primary's pool went through, with some lines newer, which is what a
 //!   power failure of the primary may leave; recovery handles it.
 //! - A backup joins `Syncing`: it gets every record from the moment it is added, and the sender
-//!   copies the whole pool to it through the same queue (chunks that are all zeroes are skipped:
-//!   a backup starts from a fresh, zero-filled pool). Once the last chunk is acknowledged it is
+//!   copies the whole pool to it through the same queue, chunk by chunk, each chunk read under
+//!   the state lock. A chunk the backup already holds is skipped: one whose digest equals the
+//!   one the backup answered at its attach ([`BackupChunks`], taken when only this primary
+//!   could write it any more), or, from a backup that started from a zero-filled pool, one
+//!   that is all zeroes. Skipping is copying the same bytes: the backup holds the chunk as the
+//!   primary's read found it, then applies every later record. (The records queued before the
+//!   read also reach it, before that point; each carries a line as it was persisted, so a line
+//!   differs from the read only by stores not persisted then, which a power failure could have
+//!   lost as well.) Once the last chunk is acknowledged it is
 //!   `CatchingUp`: barriers wait for it from then on. Once it also acknowledged every record
 //!   queued before that, it holds a consistent image; the replicator then has the backup record
 //!   its copy complete ([`ConfirmCopy`]: the CopyComplete call, durable in its `<pool>.copy`)
@@ -36,11 +43,13 @@ use bytes::Bytes;
 use dinomo_fabric::mirror::{BarrierFuture, PersistMirror};
 use dinomo_fabric::tcp::TcpFabric;
 use dinomo_fabric::{AccessKey, Fabric, FabricError, Op, PmRegion};
+
+use super::digest::BackupChunks;
 use parking_lot::{Condvar, Mutex};
 use tokio::sync::watch;
 
-/// Bytes of one resync chunk (one WRITE).
-const CHUNK: u64 = 1 << 20;
+/// Bytes of one WRITE of the copy, and the chunk of a copy to a backup that gave no digests.
+const CHUNK: u64 = super::digest::MIN_CHUNK_BYTES;
 /// Most bytes queued for one backup before recording waits (backpressure).
 const MAX_QUEUED_BYTES: u64 = 64 << 20;
 /// Most bytes and operations in one post to a backup.
@@ -153,9 +162,11 @@ pub struct BackupStatus {
     pub behind_bytes: u64,
     /// Bytes written to it since it was added (records and resync chunks).
     pub bytes_sent: u64,
-    /// Bytes of the whole-pool copy (non-zero chunks) and how long it took until in sync.
+    /// Bytes of the pool's copy (the chunks sent) and how long it took until in sync.
     pub resync_bytes: u64,
     pub resync_ms: Option<u64>,
+    /// Bytes of the chunks not sent because the backup held them already.
+    pub resync_skipped_bytes: u64,
     /// Caught up, and the primary is telling it that its copy is complete (CopyComplete, tried
     /// until it gets through): not in sync until the backup recorded that.
     pub awaiting_copy_complete: bool,
@@ -185,7 +196,11 @@ struct Backup {
     stop: AtomicBool,
     bytes_sent: AtomicU64,
     resync_bytes: AtomicU64,
+    resync_skipped_bytes: AtomicU64,
     resync_ms: Mutex<Option<u64>>,
+    /// What the backup held when it was attached (its chunks' digests); `None`: it started
+    /// from a zero-filled pool.
+    held: Option<BackupChunks>,
     /// Whether a failure counts even while syncing: this backup replaced one of the same
     /// address that counted (it failed and is attached anew), so if its copy fails too, the
     /// set must not go on smaller without anyone deciding so.
@@ -274,8 +289,10 @@ impl Replicator {
     }
 
     /// Starts replicating to the backup at `address` whose NIC is `nic` and which granted
-    /// `key`: from now on every record is queued for it, and its sender copies the whole pool
-    /// to it in the background. A backup of the same address is replaced. `confirm` is run
+    /// `key`: from now on every record is queued for it, and its sender copies the pool to it
+    /// in the background: the chunks that differ from what it `held` at its attach (`None`:
+    /// it started from zeroes, so every non-zero chunk). A backup of the same address is
+    /// replaced. `confirm` is run
     /// (on the caller's tokio runtime) once the backup caught up, and it becomes `InSync` only
     /// once that succeeded; `None`: nothing to tell (tests of the replicator alone).
     pub fn add(
@@ -283,6 +300,7 @@ impl Replicator {
         address: &str,
         nic: SocketAddr,
         key: AccessKey,
+        held: Option<BackupChunks>,
         confirm: Option<ConfirmCopy>,
     ) {
         let confirm = match (confirm, tokio::runtime::Handle::try_current()) {
@@ -307,7 +325,9 @@ impl Replicator {
             stop: AtomicBool::new(false),
             bytes_sent: AtomicU64::new(0),
             resync_bytes: AtomicU64::new(0),
+            resync_skipped_bytes: AtomicU64::new(0),
             resync_ms: Mutex::new(None),
+            held,
             fails_counted: replaces_counted,
             confirm: Mutex::new(confirm),
         });
@@ -324,7 +344,7 @@ impl Replicator {
             .name(format!("replicate {address}"))
             .spawn(move || me.run_sender(backup, nic, key))
             .expect("spawning a replication thread");
-        tracing::info!(backup = %address, %nic, "backup added: copying the pool to it");
+        tracing::info!(backup = %address, %nic, "backup added: copying the pool to it (the chunks it does not hold)");
     }
 
     /// Stops replicating to `address` (it failed, or is being replaced). True if it was there.
@@ -376,6 +396,7 @@ impl Replicator {
                     bytes_sent: b.bytes_sent.load(Ordering::Relaxed),
                     resync_bytes: b.resync_bytes.load(Ordering::Relaxed),
                     resync_ms: *b.resync_ms.lock(),
+                    resync_skipped_bytes: b.resync_skipped_bytes.load(Ordering::Relaxed),
                     awaiting_copy_complete,
                 }
             })
@@ -463,28 +484,48 @@ impl Replicator {
             .map_err(|_| FabricError::TimedOut {
                 after_ms: self.opts.ack_timeout.as_millis() as u64,
             })??;
-        // The whole pool, chunk by chunk, through the queue (ordered with the records).
+        // The pool, chunk by chunk, through the queue (ordered with the records), skipping the
+        // chunks the backup holds (see the module doc).
         let started = Instant::now();
+        let chunk_bytes = b.held.as_ref().map_or(CHUNK, |h| h.chunk_bytes);
         let mut sync_until = 0;
         let mut off = 0;
-        let mut chunk = vec![0u8; CHUNK as usize];
+        let mut index = 0;
+        let mut chunk = vec![0u8; chunk_bytes.min(self.region.len()) as usize];
         while off < self.region.len() {
             if b.stop.load(Ordering::Acquire) {
                 return Ok(());
             }
-            let len = CHUNK.min(self.region.len() - off);
+            let len = chunk_bytes.min(self.region.len() - off);
             {
                 let mut st = self.state.lock();
                 let chunk = &mut chunk[..len as usize];
                 read_words(&self.region, off, chunk)?;
-                if !is_zero(chunk) {
+                let held = match &b.held {
+                    Some(h) => h.holds(index, chunk),
+                    None => is_zero(chunk),
+                };
+                if held {
+                    b.resync_skipped_bytes.fetch_add(len, Ordering::Relaxed);
+                } else {
                     b.resync_bytes.fetch_add(len, Ordering::Relaxed);
-                    let data = Bytes::copy_from_slice(chunk);
-                    Self::enqueue(&mut st, std::slice::from_ref(b), off, data);
-                    sync_until = st.next_seq - 1;
+                    // One WRITE per MiB, in order, under the same lock.
+                    for (i, piece) in chunk.chunks(CHUNK as usize).enumerate() {
+                        let data = Bytes::copy_from_slice(piece);
+                        Self::enqueue(
+                            &mut st,
+                            std::slice::from_ref(b),
+                            off + i as u64 * CHUNK,
+                            data,
+                        );
+                    }
                 }
+                // Everything queued for it so far (seqs are shared by all backups: another
+                // backup's chunks take seqs this one never acknowledges).
+                sync_until = b.queue.lock().last_queued;
             }
             off += len;
+            index += 1;
             // Keep the copy a few chunks ahead of the sender, not the whole pool.
             while b.queue.lock().bytes > 8 * CHUNK {
                 self.send_some(b, &fabric).await?;
@@ -578,7 +619,7 @@ impl Replicator {
         if *b.phase.lock() == Phase::InSync {
             let ms = started.elapsed().as_millis() as u64;
             *b.resync_ms.lock() = Some(ms.max(1));
-            tracing::info!(backup = %b.address, resync_bytes = b.resync_bytes.load(Ordering::Relaxed), resync_ms = ms, "backup in sync: it holds every acknowledged byte and may be promoted");
+            tracing::info!(backup = %b.address, resync_bytes = b.resync_bytes.load(Ordering::Relaxed), resync_skipped_bytes = b.resync_skipped_bytes.load(Ordering::Relaxed), resync_ms = ms, "backup in sync: it holds every acknowledged byte and may be promoted");
         }
         self.changes.send_modify(|v| *v += 1);
     }
@@ -780,7 +821,7 @@ mod tests {
     async fn a_failed_copy_in_place_of_a_counted_backup_blocks_acknowledgements() {
         let dir = tempfile::tempdir().unwrap();
         let (region, r) = replicator(dir.path());
-        r.add("b:1", closed_port(), key(), None);
+        r.add("b:1", closed_port(), key(), None, None);
         let first = wait_failed(&r, "b:1").await;
         assert!(!first.counted(), "{first:?}");
         r.record(&region, 0, 64).unwrap();
@@ -796,7 +837,7 @@ mod tests {
                 why: "test".into(),
                 counted: true,
             });
-        r.add("b:1", closed_port(), key(), None);
+        r.add("b:1", closed_port(), key(), None, None);
         let again = wait_failed(&r, "b:1").await;
         assert!(again.counted(), "{again:?}");
         r.record(&region, 0, 64).unwrap();

@@ -7,6 +7,7 @@ use dinomo_proto::dpm as pb;
 use dinomo_proto::dpm::replica_service_server::ReplicaService;
 use tonic::{Request, Response, Status};
 
+use super::backup::Incremental;
 use super::{Backup, Phase, Primary};
 use crate::service::to_status;
 
@@ -58,6 +59,7 @@ impl ReplicaGrpc {
                         bytes_sent: b.bytes_sent,
                         resync_bytes: b.resync_bytes,
                         resync_ms: b.resync_ms.unwrap_or(0),
+                        resync_skipped_bytes: b.resync_skipped_bytes,
                     })
                     .collect(),
                 pid,
@@ -106,8 +108,13 @@ impl ReplicaService for ReplicaGrpc {
             return Err(not_a_backup());
         };
         let r = req.into_inner();
+        // chunk_bytes 0: an older primary, which expects a pool that starts from zeroes.
+        let incremental = (r.chunk_bytes != 0).then_some(Incremental {
+            chunk_bytes: r.chunk_bytes,
+            seed: r.digest_seed,
+        });
         let a = b
-            .attach(r.term, r.instance, r.pool_bytes, &r.primary)
+            .attach(r.term, r.instance, r.pool_bytes, &r.primary, incremental)
             .await
             .map_err(to_status)?;
         Ok(Response::new(pb::AttachResponse {
@@ -116,6 +123,7 @@ impl ReplicaService for ReplicaGrpc {
             generation: a.key.generation,
             secret: a.key.secret.to_vec(),
             copy: a.copy,
+            chunk_digests: a.chunk_digests,
         }))
     }
 

@@ -188,14 +188,21 @@ fn record(i: u32) -> LogRecord {
     }
 }
 
-/// Opens a backup's pool as a primary would after a failover, merges what the KN left open,
-/// and returns how many of `keys` records are missing or wrong, and the metadata entry.
-fn check_pool(pool: &Path, kn: u32, keys: u32) -> (Vec<u32>, Option<Vec<u8>>) {
+/// Opens a backup's pool as a primary would after a failover, merges what the KNs left open,
+/// and returns which of the `keys` records are missing or wrong, and the metadata entry.
+fn check_pool(
+    pool: &Path,
+    kns: &[u32],
+    keys: impl IntoIterator<Item = u32>,
+) -> (Vec<u32>, Option<Vec<u8>>) {
     let mut file = DpmConfigFile::in_process(pool);
     file.create = false;
     let dpm: Arc<Dpm> = Dpm::open(file.validate().unwrap()).unwrap();
-    dpm.merge_all(kn, true).unwrap();
-    let bad = (0..keys)
+    for &kn in kns {
+        dpm.merge_all(kn, true).unwrap();
+    }
+    let bad = keys
+        .into_iter()
         .filter(|&i| {
             let r = record(i);
             dpm.lookup(&r.key).unwrap().map(|f| f.value) != Some(r.value)
@@ -255,7 +262,7 @@ async fn acknowledged_batches_survive_the_primary_in_every_backup() {
     b1.kill9();
     b2.kill9();
     for pool in [&pool1, &pool2] {
-        let (bad, meta) = check_pool(pool, kn, KEYS);
+        let (bad, meta) = check_pool(pool, &[kn], 0..KEYS);
         assert!(
             bad.is_empty(),
             "{} of {KEYS} acknowledged records missing in {} (first: key-{})",
@@ -415,8 +422,10 @@ async fn a_stopped_backup_holds_acknowledgements_until_it_is_removed() {
 
 /// With `reattach_failed_backups` (what the Helm chart sets: nothing else tends the set
 /// there), a backup killed and started again on its address is attached anew by the primary
-/// itself: copied from scratch, in sync again, and writes are acknowledged, with no
-/// RemoveBackup or AddBackup call. (Without it, `a_stopped_backup_holds_acknowledgements_until
+/// itself: in sync again, and writes are acknowledged, with no RemoveBackup or AddBackup
+/// call. The copy is incremental: the restarted backup keeps its pool, and the primary sends
+/// fewer bytes than the pool's non-zero chunks (what a copy to an empty pool sends); every
+/// acknowledged record is in its pool afterwards. (Without it, `a_stopped_backup_holds_acknowledgements_until
 /// _it_is_removed` shows the failed backup holding every acknowledgement.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_backup_is_attached_anew_when_reattach_is_on() {
@@ -424,7 +433,7 @@ async fn a_restarted_backup_is_attached_anew_when_reattach_is_on() {
     // A fixed gRPC port: the restarted backup must answer where the primary looks for it
     // (outside the ephemeral range, where a client connection's TIME_WAIT could hold it).
     let port = dinomo_node_common::address::free_port_base(&[0]).expect("a free port");
-    let (c1, _) = config(
+    let (c1, pool1) = config(
         dir.path(),
         "b1",
         &format!("role = \"backup\"\nlisten = \"127.0.0.1:{port}\""),
@@ -442,26 +451,61 @@ async fn a_restarted_backup_is_attached_anew_when_reattach_is_on() {
             b1.grpc
         ),
     );
-    let primary = DpmProcess::start(&cp, &dir.path().join("p.log"));
+    let mut primary = DpmProcess::start(&cp, &dir.path().join("p.log"));
     wait_in_sync(primary.grpc, 1).await;
-    let (_, mut w) = kn_writer(&primary).await;
-    w.append(&[record(0)]).await.unwrap();
+    let (kn0, mut w) = kn_writer(&primary).await;
+    // About 1 MiB of log: chunks that do not change after the backup dies.
+    const KEYS: u32 = 4000;
+    for chunk in (0..KEYS).collect::<Vec<_>>().chunks(16) {
+        let recs: Vec<LogRecord> = chunk.iter().map(|&i| record(i)).collect();
+        w.append(&recs).await.unwrap();
+    }
 
     b1.kill9();
     assert!(
-        w.append(&[record(1)]).await.is_err(),
+        w.append(&[record(KEYS + 100)]).await.is_err(),
         "acknowledged while the only backup in sync was dead"
     );
-    let b1 = DpmProcess::start(&c1, &dir.path().join("b1-again.log"));
+    let mut b1 = DpmProcess::start(&c1, &dir.path().join("b1-again.log"));
     let s = wait_in_sync(primary.grpc, 1).await;
+    let copy = s.backups[0].clone();
+    let (kn1, mut w) = kn_writer(&primary).await;
+    for i in KEYS..KEYS + 10 {
+        w.append(&[record(i)]).await.unwrap();
+    }
+
+    primary.kill9();
+    b1.kill9();
+    let log = std::fs::read_to_string(dir.path().join("b1-again.log")).unwrap();
     assert!(
-        s.backups[0].resync_bytes > 0,
-        "not copied anew: {:?}",
-        s.backups[0]
+        log.contains("kept the pool for an incremental copy"),
+        "{log}"
     );
-    let (_, mut w) = kn_writer(&primary).await;
-    w.append(&[record(2)]).await.unwrap();
-    drop(b1);
+    let nonzero_chunks = {
+        let bytes = std::fs::read(&pool1).unwrap();
+        bytes
+            .chunks(1 << 20)
+            .filter(|c| c.iter().any(|&b| b != 0))
+            .count() as u64
+    };
+    assert!(
+        copy.resync_bytes < nonzero_chunks << 20,
+        "sent {} bytes, as many as the {nonzero_chunks} non-zero MiB of the pool: not \
+         incremental ({copy:?})",
+        copy.resync_bytes
+    );
+    assert_eq!(
+        copy.resync_bytes + copy.resync_skipped_bytes,
+        64 << 20,
+        "{copy:?}"
+    );
+    let (bad, _) = check_pool(&pool1, &[kn0, kn1], 0..KEYS + 10);
+    assert!(
+        bad.is_empty(),
+        "{} acknowledged records missing in the re-copied backup (first: key-{})",
+        bad.len(),
+        bad[0]
+    );
 }
 
 /// A backup killed (SIGKILL) while its primary is still copying the pool to it keeps a copy

@@ -76,7 +76,7 @@ async fn a_backup_in_sync_holds_every_acknowledged_write() {
         },
     );
     primary.set_mirror(Some(rep.clone()));
-    rep.add("b", nic.local_addr(), key, None);
+    rep.add("b", nic.local_addr(), key, None, None);
     std::thread::sleep(Duration::from_millis(150)); // the resync chunk is in flight
 
     // A write, acknowledged: the barrier the NIC waits for before it answers a KN.
@@ -117,7 +117,7 @@ async fn a_backup_that_never_synced_blocks_no_acknowledgement() {
         generation: 1,
         secret: [0; 16],
     };
-    rep.add("b", closed, key, None);
+    rep.add("b", closed, key, None, None);
     wait_phase(&rep, |p| matches!(p, Phase::Failed { .. })).await;
     primary.write_durable(4096, &[7u8; 64]).unwrap();
     let r = primary.mirror_barrier().await;
@@ -140,16 +140,16 @@ async fn a_backup_refuses_a_second_primary_of_the_same_term() {
         String::new(),
     )
     .unwrap();
-    b.attach(5, 11, LEN, "10.0.0.1:7000").await.unwrap();
-    let second = b.attach(5, 22, LEN, "10.0.0.2:7000").await;
+    b.attach(5, 11, LEN, "10.0.0.1:7000", None).await.unwrap();
+    let second = b.attach(5, 22, LEN, "10.0.0.2:7000", None).await;
     assert!(
         second.is_err(),
         "a second primary of term 5 was accepted (and the pool wiped for it)"
     );
     // The same instance again (it added the backup back) and a newer term are accepted.
-    b.attach(5, 11, LEN, "10.0.0.1:7000").await.unwrap();
-    b.attach(6, 22, LEN, "10.0.0.2:7000").await.unwrap();
-    assert!(b.attach(5, 11, LEN, "10.0.0.1:7000").await.is_err());
+    b.attach(5, 11, LEN, "10.0.0.1:7000", None).await.unwrap();
+    b.attach(6, 22, LEN, "10.0.0.2:7000", None).await.unwrap();
+    assert!(b.attach(5, 11, LEN, "10.0.0.1:7000", None).await.is_err());
 }
 
 /// A control answer that fails only because the backups did not acknowledge leaves the change
@@ -204,7 +204,7 @@ async fn an_allocation_answered_unavailable_leaves_no_open_segment() {
         },
     );
     region.set_mirror(Some(rep.clone()));
-    rep.add("b", nic.local_addr(), key, None);
+    rep.add("b", nic.local_addr(), key, None, None);
     wait_phase(&rep, |p| *p == Phase::InSync).await;
     grants.set_post_hook(Some(Arc::new(|_| {
         std::thread::sleep(Duration::from_millis(1500))
@@ -450,7 +450,7 @@ async fn a_backup_is_in_sync_only_after_it_recorded_its_copy_complete() {
                 answer_rx.await.unwrap()
             })
         });
-        rep.add("b", nic.local_addr(), key, Some(confirm));
+        rep.add("b", nic.local_addr(), key, None, Some(confirm));
         // Asked once the backup caught up; not in sync while the answer is pending.
         asked_rx.recv_timeout(Duration::from_secs(20)).unwrap();
         std::thread::sleep(Duration::from_millis(300));
