@@ -850,6 +850,9 @@ async fn serve_conn(
     let (r, w) = sock.into_split();
     let mut r = BufReader::with_capacity(256 << 10, r);
     let mut w = BufWriter::with_capacity(256 << 10, w);
+    if region.is_mirrored() {
+        return serve_mirrored(r, w, key, sh).await;
+    }
     while let Some(frame) = read_frame(&mut r).await? {
         let (id, ops) = decode_request(frame).map_err(|e| match e {
             FabricError::Protocol(why) => FrameError::Bad(why),
@@ -880,6 +883,70 @@ async fn serve_conn(
         }
     }
     w.flush().await.map_err(FrameError::Io)
+}
+
+/// Posts applied on one connection of a replicated region and not yet answered (their
+/// barriers pending), at most: bounds what a connection holds while the backups catch up.
+const MAX_UNANSWERED: usize = 64;
+
+/// One connection to a replicated region ([`PmRegion::is_mirrored`]): posts are applied as
+/// they arrive and answered in order, each once its barrier resolved, so a connection carries
+/// many posts to the backups at a time instead of one round trip each.
+///
+/// What a post is told stays what the inline loop tells: its barrier is taken right after it
+/// applied (so it covers its own records and every earlier one) and its answer waits for it;
+/// a read is answered only after the changes it may have observed are at the backups. Posts
+/// are applied in the order they arrive, as before; only their answers wait.
+async fn serve_mirrored(
+    mut r: BufReader<tokio::net::tcp::OwnedReadHalf>,
+    mut w: BufWriter<tokio::net::tcp::OwnedWriteHalf>,
+    key: AccessKey,
+    sh: &NicShared,
+) -> std::result::Result<(), FrameError> {
+    type Applied = (
+        u64,
+        Result<Vec<Completion>>,
+        Option<crate::mirror::BarrierFuture>,
+    );
+    let (region, grants) = (&*sh.region, &*sh.grants);
+    let (tx, mut rx) = mpsc::channel::<Applied>(MAX_UNANSWERED);
+    let apply = async move {
+        while let Some(frame) = read_frame(&mut r).await? {
+            let (id, ops) = decode_request(frame).map_err(|e| match e {
+                FabricError::Protocol(why) => FrameError::Bad(why),
+                other => FrameError::Bad(other.to_string()),
+            })?;
+            // As in `serve_conn`: the hold spans the checks and the apply.
+            let result = grants.hold(key).and_then(|_hold| {
+                exec::validate(region, &ops)?;
+                grants.check_window(key, &ops)?;
+                grants.run_post_hook(key);
+                exec::apply_mirrored(region, &ops)
+            });
+            let barrier = result.is_ok().then(|| region.mirror_barrier());
+            if tx.send((id, result, barrier)).await.is_err() {
+                break; // the answering side stopped: the connection is going away
+            }
+        }
+        Ok::<(), FrameError>(())
+    };
+    let answer = async move {
+        while let Some((id, mut result, barrier)) = rx.recv().await {
+            if let Some(barrier) = barrier {
+                if let Err(e) = barrier.await {
+                    result = Err(e);
+                }
+            }
+            w.write_all(&encode_response(id, &result))
+                .await
+                .map_err(FrameError::Io)?;
+            if rx.is_empty() {
+                w.flush().await.map_err(FrameError::Io)?;
+            }
+        }
+        w.flush().await.map_err(FrameError::Io)
+    };
+    tokio::try_join!(apply, answer).map(|_| ())
 }
 
 type Waiter = oneshot::Sender<Result<Vec<Completion>>>;

@@ -9,6 +9,7 @@ mod process;
 mod publication;
 mod replication;
 mod replication_fencing;
+mod replication_pipelining;
 mod replication_resync;
 mod service;
 mod verbs;
