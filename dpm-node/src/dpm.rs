@@ -164,7 +164,7 @@ impl Dpm {
             // error, a permission) is never overridden: it may say complete, and opening the
             // pool would remove it.
             Err(DpmError::BadPool { path, detail }) if config.accept_incomplete_copy => {
-                tracing::warn!(marker = %path, error = %detail, "the copy marker cannot be understood: treating the pool as an unfinished copy (--accept-incomplete-copy): chunks that were not copied are zeroes, and what recovery makes of them is data lost");
+                tracing::warn!(marker = %path, error = %detail, "the copy marker cannot be understood: treating the pool as an unfinished copy (--accept-incomplete-copy): chunks that were not copied are zeroes or an older image's, and what recovery makes of them is data lost or stale data back");
                 overridden_unreadable_marker = true;
                 None
             }
@@ -193,7 +193,7 @@ impl Dpm {
                     });
                 }
                 crate::replication::CopyState::Incomplete => {
-                    tracing::warn!(marker = %marker_path.display(), term = m.term, "opening an UNFINISHED copy of a primary's pool as a primary (--accept-incomplete-copy): chunks that were not copied are zeroes, and what recovery makes of them is data lost");
+                    tracing::warn!(marker = %marker_path.display(), term = m.term, "opening an UNFINISHED copy of a primary's pool as a primary (--accept-incomplete-copy): chunks that were not copied are zeroes or an older image's, and what recovery makes of them is data lost or stale data back");
                 }
             }
         }

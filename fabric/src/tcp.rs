@@ -858,19 +858,11 @@ async fn serve_conn(
             FabricError::Protocol(why) => FrameError::Bad(why),
             other => FrameError::Bad(other.to_string()),
         })?;
-        // The hold spans the key and window checks and the apply, so a revoke or a window
-        // close (a fence) that returns has seen every post checked against the old grant
-        // applied; it is released before answering.
-        let mut result = grants.hold(key).and_then(|_hold| {
-            exec::validate(region, &ops)?;
-            grants.check_window(key, &ops)?;
-            grants.run_post_hook(key);
-            exec::apply_mirrored(region, &ops)
-        });
+        let (mut result, barrier) = apply_post(region, grants, key, &ops);
         // A replicated memory node answers only once what the post changed (and what it read)
         // is at every backup that must acknowledge; otherwise the outcome is unknown.
-        if result.is_ok() {
-            if let Err(e) = region.mirror_barrier().await {
+        if let Some(barrier) = barrier {
+            if let Err(e) = barrier.await {
                 result = Err(e);
             }
         }
@@ -885,8 +877,39 @@ async fn serve_conn(
     w.flush().await.map_err(FrameError::Io)
 }
 
-/// Posts applied on one connection of a replicated region and not yet answered (their
-/// barriers pending), at most: bounds what a connection holds while the backups catch up.
+/// Checks and applies one post under its grant's hold, and takes the barrier its answer must
+/// wait for (`None` when it failed). The hold spans the key and window checks and the apply,
+/// so a revoke or a window close (a fence) that returns has seen every post checked against
+/// the old grant applied; the barrier is taken inside it too, so a stopping memory node that
+/// revoked its grants, ended its barriers and removed its mirror cannot hand a post applied
+/// before that a barrier that passes at once.
+fn apply_post(
+    region: &PmRegion,
+    grants: &GrantTable,
+    key: AccessKey,
+    ops: &[Op],
+) -> (
+    Result<Vec<Completion>>,
+    Option<crate::mirror::BarrierFuture>,
+) {
+    let r = grants.hold(key).and_then(|_hold| {
+        exec::validate(region, ops)?;
+        grants.check_window(key, ops)?;
+        grants.run_post_hook(key);
+        let done = exec::apply_mirrored(region, ops)?;
+        Ok((done, region.mirror_barrier()))
+    });
+    match r {
+        Ok((done, barrier)) => (Ok(done), Some(barrier)),
+        Err(e) => (Err(e), None),
+    }
+}
+
+/// Most bytes of posts applied on one connection of a replicated region and not yet answered
+/// (their barriers pending): bounds what one connection adds to the backups' queues, which
+/// the node's own threads (merge, GC) wait on past 64 MiB.
+const MAX_UNANSWERED_BYTES: u32 = 8 << 20;
+/// Most such posts (the channel between applying and answering).
 const MAX_UNANSWERED: usize = 64;
 
 /// One connection to a replicated region ([`PmRegion::is_mirrored`]): posts are applied as
@@ -894,9 +917,12 @@ const MAX_UNANSWERED: usize = 64;
 /// many posts to the backups at a time instead of one round trip each.
 ///
 /// What a post is told stays what the inline loop tells: its barrier is taken right after it
-/// applied (so it covers its own records and every earlier one) and its answer waits for it;
-/// a read is answered only after the changes it may have observed are at the backups. Posts
-/// are applied in the order they arrive, as before; only their answers wait.
+/// applied, under its hold (so it covers its own records and every earlier one) and its answer
+/// waits for it; a read is answered only after the changes it may have observed are at the
+/// backups. Posts are applied in the order they arrive, as before; only their answers wait.
+/// Answers written are flushed before waiting for a barrier that has not resolved, so none
+/// waits behind a later post's barrier. If reading or applying fails, the posts already applied
+/// are still answered before the connection closes.
 async fn serve_mirrored(
     mut r: BufReader<tokio::net::tcp::OwnedReadHalf>,
     mut w: BufWriter<tokio::net::tcp::OwnedWriteHalf>,
@@ -907,46 +933,61 @@ async fn serve_mirrored(
         u64,
         Result<Vec<Completion>>,
         Option<crate::mirror::BarrierFuture>,
+        tokio::sync::OwnedSemaphorePermit,
     );
     let (region, grants) = (&*sh.region, &*sh.grants);
     let (tx, mut rx) = mpsc::channel::<Applied>(MAX_UNANSWERED);
+    // Permits are KiB of unanswered posts.
+    let budget = Arc::new(tokio::sync::Semaphore::new(
+        (MAX_UNANSWERED_BYTES >> 10) as usize,
+    ));
     let apply = async move {
         while let Some(frame) = read_frame(&mut r).await? {
+            let kib = (frame.len() as u32 >> 10).clamp(1, MAX_UNANSWERED_BYTES >> 10);
+            let Ok(permit) = budget.clone().acquire_many_owned(kib).await else {
+                break;
+            };
             let (id, ops) = decode_request(frame).map_err(|e| match e {
                 FabricError::Protocol(why) => FrameError::Bad(why),
                 other => FrameError::Bad(other.to_string()),
             })?;
-            // As in `serve_conn`: the hold spans the checks and the apply.
-            let result = grants.hold(key).and_then(|_hold| {
-                exec::validate(region, &ops)?;
-                grants.check_window(key, &ops)?;
-                grants.run_post_hook(key);
-                exec::apply_mirrored(region, &ops)
-            });
-            let barrier = result.is_ok().then(|| region.mirror_barrier());
-            if tx.send((id, result, barrier)).await.is_err() {
+            let (result, barrier) = apply_post(region, grants, key, &ops);
+            if tx.send((id, result, barrier, permit)).await.is_err() {
                 break; // the answering side stopped: the connection is going away
             }
         }
         Ok::<(), FrameError>(())
     };
     let answer = async move {
-        while let Some((id, mut result, barrier)) = rx.recv().await {
-            if let Some(barrier) = barrier {
-                if let Err(e) = barrier.await {
+        while let Some((id, mut result, barrier, permit)) = rx.recv().await {
+            if let Some(mut barrier) = barrier {
+                let polled = {
+                    let mut cx = std::task::Context::from_waker(std::task::Waker::noop());
+                    barrier.as_mut().poll(&mut cx)
+                };
+                let resolved = match polled {
+                    std::task::Poll::Ready(r) => r,
+                    std::task::Poll::Pending => {
+                        w.flush().await.map_err(FrameError::Io)?;
+                        barrier.await
+                    }
+                };
+                if let Err(e) = resolved {
                     result = Err(e);
                 }
             }
             w.write_all(&encode_response(id, &result))
                 .await
                 .map_err(FrameError::Io)?;
+            drop(permit);
             if rx.is_empty() {
                 w.flush().await.map_err(FrameError::Io)?;
             }
         }
         w.flush().await.map_err(FrameError::Io)
     };
-    tokio::try_join!(apply, answer).map(|_| ())
+    let (applied, answered) = tokio::join!(apply, answer);
+    applied.and(answered)
 }
 
 type Waiter = oneshot::Sender<Result<Vec<Completion>>>;

@@ -41,8 +41,9 @@ use super::{spawn, Node};
 pub const MAX_REPLICAS: u32 = 5;
 
 /// In-place restarts of the primary allowed per minute before `up` gives up (a primary that
-/// keeps dying on its own pool). Promotions are not counted: each needs a backup that was in
-/// sync, so a whole copy of the pool since the last one, which bounds their rate already.
+/// keeps dying on its own pool). Promotions are not counted: each needs a backup in sync at
+/// the last check, whose copy (what differs, since the incremental copy: half a second here)
+/// bounds their rate, and `scripts/dpm-failover.sh` kills the primary 50 times in a row.
 const MAX_PRIMARY_RESTARTS: usize = 8;
 
 struct BackupSlot {

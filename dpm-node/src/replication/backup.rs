@@ -32,7 +32,8 @@
 //!   at some past moment (every chunk copied, then a prefix of the primary's later records). It
 //!   does not mean up to date: a backup that failed, or stopped, after its copy was complete
 //!   holds an older image, still consistent, and its marker still says `complete`. A primary
-//!   refuses to open a pool whose marker says `incomplete` (a mix of copied and zero chunks)
+//!   refuses to open a pool whose marker says `incomplete` (a mix of copied chunks with
+//!   zeroed ones, or with chunks of an older image the incremental copy had not replaced yet)
 //!   unless told to accept the loss ([`crate::dpm::Dpm::open`]).
 
 use std::net::SocketAddr;
@@ -89,7 +90,7 @@ pub struct Attached {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Incremental {
     pub chunk_bytes: u64,
-    pub seed: u64,
+    pub key: digest::Key,
 }
 
 fn term_path(pool: &Path) -> PathBuf {
@@ -172,8 +173,9 @@ pub fn copy_marker_path(pool: &Path) -> PathBuf {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CopyState {
     /// An attach started the copy and it was not finished: the pool mixes copied chunks with
-    /// zeroed ones. Opened as a primary's, recovery would make it look consistent while
-    /// losing data.
+    /// zeroed ones, or (an incremental copy) with chunks of an older image, maybe of another
+    /// primary, writes it never acknowledged included. Opened as a primary's, recovery would
+    /// make it look consistent while losing data or bringing back stale data.
     Incomplete,
     /// The backup held a consistent image (it caught up with its primary) when its primary
     /// said so; it may be older than the primary's last state, never a mix.
@@ -376,12 +378,13 @@ impl Backup {
             )));
         }
         if let Some(inc) = incremental {
-            if inc.chunk_bytes != digest::chunk_bytes_for(pool_bytes) {
+            if !digest::valid_chunk_bytes(pool_bytes, inc.chunk_bytes) {
                 return Err(DpmError::Config(format!(
-                    "an incremental copy in chunks of {} bytes: a pool of {pool_bytes} bytes \
-                     is cut in chunks of {} bytes",
+                    "an incremental copy in chunks of {} bytes: expected a power of two of at \
+                     least {} bytes, cutting the pool of {pool_bytes} bytes in at most {} chunks",
                     inc.chunk_bytes,
-                    digest::chunk_bytes_for(pool_bytes)
+                    digest::MIN_CHUNK_BYTES,
+                    digest::MAX_CHUNKS
                 )));
             }
         }
@@ -493,6 +496,8 @@ fn fresh_pool(path: &Path, len: u64, durability: DurabilityRequest) -> Result<Pm
 /// The pool for an incremental copy and its chunks' digests: the pool file as it is, if it has
 /// `len` bytes (what an earlier copy, or an earlier life as a primary, left there: the
 /// primary compares before it skips anything); else a fresh one, whose digests need no read.
+/// A kept pool that cannot be read whole (an I/O error) is replaced by a fresh one: a full
+/// copy instead of a backup that cannot attach.
 fn kept_pool(
     path: &Path,
     len: u64,
@@ -503,15 +508,22 @@ fn kept_pool(
         .ok()
         .filter(|m| m.is_file() && m.len() == len);
     if existing.is_some() {
-        let region = PmRegion::open(path, durability)?;
         let started = Instant::now();
-        let file = std::fs::File::open(path)?;
-        let digests = digest::region_digests(&region, Some(&file), inc.chunk_bytes, inc.seed)?;
-        tracing::info!(pool = %path.display(), took_ms = started.elapsed().as_millis() as u64, "kept the pool for an incremental copy and digested its chunks");
-        return Ok((region, digests));
+        let digests = std::fs::File::open(path)
+            .and_then(|f| digest::file_digests(&f, len, inc.chunk_bytes, &inc.key));
+        match digests {
+            Ok(digests) => {
+                let region = PmRegion::open(path, durability)?;
+                tracing::info!(pool = %path.display(), took_ms = started.elapsed().as_millis() as u64, "kept the pool for an incremental copy and digested its chunks");
+                return Ok((region, digests));
+            }
+            Err(e) => {
+                tracing::warn!(pool = %path.display(), error = %e, "the pool could not be read to keep it: starting from zeroes (the primary copies all of it)");
+            }
+        }
     }
     let region = fresh_pool(path, len, durability)?;
-    Ok((region, digest::zero_digests(len, inc.chunk_bytes, inc.seed)))
+    Ok((region, digest::zero_digests(len, inc.chunk_bytes, &inc.key)))
 }
 
 /// Starts the NIC, retrying for a moment while the previous one's listener is being dropped.
@@ -599,7 +611,7 @@ mod tests {
         let len = 2 << 20;
         let inc = Incremental {
             chunk_bytes: digest::chunk_bytes_for(len),
-            seed: 42,
+            key: [42; digest::KEY_BYTES],
         };
         b.attach(3, 11, len, "p:1", None).await.unwrap();
         // What the primary wrote through the NIC, as another mapping of the same file sees it.
@@ -617,17 +629,17 @@ mod tests {
         let a = b.attach(4, 12, len, "p:2", Some(inc)).await.unwrap();
         assert_eq!(read_back((1 << 20) + 64), *b"held", "the pool was not kept");
         let want = {
-            let r = PmRegion::open(&pool, DurabilityRequest::ProcessCrash).unwrap();
-            digest::region_digests(&r, None, inc.chunk_bytes, inc.seed).unwrap()
+            let f = std::fs::File::open(&pool).unwrap();
+            digest::file_digests(&f, len, inc.chunk_bytes, &inc.key).unwrap()
         };
         assert_eq!(a.chunk_digests, want);
         assert_ne!(
             a.chunk_digests,
-            digest::zero_digests(len, inc.chunk_bytes, 42)
+            digest::zero_digests(len, inc.chunk_bytes, &inc.key)
         );
 
         let bad = Incremental {
-            chunk_bytes: 4096,
+            chunk_bytes: 3 << 20,
             ..inc
         };
         assert!(b.attach(4, 12, len, "p:2", Some(bad)).await.is_err());
@@ -635,12 +647,12 @@ mod tests {
         let bigger = 4 << 20;
         let inc4 = Incremental {
             chunk_bytes: digest::chunk_bytes_for(bigger),
-            seed: 42,
+            key: inc.key,
         };
         let a = b.attach(4, 12, bigger, "p:2", Some(inc4)).await.unwrap();
         assert_eq!(
             a.chunk_digests,
-            digest::zero_digests(bigger, inc4.chunk_bytes, 42)
+            digest::zero_digests(bigger, inc4.chunk_bytes, &inc.key)
         );
         assert_eq!(read_back((1 << 20) + 64), [0; 4]);
 

@@ -4,22 +4,30 @@
 //! chunk is the same as copying it).
 //!
 //! Invariants:
-//! - Both sides cut the pool the same way ([`chunk_bytes_for`]) and hash with the same seed,
-//!   which the primary draws for each attach: clients choose much of what the pool holds, and
-//!   must not be able to make two different chunks collide.
-//! - A digest is over the chunk's bytes only: equal digests mean equal bytes (XXH3-128; a
-//!   chance collision between two of a pool's chunks is about 2^-128 per pair).
+//! - Both sides cut the pool in the chunks the attach names (a power of two, at least
+//!   [`MIN_CHUNK_BYTES`], at most [`MAX_CHUNKS`] of them) and hash with the key the primary
+//!   draws for each attach.
+//! - A digest is keyed BLAKE3 over the chunk's bytes, truncated to 128 bits: clients choose
+//!   much of what a pool holds, and without the key they cannot make a chunk that digests like
+//!   another one (a keyed cryptographic hash, not a fast checksum, for that reason).
+//! - A backup's digests are of bytes made durable first ([`file_digests`] syncs the file):
+//!   a skipped chunk is never rewritten, so nothing else would make it durable before the
+//!   backup records its copy complete.
 
-use xxhash_rust::xxh3::xxh3_128_with_seed;
-
-use dinomo_fabric::PmRegion;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
 
 /// The smallest chunk (also what one WRITE of the copy carries).
 pub const MIN_CHUNK_BYTES: u64 = 1 << 20;
 /// Most chunks of one pool: bounds the attach's answer (16 bytes each: 1 MiB).
-const MAX_CHUNKS: u64 = 1 << 16;
+pub const MAX_CHUNKS: u64 = 1 << 16;
 /// Bytes of one chunk's digest on the wire.
 pub const DIGEST_BYTES: usize = 16;
+/// Bytes of the key an attach carries.
+pub const KEY_BYTES: usize = 32;
+
+/// The digest key of one attach.
+pub type Key = [u8; KEY_BYTES];
 
 /// The chunk size for a pool of `pool_bytes`: 1 MiB, or the next power of two that keeps the
 /// pool within 65,536 chunks.
@@ -30,42 +38,51 @@ pub fn chunk_bytes_for(pool_bytes: u64) -> u64 {
         .max(MIN_CHUNK_BYTES)
 }
 
+/// Whether `chunk_bytes` may cut a pool of `pool_bytes` (what a backup accepts).
+pub fn valid_chunk_bytes(pool_bytes: u64, chunk_bytes: u64) -> bool {
+    chunk_bytes.is_power_of_two()
+        && chunk_bytes >= MIN_CHUNK_BYTES
+        && chunk_count(pool_bytes, chunk_bytes) <= MAX_CHUNKS
+}
+
 /// How many chunks of `chunk_bytes` cover `pool_bytes` (the last may be short).
 pub fn chunk_count(pool_bytes: u64, chunk_bytes: u64) -> u64 {
     pool_bytes.div_ceil(chunk_bytes)
 }
 
 /// The digest of one chunk's bytes.
-pub fn digest(seed: u64, bytes: &[u8]) -> u128 {
-    xxh3_128_with_seed(bytes, seed)
+pub fn digest(key: &Key, bytes: &[u8]) -> u128 {
+    let h = blake3::keyed_hash(key, bytes);
+    u128::from_le_bytes(h.as_bytes()[..DIGEST_BYTES].try_into().expect("16 bytes"))
 }
 
-/// The digests of every chunk of `region`, in order, as the attach answers them. With `file`
-/// (the region's file), a chunk the file has no data in (a hole of a sparse pool) is known to
-/// be zeroes without reading it: reading a hole through the mapping would fill the page cache
-/// with zero pages (a 1 GiB pool that holds 20 MiB took 2.1 s to digest on the test VM).
+/// The digests of the first `len` bytes of the pool file `file`, chunk by chunk, as the attach
+/// answers them. The file is synced first (see the module doc); then each chunk is read with
+/// `pread` (an I/O error is an error, not a SIGBUS through a mapping), except the chunks the
+/// file system reports as holes (`SEEK_DATA`, trusted only after the sync): zeroes, known
+/// without reading them. Reading a hole would fill the page cache with zero pages (a 1 GiB
+/// pool holding 20 MiB took 2.1 s to digest on the test VM through its mapping).
 ///
 /// Reads what the pool holds: call it off the async runtime's threads.
-pub fn region_digests(
-    region: &PmRegion,
-    file: Option<&std::fs::File>,
+pub fn file_digests(
+    file: &File,
+    len: u64,
     chunk_bytes: u64,
-    seed: u64,
-) -> dinomo_fabric::Result<Vec<u8>> {
-    let len = region.len();
+    key: &Key,
+) -> std::io::Result<Vec<u8>> {
+    file.sync_data()?;
     let mut out = Vec::with_capacity(chunk_count(len, chunk_bytes) as usize * DIGEST_BYTES);
     let mut buf = vec![0u8; chunk_bytes.min(len) as usize];
-    let full_zero = digest(seed, &vec![0u8; chunk_bytes.min(len) as usize]);
+    let full_zero = digest(key, &vec![0u8; chunk_bytes.min(len) as usize]);
     let mut off = 0;
     while off < len {
         let n = chunk_bytes.min(len - off);
-        let d = match file {
-            Some(f) if n == chunk_bytes.min(len) && !has_data(f, off, off + n) => full_zero,
-            _ => {
-                let chunk = &mut buf[..n as usize];
-                region.read(off, chunk)?;
-                digest(seed, chunk)
-            }
+        let d = if n == chunk_bytes.min(len) && !has_data(file, off, off + n) {
+            full_zero
+        } else {
+            let chunk = &mut buf[..n as usize];
+            file.read_exact_at(chunk, off)?;
+            digest(key, chunk)
         };
         out.extend_from_slice(&d.to_le_bytes());
         off += n;
@@ -75,13 +92,13 @@ pub fn region_digests(
 
 /// Whether `file` may hold data in `[start, end)`: false only when the file system says the
 /// range is a hole (`SEEK_DATA` finds no data before `end`); any doubt reads the chunk.
-fn has_data(file: &std::fs::File, start: u64, end: u64) -> bool {
+fn has_data(file: &File, start: u64, end: u64) -> bool {
     use std::os::fd::AsRawFd;
     let Ok(start) = libc::off_t::try_from(start) else {
         return true;
     };
     // SAFETY: lseek on a descriptor this function borrows; it only moves the file offset,
-    // which nothing else uses (the pool is read and written through its mapping).
+    // which nothing else uses (the pool is read with pread and written through its mapping).
     let at = unsafe { libc::lseek(file.as_raw_fd(), start, libc::SEEK_DATA) };
     if at < 0 {
         // ENXIO: no data from `start` to the end of the file.
@@ -92,17 +109,16 @@ fn has_data(file: &std::fs::File, start: u64, end: u64) -> bool {
 
 /// The digests of a pool of `pool_bytes` that holds only zeroes (a backup's fresh pool),
 /// without reading one.
-pub fn zero_digests(pool_bytes: u64, chunk_bytes: u64, seed: u64) -> Vec<u8> {
-    let full = digest(seed, &vec![0u8; chunk_bytes.min(pool_bytes) as usize]).to_le_bytes();
+pub fn zero_digests(pool_bytes: u64, chunk_bytes: u64, key: &Key) -> Vec<u8> {
     let count = chunk_count(pool_bytes, chunk_bytes);
+    let full = digest(key, &vec![0u8; chunk_bytes.min(pool_bytes) as usize]).to_le_bytes();
     let mut out = Vec::with_capacity(count as usize * DIGEST_BYTES);
     for i in 0..count {
-        let start = i * chunk_bytes;
-        let n = chunk_bytes.min(pool_bytes - start);
+        let n = chunk_bytes.min(pool_bytes - i * chunk_bytes);
         if n == chunk_bytes.min(pool_bytes) {
             out.extend_from_slice(&full);
         } else {
-            out.extend_from_slice(&digest(seed, &vec![0u8; n as usize]).to_le_bytes());
+            out.extend_from_slice(&digest(key, &vec![0u8; n as usize]).to_le_bytes());
         }
     }
     out
@@ -112,7 +128,7 @@ pub fn zero_digests(pool_bytes: u64, chunk_bytes: u64, seed: u64) -> Vec<u8> {
 #[derive(Debug, Clone)]
 pub struct BackupChunks {
     pub chunk_bytes: u64,
-    pub seed: u64,
+    key: Key,
     digests: Vec<u128>,
 }
 
@@ -121,7 +137,7 @@ impl BackupChunks {
     pub fn from_wire(
         pool_bytes: u64,
         chunk_bytes: u64,
-        seed: u64,
+        key: Key,
         wire: &[u8],
     ) -> Result<Self, String> {
         let want = chunk_count(pool_bytes, chunk_bytes) as usize * DIGEST_BYTES;
@@ -138,7 +154,7 @@ impl BackupChunks {
             .collect();
         Ok(BackupChunks {
             chunk_bytes,
-            seed,
+            key,
             digests,
         })
     }
@@ -147,14 +163,14 @@ impl BackupChunks {
     pub fn holds(&self, index: u64, bytes: &[u8]) -> bool {
         self.digests
             .get(index as usize)
-            .is_some_and(|d| *d == digest(self.seed, bytes))
+            .is_some_and(|d| *d == digest(&self.key, bytes))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use dinomo_fabric::DurabilityRequest;
+    use dinomo_fabric::{DurabilityRequest, PmRegion};
 
     #[test]
     fn chunks_are_one_mib_until_the_pool_needs_more_than_65536() {
@@ -162,30 +178,35 @@ mod tests {
         assert_eq!(chunk_bytes_for(64 << 30), 1 << 20);
         assert_eq!(chunk_bytes_for((64 << 30) + 4096), 2 << 20);
         assert_eq!(chunk_bytes_for(1 << 40), 16 << 20);
-        assert!(chunk_count(1 << 40, chunk_bytes_for(1 << 40)) <= MAX_CHUNKS);
+        for len in [4096, 64 << 30, (64 << 30) + 4096, 1 << 40] {
+            assert!(valid_chunk_bytes(len, chunk_bytes_for(len)));
+        }
+        assert!(
+            valid_chunk_bytes(1 << 30, 4 << 20),
+            "larger chunks are fine"
+        );
+        assert!(!valid_chunk_bytes(1 << 30, 3 << 20));
+        assert!(!valid_chunk_bytes(1 << 30, 4096));
+        assert!(!valid_chunk_bytes(1 << 40, 1 << 20), "too many chunks");
     }
 
-    /// A zero-filled region's digests are what `zero_digests` computes without reading, a
-    /// changed byte changes exactly its chunk's digest, and another seed changes every digest.
+    /// A zero-filled pool's digests are what `zero_digests` computes without reading, a byte
+    /// written through a mapping changes exactly its chunk's digest (it is data, not a hole),
+    /// and another key changes every digest.
     #[test]
-    fn digests_follow_the_bytes_and_the_seed() {
+    fn digests_follow_the_bytes_and_the_key() {
         let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p");
         let len = (3 << 20) + 8192; // a short last chunk
-        let r =
-            PmRegion::create(&dir.path().join("p"), len, DurabilityRequest::ProcessCrash).unwrap();
+        let r = PmRegion::create(&path, len, DurabilityRequest::ProcessCrash).unwrap();
+        let file = File::open(&path).unwrap();
         let chunk = chunk_bytes_for(len);
-        let zero = region_digests(&r, None, chunk, 7).unwrap();
-        assert_eq!(zero, zero_digests(len, chunk, 7));
-        let file = std::fs::File::open(dir.path().join("p")).unwrap();
-        assert_eq!(region_digests(&r, Some(&file), chunk, 7).unwrap(), zero);
+        let key = [7u8; KEY_BYTES];
+        let zero = file_digests(&file, len, chunk, &key).unwrap();
+        assert_eq!(zero, zero_digests(len, chunk, &key));
         assert_eq!(zero.len(), 4 * DIGEST_BYTES);
         r.write_durable((2 << 20) + 64, &[1u8; 8]).unwrap();
-        let changed = region_digests(&r, None, chunk, 7).unwrap();
-        assert_eq!(
-            region_digests(&r, Some(&file), chunk, 7).unwrap(),
-            changed,
-            "a chunk with data is read, not taken for a hole"
-        );
+        let changed = file_digests(&file, len, chunk, &key).unwrap();
         for i in 0..4 {
             let (a, b) = (
                 &zero[i * DIGEST_BYTES..][..DIGEST_BYTES],
@@ -193,18 +214,18 @@ mod tests {
             );
             assert_eq!(a == b, i != 2, "chunk {i}");
         }
-        let other_seed = region_digests(&r, Some(&file), chunk, 8).unwrap();
+        let other_key = file_digests(&file, len, chunk, &[8u8; KEY_BYTES]).unwrap();
         assert!(changed
             .chunks(DIGEST_BYTES)
-            .zip(other_seed.chunks(DIGEST_BYTES))
+            .zip(other_key.chunks(DIGEST_BYTES))
             .all(|(a, b)| a != b));
 
-        let known = BackupChunks::from_wire(len, chunk, 7, &changed).unwrap();
+        let known = BackupChunks::from_wire(len, chunk, key, &changed).unwrap();
         let mut buf = vec![0u8; chunk as usize];
         r.read(2 << 20, &mut buf).unwrap();
         assert!(known.holds(2, &buf));
         assert!(!known.holds(1, &buf));
         assert!(!known.holds(9, &buf), "out of range holds nothing");
-        assert!(BackupChunks::from_wire(len, chunk, 7, &changed[16..]).is_err());
+        assert!(BackupChunks::from_wire(len, chunk, key, &changed[16..]).is_err());
     }
 }

@@ -136,12 +136,16 @@ impl Primary {
         if let Some(why) = self.replicator.ended() {
             return Err(DpmError::Replication(why));
         }
-        let mut client = self.client(address, Duration::from_secs(30)).await?;
         let pool_bytes = self.dpm.pool().region().len();
+        // The attach of a kept pool reads what it holds (syncs and digests it): allow for a
+        // cold read of the whole pool, 4 s per GiB, beside the usual 30 s.
+        let attach_timeout = Duration::from_secs(30 + 4 * pool_bytes.div_ceil(1 << 30));
+        let mut client = self.client(address, attach_timeout).await?;
         // Incremental: the backup keeps what it holds and the copy skips the chunks it holds
         // already (a backup restarted, re-attached, or one of the old primary's after a
-        // failover holds most of the pool). A fresh seed each time (see `digest`).
-        let (chunk_bytes, digest_seed) = (digest::chunk_bytes_for(pool_bytes), rand::random());
+        // failover holds most of the pool). A fresh key each time (see `digest`).
+        let chunk_bytes = digest::chunk_bytes_for(pool_bytes);
+        let digest_key: digest::Key = rand::random();
         let r = client
             .attach(pb::AttachRequest {
                 term: self.term,
@@ -149,7 +153,7 @@ impl Primary {
                 pool_bytes,
                 primary: self.address.clone(),
                 chunk_bytes,
-                digest_seed,
+                digest_key: digest_key.to_vec(),
             })
             .await;
         let r = match r {
@@ -204,7 +208,7 @@ impl Primary {
                 digest::BackupChunks::from_wire(
                     pool_bytes,
                     chunk_bytes,
-                    digest_seed,
+                    digest_key,
                     &r.chunk_digests,
                 )
                 .map_err(|e| {

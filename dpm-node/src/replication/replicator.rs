@@ -10,8 +10,9 @@
 //!   in part): a state the primary's pool went through, with some lines newer, which is what a
 //!   power failure of the primary may leave; recovery handles it.
 //! - A backup joins `Syncing`: it gets every record from the moment it is added, and the sender
-//!   copies the whole pool to it through the same queue, chunk by chunk, each chunk read under
-//!   the state lock. A chunk the backup already holds is skipped: one whose digest equals the
+//!   copies the whole pool to it through the same queue, chunk by chunk, each MiB read under
+//!   the state lock (so at one place in the record order). A chunk the backup already holds
+//!   is skipped: one whose digest equals the
 //!   one the backup answered at its attach ([`BackupChunks`], taken when only this primary
 //!   could write it any more), or, from a backup that started from a zero-filled pool, one
 //!   that is all zeroes. Skipping is copying the same bytes: the backup holds the chunk as the
@@ -485,7 +486,10 @@ impl Replicator {
                 after_ms: self.opts.ack_timeout.as_millis() as u64,
             })??;
         // The pool, chunk by chunk, through the queue (ordered with the records), skipping the
-        // chunks the backup holds (see the module doc).
+        // chunks the backup holds (see the module doc). Each MiB is read under the state lock,
+        // which orders the read with the records; the comparison runs outside it (a chunk may
+        // be 16 MiB, and every persist waits for that lock). A chunk that differs is read again
+        // and queued, a MiB at a time, each at its own place in the order.
         let started = Instant::now();
         let chunk_bytes = b.held.as_ref().map_or(CHUNK, |h| h.chunk_bytes);
         let mut sync_until = 0;
@@ -497,32 +501,30 @@ impl Replicator {
                 return Ok(());
             }
             let len = chunk_bytes.min(self.region.len() - off);
-            {
-                let mut st = self.state.lock();
-                let chunk = &mut chunk[..len as usize];
-                read_words(&self.region, off, chunk)?;
-                let held = match &b.held {
-                    Some(h) => h.holds(index, chunk),
-                    None => is_zero(chunk),
-                };
-                if held {
-                    b.resync_skipped_bytes.fetch_add(len, Ordering::Relaxed);
-                } else {
-                    b.resync_bytes.fetch_add(len, Ordering::Relaxed);
-                    // One WRITE per MiB, in order, under the same lock.
-                    for (i, piece) in chunk.chunks(CHUNK as usize).enumerate() {
-                        let data = Bytes::copy_from_slice(piece);
-                        Self::enqueue(
-                            &mut st,
-                            std::slice::from_ref(b),
-                            off + i as u64 * CHUNK,
-                            data,
-                        );
-                    }
-                }
+            let chunk = &mut chunk[..len as usize];
+            for (i, piece) in chunk.chunks_mut(CHUNK as usize).enumerate() {
+                let _st = self.state.lock();
+                read_words(&self.region, off + i as u64 * CHUNK, piece)?;
                 // Everything queued for it so far (seqs are shared by all backups: another
                 // backup's chunks take seqs this one never acknowledges).
                 sync_until = b.queue.lock().last_queued;
+            }
+            let held = match &b.held {
+                Some(h) => h.holds(index, chunk),
+                None => is_zero(chunk),
+            };
+            if held {
+                b.resync_skipped_bytes.fetch_add(len, Ordering::Relaxed);
+            } else {
+                b.resync_bytes.fetch_add(len, Ordering::Relaxed);
+                for (i, piece) in chunk.chunks_mut(CHUNK as usize).enumerate() {
+                    let at = off + i as u64 * CHUNK;
+                    let mut st = self.state.lock();
+                    read_words(&self.region, at, piece)?;
+                    let data = Bytes::copy_from_slice(piece);
+                    Self::enqueue(&mut st, std::slice::from_ref(b), at, data);
+                    sync_until = b.queue.lock().last_queued;
+                }
             }
             off += len;
             index += 1;
@@ -695,7 +697,8 @@ impl PersistMirror for Replicator {
         };
         // Backpressure for the node's own threads (merge, GC). A runtime thread (the NIC, a
         // control call) never blocks here: it waits for the barrier next, asynchronously, so
-        // what it can queue is bounded by the posts in flight.
+        // what it can queue is bounded by the posts in flight (a NIC connection holds at most
+        // 8 MiB of posts unanswered: `MAX_UNANSWERED_BYTES` in the fabric's tcp module).
         if tokio::runtime::Handle::try_current().is_err() {
             for b in &targets {
                 if b.queue.lock().bytes > MAX_QUEUED_BYTES {
@@ -732,13 +735,15 @@ impl PersistMirror for Replicator {
         Box::pin(async move {
             let wait = async {
                 loop {
+                    // First: ending stops every sender (sets `stop`), which must not read as
+                    // "removed from the set, no longer waited for" below.
+                    if let Some(why) = ended() {
+                        return Err(FabricError::Transport(why));
+                    }
                     let mut done = true;
                     for (b, target) in &targets {
                         if b.stop.load(Ordering::Acquire) {
                             continue; // removed from the set: no longer waited for
-                        }
-                        if let Some(why) = ended() {
-                            return Err(FabricError::Transport(why));
                         }
                         if let Phase::Failed { why, .. } = &*b.phase.lock() {
                             return Err(FabricError::Transport(format!(
@@ -751,6 +756,11 @@ impl PersistMirror for Replicator {
                         }
                     }
                     if done {
+                        // Again: `end` sets the reason before it stops the senders, so a stop
+                        // seen above while ending is seen here as the reason.
+                        if let Some(why) = ended() {
+                            return Err(FabricError::Transport(why));
+                        }
                         return Ok(());
                     }
                     if changes.changed().await.is_err() {

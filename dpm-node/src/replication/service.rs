@@ -8,6 +8,7 @@ use dinomo_proto::dpm::replica_service_server::ReplicaService;
 use tonic::{Request, Response, Status};
 
 use super::backup::Incremental;
+use super::digest;
 use super::{Backup, Phase, Primary};
 use crate::service::to_status;
 
@@ -109,10 +110,19 @@ impl ReplicaService for ReplicaGrpc {
         };
         let r = req.into_inner();
         // chunk_bytes 0: an older primary, which expects a pool that starts from zeroes.
-        let incremental = (r.chunk_bytes != 0).then_some(Incremental {
-            chunk_bytes: r.chunk_bytes,
-            seed: r.digest_seed,
-        });
+        let incremental = match r.chunk_bytes {
+            0 => None,
+            chunk_bytes => Some(Incremental {
+                chunk_bytes,
+                key: r.digest_key.as_slice().try_into().map_err(|_| {
+                    Status::invalid_argument(format!(
+                        "a digest key of {} bytes: expected {}",
+                        r.digest_key.len(),
+                        digest::KEY_BYTES
+                    ))
+                })?,
+            }),
+        };
         let a = b
             .attach(r.term, r.instance, r.pool_bytes, &r.primary, incremental)
             .await

@@ -442,7 +442,7 @@ async fn a_restarted_backup_is_attached_anew_when_reattach_is_on() {
     let text = std::fs::read_to_string(&c1).unwrap();
     std::fs::write(&c1, text.replacen("listen = \"127.0.0.1:0\"\n", "", 1)).unwrap();
     let mut b1 = DpmProcess::start(&c1, &dir.path().join("b1.log"));
-    let (cp, _) = config(
+    let (cp, primary_pool) = config(
         dir.path(),
         "p",
         &format!(
@@ -469,6 +469,14 @@ async fn a_restarted_backup_is_attached_anew_when_reattach_is_on() {
     let mut b1 = DpmProcess::start(&c1, &dir.path().join("b1-again.log"));
     let s = wait_in_sync(primary.grpc, 1).await;
     let copy = s.backups[0].clone();
+    // What a copy to an empty pool would have sent: the primary's non-zero MiB, now.
+    let nonzero_chunks = {
+        let bytes = std::fs::read(&primary_pool).unwrap();
+        bytes
+            .chunks(1 << 20)
+            .filter(|c| c.iter().any(|&b| b != 0))
+            .count() as u64
+    };
     let (kn1, mut w) = kn_writer(&primary).await;
     for i in KEYS..KEYS + 10 {
         w.append(&[record(i)]).await.unwrap();
@@ -481,13 +489,6 @@ async fn a_restarted_backup_is_attached_anew_when_reattach_is_on() {
         log.contains("kept the pool for an incremental copy"),
         "{log}"
     );
-    let nonzero_chunks = {
-        let bytes = std::fs::read(&pool1).unwrap();
-        bytes
-            .chunks(1 << 20)
-            .filter(|c| c.iter().any(|&b| b != 0))
-            .count() as u64
-    };
     assert!(
         copy.resync_bytes < nonzero_chunks << 20,
         "sent {} bytes, as many as the {nonzero_chunks} non-zero MiB of the pool: not \

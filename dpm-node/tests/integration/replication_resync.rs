@@ -53,9 +53,10 @@ async fn a_backup_gets_only_the_chunks_it_does_not_hold() {
         .unwrap();
 
     let chunk_bytes = digest::chunk_bytes_for(LEN);
-    let seed = 0x5eed;
-    let wire = digest::region_digests(&backup, None, chunk_bytes, seed).unwrap();
-    let held = BackupChunks::from_wire(LEN, chunk_bytes, seed, &wire).unwrap();
+    let key = [0x5e; digest::KEY_BYTES];
+    let file = std::fs::File::open(dir.path().join("b")).unwrap();
+    let wire = digest::file_digests(&file, LEN, chunk_bytes, &key).unwrap();
+    let held = BackupChunks::from_wire(LEN, chunk_bytes, key, &wire).unwrap();
 
     let grants = Arc::new(GrantTable::create(&dir.path().join("b.grants"), 4).unwrap());
     let key = grants
@@ -77,6 +78,13 @@ async fn a_backup_gets_only_the_chunks_it_does_not_hold() {
     primary.set_mirror(Some(rep.clone()));
     rep.add("b", nic.local_addr(), key, Some(held), None);
 
+    // A line of chunk 7 (the last one read) changed and changed back, both persisted: its
+    // records are queued, most likely before the chunk is read, and it is still skipped (it
+    // equals the backup's again); the backup ends with the line as it is.
+    primary.write_durable(7 * MIB + 256, &[0x99; 64]).unwrap();
+    let mut line = [0u8; 64];
+    backup.read(7 * MIB + 256, &mut line).unwrap();
+    primary.write_durable(7 * MIB + 256, &line).unwrap();
     // Writes during the copy: into chunks the backup holds (1; 5, zero on both), and into
     // chunks it lacks (2 and 6); into a held one (3) once in sync.
     for (i, off) in [MIB + 64, 2 * MIB + 128, 5 * MIB, 6 * MIB + 8192]
