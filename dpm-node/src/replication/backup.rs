@@ -43,7 +43,7 @@ use std::time::{Duration, Instant};
 
 use dinomo_fabric::grants::{GrantTable, WindowRange};
 use dinomo_fabric::tcp::TcpNic;
-use dinomo_fabric::{AccessKey, DurabilityRequest, PmRegion};
+use dinomo_fabric::{AccessKey, Durability, DurabilityRequest, PmRegion};
 
 use super::digest;
 use crate::error::{DpmError, Result};
@@ -509,15 +509,23 @@ fn kept_pool(
         .filter(|m| m.is_file() && m.len() == len);
     if existing.is_some() {
         let started = Instant::now();
+        let region = PmRegion::open(path, durability)?;
+        // A pool that only promises to survive a process crash is never synced, for its
+        // copied chunks either: syncing it here (all the dirty pages an earlier life left)
+        // would buy nothing it promises.
+        let sync = !matches!(
+            region.durability(),
+            Durability::ProcessCrash | Durability::SimulatedPowerLoss
+        );
         let digests = std::fs::File::open(path)
-            .and_then(|f| digest::file_digests(&f, len, inc.chunk_bytes, &inc.key));
+            .and_then(|f| digest::file_digests(&f, len, inc.chunk_bytes, &inc.key, sync));
         match digests {
             Ok(digests) => {
-                let region = PmRegion::open(path, durability)?;
                 tracing::info!(pool = %path.display(), took_ms = started.elapsed().as_millis() as u64, "kept the pool for an incremental copy and digested its chunks");
                 return Ok((region, digests));
             }
             Err(e) => {
+                drop(region);
                 tracing::warn!(pool = %path.display(), error = %e, "the pool could not be read to keep it: starting from zeroes (the primary copies all of it)");
             }
         }
@@ -630,7 +638,7 @@ mod tests {
         assert_eq!(read_back((1 << 20) + 64), *b"held", "the pool was not kept");
         let want = {
             let f = std::fs::File::open(&pool).unwrap();
-            digest::file_digests(&f, len, inc.chunk_bytes, &inc.key).unwrap()
+            digest::file_digests(&f, len, inc.chunk_bytes, &inc.key, false).unwrap()
         };
         assert_eq!(a.chunk_digests, want);
         assert_ne!(

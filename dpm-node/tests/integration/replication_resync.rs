@@ -55,7 +55,7 @@ async fn a_backup_gets_only_the_chunks_it_does_not_hold() {
     let chunk_bytes = digest::chunk_bytes_for(LEN);
     let key = [0x5e; digest::KEY_BYTES];
     let file = std::fs::File::open(dir.path().join("b")).unwrap();
-    let wire = digest::file_digests(&file, LEN, chunk_bytes, &key).unwrap();
+    let wire = digest::file_digests(&file, LEN, chunk_bytes, &key, false).unwrap();
     let held = BackupChunks::from_wire(LEN, chunk_bytes, key, &wire).unwrap();
 
     let grants = Arc::new(GrantTable::create(&dir.path().join("b.grants"), 4).unwrap());
