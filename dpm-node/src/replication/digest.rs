@@ -157,6 +157,8 @@ pub struct BackupChunks {
     pub chunk_bytes: u64,
     key: Key,
     digests: Vec<u128>,
+    /// The digest of a whole chunk of zeroes (most of a young pool).
+    zero: u128,
 }
 
 impl BackupChunks {
@@ -179,19 +181,36 @@ impl BackupChunks {
             .chunks_exact(DIGEST_BYTES)
             .map(|d| u128::from_le_bytes(d.try_into().expect("16 bytes")))
             .collect();
+        let zero = digest(&key, &vec![0u8; chunk_bytes.min(pool_bytes) as usize]);
         Ok(BackupChunks {
             chunk_bytes,
             key,
             digests,
+            zero,
         })
     }
 
-    /// Whether the backup's chunk `index` holds exactly `bytes`.
+    /// Whether the backup's chunk `index` holds exactly `bytes`. A chunk of zeroes is
+    /// compared without hashing it.
     pub fn holds(&self, index: u64, bytes: &[u8]) -> bool {
-        self.digests
-            .get(index as usize)
-            .is_some_and(|d| *d == digest(&self.key, bytes))
+        let Some(&held) = self.digests.get(index as usize) else {
+            return false;
+        };
+        if bytes.len() as u64 == self.chunk_bytes && is_zero(bytes) {
+            return held == self.zero;
+        }
+        held == digest(&self.key, bytes)
     }
+}
+
+/// Whether `b` holds only zero bytes (compared a word at a time).
+pub fn is_zero(b: &[u8]) -> bool {
+    let words = b.chunks_exact(8);
+    let tail = words.remainder();
+    words
+        .map(|w| u64::from_ne_bytes(w.try_into().expect("8 bytes")))
+        .all(|w| w == 0)
+        && tail.iter().all(|&x| x == 0)
 }
 
 #[cfg(test)]
@@ -251,6 +270,12 @@ mod tests {
         let mut buf = vec![0u8; chunk as usize];
         r.read(2 << 20, &mut buf).unwrap();
         assert!(known.holds(2, &buf));
+        let zeroes = vec![0u8; chunk as usize];
+        assert!(
+            known.holds(0, &zeroes),
+            "a zero chunk, compared without hashing"
+        );
+        assert!(!known.holds(2, &zeroes));
         assert!(!known.holds(1, &buf));
         assert!(!known.holds(9, &buf), "out of range holds nothing");
         assert!(BackupChunks::from_wire(len, chunk, key, &changed[16..]).is_err());

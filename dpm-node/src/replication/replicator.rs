@@ -45,7 +45,7 @@ use dinomo_fabric::mirror::{BarrierFuture, PersistMirror};
 use dinomo_fabric::tcp::TcpFabric;
 use dinomo_fabric::{AccessKey, Fabric, FabricError, Op, PmRegion};
 
-use super::digest::BackupChunks;
+use super::digest::{is_zero, BackupChunks};
 use parking_lot::{Condvar, Mutex};
 use tokio::sync::watch;
 
@@ -67,16 +67,6 @@ fn read_words(region: &PmRegion, offset: u64, out: &mut [u8]) -> dinomo_fabric::
         w.copy_from_slice(&v.to_le_bytes());
     }
     Ok(())
-}
-
-/// Whether `b` holds only zero bytes (compared a word at a time).
-fn is_zero(b: &[u8]) -> bool {
-    let words = b.chunks_exact(8);
-    let tail = words.remainder();
-    words
-        .map(|w| u64::from_ne_bytes(w.try_into().expect("8 bytes")))
-        .all(|w| w == 0)
-        && tail.iter().all(|&x| x == 0)
 }
 
 /// Has a backup record, durably, that its copy is complete (the CopyComplete call of
