@@ -103,6 +103,13 @@ fn post_all(kn: &Arc<TcpFabric>) -> Vec<tokio::task::JoinHandle<(u64, dinomo_fab
         .collect()
 }
 
+/// Post `i`'s WRITE is in the backup's pool.
+fn assert_at_backup(t: &Setup, i: u64, what: &str) {
+    let mut got = [0u8; 64];
+    t.backup.read(4096 + i * 64, &mut got).unwrap();
+    assert_eq!(got, [i as u8 + 1; 64], "post {i} {what}");
+}
+
 /// Eight WRITEs posted at once on one connection to the primary, with a backup that takes
 /// 300 ms per post: with one barrier round trip per post the backup gets eight posts (one per
 /// WRITE, each waited for before the next is read); carried together, their records share
@@ -114,13 +121,7 @@ async fn posts_on_one_connection_wait_for_the_backups_together() {
     for p in post_all(&t.kn) {
         let (i, r) = p.await.unwrap();
         r.unwrap();
-        let mut got = [0u8; 64];
-        t.backup.read(4096 + i * 64, &mut got).unwrap();
-        assert_eq!(
-            got,
-            [i as u8 + 1; 64],
-            "post {i} answered before the backup had it"
-        );
+        assert_at_backup(&t, i, "answered before the backup had it");
     }
     let posts = t.backup_posts.load(Ordering::Relaxed) - before;
     assert!(
@@ -150,13 +151,7 @@ async fn posts_waiting_when_the_primary_stops_are_not_acknowledged() {
     }
     // Whatever was acknowledged must be at the backup (the first WRITE's may be).
     for &i in &acknowledged {
-        let mut got = [0u8; 64];
-        t.backup.read(4096 + i * 64, &mut got).unwrap();
-        assert_eq!(
-            got,
-            [i as u8 + 1; 64],
-            "post {i} acknowledged but not at the backup"
-        );
+        assert_at_backup(&t, i, "acknowledged but not at the backup");
     }
     assert!(
         acknowledged.len() <= 1,
