@@ -43,7 +43,52 @@ pub trait PersistMirror: Send + Sync + std::fmt::Debug {
     fn barrier(&self) -> BarrierFuture;
 }
 
+/// The mirror of a region whose replication ended for good (its node stops, or was deposed):
+/// records nothing, and every barrier fails with the reason. Installed in place of the
+/// replicator rather than removing the mirror: a region without a mirror passes every barrier
+/// at once, so a control call or a post that applied its change just before the stop, and
+/// takes its barrier just after, would be acknowledged on this node alone.
+#[derive(Debug)]
+pub struct Ended(pub String);
+
+impl PersistMirror for Ended {
+    fn record(&self, _region: &PmRegion, _offset: u64, _len: u64) -> Result<()> {
+        Ok(())
+    }
+
+    fn barrier(&self) -> BarrierFuture {
+        Box::pin(std::future::ready(Err(
+            crate::error::FabricError::Transport(self.0.clone()),
+        )))
+    }
+}
+
 /// True when a post changes the region (WRITE, CAS or FAA).
 pub fn mutates(ops: &[Op]) -> bool {
     ops.iter().any(|op| !matches!(op, Op::Read { .. }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A region whose replication ended fails every barrier; without a mirror it would pass.
+    #[tokio::test]
+    async fn an_ended_mirror_fails_every_barrier() {
+        let dir = tempfile::tempdir().unwrap();
+        let r = PmRegion::create(
+            &dir.path().join("p"),
+            1 << 20,
+            crate::pm::DurabilityRequest::ProcessCrash,
+        )
+        .unwrap();
+        assert!(
+            r.mirror_barrier().await.is_ok(),
+            "no mirror: passes at once"
+        );
+        r.set_mirror(Some(std::sync::Arc::new(Ended("stopping".into()))));
+        r.write_durable(0, &[1u8; 64]).unwrap();
+        let e = r.mirror_barrier().await.unwrap_err();
+        assert!(e.to_string().contains("stopping"), "{e}");
+    }
 }

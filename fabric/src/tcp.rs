@@ -906,8 +906,9 @@ fn apply_post(
 }
 
 /// Most bytes of posts applied on one connection of a replicated region and not yet answered
-/// (their barriers pending): bounds what one connection adds to the backups' queues, which
-/// the node's own threads (merge, GC) wait on past 64 MiB.
+/// (their barriers pending), with what their answers carry (READs): bounds what one
+/// connection adds to the backups' queues, which the node's own threads (merge, GC) wait on
+/// past 64 MiB, and the answers it holds.
 const MAX_UNANSWERED_BYTES: u32 = 8 << 20;
 /// Most such posts (the channel between applying and answering).
 const MAX_UNANSWERED: usize = 64;
@@ -943,14 +944,28 @@ async fn serve_mirrored(
     ));
     let apply = async move {
         while let Some(frame) = read_frame(&mut r).await? {
-            let kib = (frame.len() as u32 >> 10).clamp(1, MAX_UNANSWERED_BYTES >> 10);
-            let Ok(permit) = budget.clone().acquire_many_owned(kib).await else {
-                break;
-            };
+            let posted = frame.len() as u64;
             let (id, ops) = decode_request(frame).map_err(|e| match e {
                 FabricError::Protocol(why) => FrameError::Bad(why),
                 other => FrameError::Bad(other.to_string()),
             })?;
+            // What the answer will hold too (READs), in KiB rounded up.
+            let read: u64 = ops
+                .iter()
+                .map(|op| match op {
+                    Op::Read { len, .. } => u64::from(*len),
+                    _ => 0,
+                })
+                .sum();
+            let kib = (posted + read)
+                .div_ceil(1024)
+                .clamp(1, u64::from(MAX_UNANSWERED_BYTES >> 10)) as u32;
+            let Ok(permit) = budget.clone().acquire_many_owned(kib).await else {
+                break;
+            };
+            if tx.is_closed() {
+                break; // the answering side stopped: nothing applied now could be answered
+            }
             let (result, barrier) = apply_post(region, grants, key, &ops);
             if tx.send((id, result, barrier, permit)).await.is_err() {
                 break; // the answering side stopped: the connection is going away

@@ -59,7 +59,8 @@ pub struct Backup {
     fabric_listen: SocketAddr,
     fabric_advertise: String,
     grants: Arc<GrantTable>,
-    state: tokio::sync::Mutex<State>,
+    /// Shared so that an attach's blocking work can own the lock (see `attach`).
+    state: Arc<tokio::sync::Mutex<State>>,
 }
 
 #[derive(Debug, Default)]
@@ -330,11 +331,11 @@ impl Backup {
             fabric_listen,
             fabric_advertise,
             grants,
-            state: tokio::sync::Mutex::new(State {
+            state: Arc::new(tokio::sync::Mutex::new(State {
                 term,
                 instance,
                 ..State::default()
-            }),
+            })),
         })
     }
 
@@ -365,7 +366,7 @@ impl Backup {
         primary: &str,
         incremental: Option<Incremental>,
     ) -> Result<Attached> {
-        let mut st = self.state.lock().await;
+        let mut st = self.state.clone().lock_owned().await;
         if term < st.term || (term == st.term && instance != st.instance) {
             return Err(DpmError::StaleTerm {
                 given: term,
@@ -417,9 +418,17 @@ impl Backup {
             ),
             Some(inc) => {
                 let (path, durability) = (self.pool_path.clone(), self.durability);
-                tokio::task::spawn_blocking(move || kept_pool(&path, pool_bytes, durability, inc))
-                    .await
-                    .map_err(|e| DpmError::Io(std::io::Error::other(e)))??
+                // The state lock goes with the work: if this call is dropped (the primary's
+                // deadline passed), the work goes on, and the next attach waits for it
+                // instead of digesting (or replacing) the same pool at the same time.
+                let (guard, kept) = tokio::task::spawn_blocking(move || {
+                    let kept = kept_pool(&path, pool_bytes, durability, inc);
+                    (st, kept)
+                })
+                .await
+                .map_err(|e| DpmError::Io(std::io::Error::other(e)))?;
+                st = guard;
+                kept?
             }
         };
         let region = Arc::new(region);
@@ -519,6 +528,11 @@ fn kept_pool(
         );
         let digests = std::fs::File::open(path)
             .and_then(|f| digest::file_digests(&f, len, inc.chunk_bytes, &inc.key, sync));
+        // On DAX the sync flushes no CPU cache line (a MAP_SYNC mapping's stores are not
+        // tracked as dirty): what an earlier life stored and did not flush is flushed here.
+        if digests.is_ok() && matches!(region.durability(), Durability::Dax(_)) {
+            region.persist(0, len)?;
+        }
         match digests {
             Ok(digests) => {
                 tracing::info!(pool = %path.display(), took_ms = started.elapsed().as_millis() as u64, "kept the pool for an incremental copy and digested its chunks");

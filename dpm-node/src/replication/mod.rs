@@ -38,6 +38,7 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
+use dinomo_fabric::mirror::Ended;
 use dinomo_fabric::AccessKey;
 use dinomo_proto::dpm as pb;
 use dinomo_proto::dpm::replica_service_client::ReplicaServiceClient;
@@ -288,14 +289,19 @@ impl Primary {
 
     /// Stops for good (the node is stopping): barriers fail from now on, so nothing more is
     /// acknowledged; the KNs' grants are revoked (which waits for their posts in progress:
-    /// answered with an error) before the mirror is removed, so no post is ever applied and
-    /// acknowledged on this node alone.
+    /// answered with an error), and the replicator is replaced by a mirror whose barriers
+    /// all fail ([`Ended`]), not removed: a control call still in progress (gRPC's shutdown
+    /// does not wait for every call) that takes its barrier after this must not pass it.
     pub fn shutdown(&self) {
-        self.replicator.end("this dpm-node is stopping");
+        const WHY: &str = "this dpm-node is stopping";
+        self.replicator.end(WHY);
         if let Err(e) = self.dpm.grants().revoke_all() {
             tracing::warn!(error = %e, "revoking the KNs' grants at stop");
         }
-        self.dpm.pool().region().set_mirror(None);
+        self.dpm
+            .pool()
+            .region()
+            .set_mirror(Some(Arc::new(Ended(WHY.to_string()))));
     }
 }
 

@@ -688,7 +688,8 @@ impl PersistMirror for Replicator {
         // Backpressure for the node's own threads (merge, GC). A runtime thread (the NIC, a
         // control call) never blocks here: it waits for the barrier next, asynchronously, so
         // what it can queue is bounded by the posts in flight (a NIC connection holds at most
-        // 8 MiB of posts unanswered: `MAX_UNANSWERED_BYTES` in the fabric's tcp module).
+        // 8 MiB of posts unanswered: `MAX_UNANSWERED_BYTES` in the fabric's tcp module; so the
+        // bound grows with the connections and control calls in progress).
         if tokio::runtime::Handle::try_current().is_err() {
             for b in &targets {
                 if b.queue.lock().bytes > MAX_QUEUED_BYTES {
