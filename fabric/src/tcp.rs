@@ -880,9 +880,9 @@ async fn serve_conn(
 /// Checks and applies one post under its grant's hold, and takes the barrier its answer must
 /// wait for (`None` when it failed). The hold spans the key and window checks and the apply,
 /// so a revoke or a window close (a fence) that returns has seen every post checked against
-/// the old grant applied; the barrier is taken inside it too, so a stopping memory node that
-/// revoked its grants, ended its barriers and removed its mirror cannot hand a post applied
-/// before that a barrier that passes at once.
+/// the old grant applied; the barrier is taken inside it too, so a post applied before a
+/// stopping memory node revoked its grants gets a barrier of the replication it stopped
+/// (which fails), never one taken after the stop.
 fn apply_post(
     region: &PmRegion,
     grants: &GrantTable,

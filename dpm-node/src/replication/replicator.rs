@@ -44,10 +44,10 @@ use bytes::Bytes;
 use dinomo_fabric::mirror::{BarrierFuture, PersistMirror};
 use dinomo_fabric::tcp::TcpFabric;
 use dinomo_fabric::{AccessKey, Fabric, FabricError, Op, PmRegion};
-
-use super::digest::{is_zero, BackupChunks};
 use parking_lot::{Condvar, Mutex};
 use tokio::sync::watch;
+
+use super::digest::{is_zero, BackupChunks};
 
 /// Bytes of one WRITE of the copy, and the chunk of a copy to a backup that gave no digests.
 const CHUNK: u64 = super::digest::MIN_CHUNK_BYTES;
