@@ -624,7 +624,7 @@ mod tests {
     /// An attach asking for an incremental copy keeps the pool it finds (of the asked size)
     /// and answers its chunks' digests; one of another size starts from zeroes (and says so
     /// in its digests); an attach without it zeroes the pool, as older primaries expect; a
-    /// chunk size other than the pool's is refused.
+    /// chunk size that is not a power of two is refused.
     #[tokio::test]
     async fn an_incremental_attach_keeps_the_pool_and_digests_it() {
         let dir = tempfile::tempdir().unwrap();
