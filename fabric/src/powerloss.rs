@@ -604,6 +604,17 @@ mod tests {
                 })
             })
             .collect();
+        // The writers running first (stores made, some persisted): on a loaded machine they
+        // were once not scheduled at all while the first 120 images were taken, and the
+        // images then had nothing unpersisted to choose from (CI, 2026-11-27).
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+        while r.persist_count() < 10 || done.load(Ordering::Relaxed) < 100 {
+            assert!(
+                std::time::Instant::now() < deadline,
+                "the writers did not run"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(1));
+        }
         let mut total = PowerLossStats::default();
         let mut last = 0;
         let mut seed = 0;
