@@ -11,6 +11,16 @@ pub enum DpmError {
     BadPool { path: String, detail: String },
     #[error("pool {path}: {source}")]
     Layout { path: String, source: LayoutError },
+    /// Another process serves the pool (see `pool_lock`).
+    #[error(
+        "pool {pool} is in use: another dpm-node process{holder} holds its lock {lock}; two \
+         processes serving one pool would corrupt it, so stop the other one first"
+    )]
+    PoolInUse {
+        pool: String,
+        lock: String,
+        holder: String,
+    },
     #[error(transparent)]
     Fabric(#[from] FabricError),
     /// No free segment for this kind of use: what is full and what to do.

@@ -21,6 +21,7 @@ pub mod limits;
 pub mod merge;
 pub mod metastore;
 pub mod pool;
+pub mod pool_lock;
 pub mod prefault;
 pub mod replication;
 pub mod segments;

@@ -24,6 +24,7 @@ use dinomo_proto::dpm::replica_service_server::ReplicaServiceServer;
 use crate::config::{DpmConfig, FabricKind, ReplicaRole};
 use crate::dpm::Dpm;
 use crate::error::{DpmError, Result};
+use crate::pool_lock::PoolLock;
 use crate::replication::{Backup, Primary, ReplicaGrpc, ReplicatorOptions};
 use crate::service::DpmGrpc;
 
@@ -165,6 +166,9 @@ pub async fn run(
     shutdown: impl Future<Output = ()> + Send + 'static,
     ready: impl FnOnce(&Running) + Send,
 ) -> Result<()> {
+    // Held until this function returns: while it serves, no other process serves the pool.
+    let lock = PoolLock::acquire(&config.pool_path)?;
+    tracing::debug!(lock = %lock.path().display(), "holding the pool's lock");
     if config.role == ReplicaRole::Backup {
         return run_backup(config, shutdown, ready).await;
     }

@@ -4,6 +4,7 @@ mod crash;
 mod dax;
 mod dpm;
 mod fence_window;
+mod pool_lock;
 mod powerloss;
 mod process;
 mod publication;

@@ -1,0 +1,148 @@
+//! The pool's owner lock: at most one dpm-node process, primary or backup, serves a pool.
+//!
+//! Two processes on one pool would both take it for theirs: two primaries allocate the same
+//! segments and merge into one index; a backup under a primary overwrites the primary's lines
+//! with another primary's copy. Nothing in the pool can tell them apart, so `run` takes this
+//! lock before it opens the pool and holds it while it serves; a second process is refused
+//! with the path of the lock and, where it can be read, the pid of the holder.
+//!
+//! The lock is an advisory `flock` (exclusive, never waited for). On a file pool it is taken on
+//! a lock file beside it (`<pool>.lock`), not on the pool: a backup replaces its pool file by a
+//! rename when it starts a fresh copy, and `dinomo up` swaps pool files at a failover, while the
+//! lock must stay with the path. On a device-DAX device it is taken on the device itself (a
+//! device is never renamed). The kernel drops it when the holder exits, SIGKILL included, so a
+//! crashed node never leaves a stale lock behind; the pid in the file is only a hint for the
+//! error message. KV nodes mapping the pool (shm fabric) take no lock and are not refused.
+//!
+//! A filesystem without `flock` support leaves the pool unprotected, with a warning: refusing
+//! to start there would refuse pools that worked before.
+
+use std::fs::{File, OpenOptions, TryLockError};
+use std::io::Write;
+use std::os::unix::fs::FileTypeExt;
+use std::path::{Path, PathBuf};
+
+use crate::error::{DpmError, Result};
+
+/// Held while a process serves a pool; dropping it (or exiting) releases the pool.
+#[derive(Debug)]
+pub struct PoolLock {
+    /// `None`: the filesystem does not support locks (warned at acquire).
+    _file: Option<File>,
+    path: PathBuf,
+}
+
+/// The lock file of a file pool: `<pool>.lock`.
+pub fn lock_path(pool: &Path) -> PathBuf {
+    let mut p = pool.as_os_str().to_owned();
+    p.push(".lock");
+    PathBuf::from(p)
+}
+
+impl PoolLock {
+    /// Takes the lock of `pool` (a file, which need not exist yet, or a device-DAX device),
+    /// or says which process holds it.
+    pub fn acquire(pool: &Path) -> Result<PoolLock> {
+        let device = std::fs::metadata(pool)
+            .map(|m| m.file_type().is_char_device())
+            .unwrap_or(false);
+        let path = if device {
+            pool.to_path_buf()
+        } else {
+            lock_path(pool)
+        };
+        let opened = if device {
+            File::open(&path)
+        } else {
+            OpenOptions::new()
+                .read(true)
+                .write(true)
+                .create(true)
+                .truncate(false)
+                .open(&path)
+        };
+        let mut file = opened.map_err(|e| DpmError::BadPool {
+            path: pool.display().to_string(),
+            detail: format!("cannot open its lock {}: {e}", path.display()),
+        })?;
+        match file.try_lock() {
+            Ok(()) => {}
+            Err(TryLockError::WouldBlock) => {
+                let holder = if device {
+                    None
+                } else {
+                    std::fs::read_to_string(&path)
+                        .ok()
+                        .and_then(|s| s.trim().parse::<u32>().ok())
+                };
+                return Err(DpmError::PoolInUse {
+                    pool: pool.display().to_string(),
+                    lock: path.display().to_string(),
+                    holder: holder.map_or(String::new(), |pid| format!(" (pid {pid})")),
+                });
+            }
+            Err(TryLockError::Error(e)) => {
+                tracing::warn!(pool = %pool.display(), lock = %path.display(), error = %e, "cannot lock the pool (the filesystem does not support flock?): nothing stops a second dpm-node from serving it too");
+                return Ok(PoolLock { _file: None, path });
+            }
+        }
+        if !device {
+            // The holder's pid, for the error a second process prints. A failure to write it
+            // loses only that hint.
+            let pid = std::process::id();
+            let written = file.set_len(0).and_then(|()| {
+                use std::io::Seek;
+                file.seek(std::io::SeekFrom::Start(0))?;
+                writeln!(file, "{pid}")
+            });
+            if let Err(e) = written {
+                tracing::debug!(lock = %path.display(), error = %e, "cannot write the pid into the pool's lock file");
+            }
+        }
+        Ok(PoolLock {
+            _file: Some(file),
+            path,
+        })
+    }
+
+    /// The file the lock is taken on.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A second lock of the same pool is refused while the first is held, names the lock and
+    /// the holder's pid, and is granted once the first is dropped. (`flock` locks belong to
+    /// open files, so two in one process conflict as two processes do.)
+    #[test]
+    fn a_held_pool_is_refused_until_released() {
+        let dir = tempfile::tempdir().unwrap();
+        let pool = dir.path().join("pool");
+        let first = PoolLock::acquire(&pool).unwrap();
+        assert_eq!(first.path(), lock_path(&pool));
+        let err = PoolLock::acquire(&pool).unwrap_err().to_string();
+        assert!(err.contains("in use"), "{err}");
+        assert!(
+            err.contains(&format!("pid {}", std::process::id())),
+            "{err}"
+        );
+        assert!(
+            err.contains(&lock_path(&pool).display().to_string()),
+            "{err}"
+        );
+        drop(first);
+        PoolLock::acquire(&pool).unwrap();
+    }
+
+    /// Another pool in the same directory is not locked by this one's lock.
+    #[test]
+    fn pools_are_locked_one_by_one() {
+        let dir = tempfile::tempdir().unwrap();
+        let _a = PoolLock::acquire(&dir.path().join("a")).unwrap();
+        PoolLock::acquire(&dir.path().join("b")).unwrap();
+    }
+}
