@@ -1,5 +1,6 @@
-//! `dinomo admin`: the monitor's admin actions (add, remove or fail a KV node) and its status,
-//! and failing the dpm-node primary (see [`crate::fail_dpm`]).
+//! `dinomo admin`: the monitor's admin actions (add, remove or fail a KV node) and its status;
+//! failing the dpm-node primary (see [`crate::fail_dpm`]) and changing its replica set (see
+//! [`crate::backup_set`]).
 
 use std::time::Duration;
 
@@ -49,6 +50,27 @@ pub enum Action {
         #[arg(long, default_value_t = 60)]
         timeout_secs: u64,
     },
+    /// Add a backup dpm-node to the primary's replica set: the primary attaches it (taking
+    /// its term, which fences older primaries there) and copies the chunks its pool lacks in
+    /// the background; it counts for acknowledgements once in sync. Adding a backup that is in
+    /// the set already (a failed one) attaches it anew. Prints the replica set.
+    AddBackup {
+        /// The backup's gRPC address (a dpm-node started with --role backup).
+        backup: String,
+        /// The primary dpm-node's address.
+        #[arg(long, env = "DINOMO_DPM", default_value = "127.0.0.1:7700")]
+        dpm: String,
+    },
+    /// Remove a backup from the primary's replica set: the primary no longer waits for it (a
+    /// failed backup holds every acknowledgement until it is removed or added again). Its pool
+    /// keeps what it holds. Prints the replica set.
+    RemoveBackup {
+        /// The backup's gRPC address, as the primary lists it (`dinomo status`).
+        backup: String,
+        /// The primary dpm-node's address.
+        #[arg(long, env = "DINOMO_DPM", default_value = "127.0.0.1:7700")]
+        dpm: String,
+    },
     /// The monitor's view: KNs, occupancy, latencies, replicated keys, recent decisions.
     Status,
     /// Replace the policy parameters at run time from a TOML file (a [policy] table, as in
@@ -71,6 +93,22 @@ pub async fn run(a: AdminArgs) -> anyhow::Result<()> {
         return crate::fail_dpm::run(dpm, routing, writer, Duration::from_secs(*timeout_secs))
             .await;
     }
+    if let Action::AddBackup { backup, dpm } | Action::RemoveBackup { backup, dpm } = &a.action {
+        let add = matches!(a.action, Action::AddBackup { .. });
+        let set = crate::backup_set::change(dpm, backup, add).await?;
+        println!(
+            "{} backup {backup}; replica set of primary {dpm} (term {}):",
+            if add { "added" } else { "removed" },
+            set.term
+        );
+        if set.backups.is_empty() {
+            println!("    no backups: the primary acknowledges alone");
+        }
+        for b in &set.backups {
+            println!("{}", crate::status::backup_line(b));
+        }
+        return Ok(());
+    }
     let channel = dinomo_security::Security::of_process()
         .endpoint(&a.monitor, dinomo_security::Service::Monitor)?
         .connect()
@@ -82,7 +120,9 @@ pub async fn run(a: AdminArgs) -> anyhow::Result<()> {
         Action::AddKn => m.add_kn(AddKnRequest {}).await,
         Action::RemoveKn { kn } => m.remove_kn(KnRequest { kn_id: kn }).await,
         Action::FailKn { kn } => m.fail_kn(KnRequest { kn_id: kn }).await,
-        Action::FailDpm { .. } => unreachable!("handled above"),
+        Action::FailDpm { .. } | Action::AddBackup { .. } | Action::RemoveBackup { .. } => {
+            unreachable!("handled above")
+        }
         Action::SetPolicy { file } => {
             let toml = std::fs::read_to_string(&file)
                 .with_context(|| format!("reading {}", file.display()))?;

@@ -5,6 +5,7 @@
 //! binaries).
 
 mod admin;
+mod backup_set;
 mod credentials;
 mod fail_dpm;
 mod kv;
@@ -51,7 +52,8 @@ enum Command {
     /// The paper's timeline experiments (Figs. 6-8: autoscaling, hot-key replication, KN
     /// failure) on a fresh local cluster; writes a per-second CSV and a PNG chart.
     Scenario(scenario::ScenarioArgs),
-    /// Admin actions through the monitor: add, remove or fail a KV node; its status.
+    /// Admin actions: add, remove or fail a KV node, the monitor's status (through the
+    /// monitor); fail the dpm-node primary; add or remove a dpm-node backup.
     Admin(admin::AdminArgs),
     /// Make a cluster CA and certificates (`dinomo up` makes its own under
     /// <data-dir>/credentials): init a folder, or issue one more identity.

@@ -247,7 +247,7 @@ fn copy_note(own: &anyhow::Result<ReplicaStatusResponse>) -> String {
 }
 
 /// One backup as `dinomo status` prints it: its state and how far behind the primary it is.
-fn backup_line(b: &BackupState) -> String {
+pub(crate) fn backup_line(b: &BackupState) -> String {
     let mut line = format!("    backup {:<21} {:<8}", b.address, b.state);
     match b.state.as_str() {
         "in-sync" => line.push_str(&format!(

@@ -32,8 +32,6 @@ use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use dinomo_proto::dpm::replica_service_client::ReplicaServiceClient;
-use dinomo_proto::dpm::BackupRequest;
 
 use super::{spawn, Node};
 
@@ -125,22 +123,9 @@ fn swap_pools(a: &Path, b: &Path) -> anyhow::Result<()> {
 }
 
 async fn change_set(dpm: &str, backup: &str, add: bool) -> anyhow::Result<()> {
-    let ch = dinomo_security::Security::of_process()
-        .endpoint(dpm, dinomo_security::Service::Dpm)?
-        .connect_timeout(Duration::from_millis(500))
-        .timeout(Duration::from_secs(30))
-        .connect()
-        .await?;
-    let mut c = ReplicaServiceClient::new(ch);
-    let req = BackupRequest {
-        address: backup.to_string(),
-    };
-    if add {
-        c.add_backup(req).await?;
-    } else {
-        c.remove_backup(req).await?;
-    }
-    Ok(())
+    crate::backup_set::change(dpm, backup, add)
+        .await
+        .map(|_| ())
 }
 
 impl ReplicaSet {

@@ -3,6 +3,7 @@
 //! under load, and the monitor's failover, scaling and hot-key replication under load, each with
 //! its history checked for linearizability.
 
+mod backup_admin;
 mod cluster;
 mod deploy;
 mod dpm_failover;
