@@ -53,13 +53,19 @@ pub enum Action {
     /// Add a backup dpm-node to the primary's replica set: the primary attaches it (taking
     /// its term, which fences older primaries there) and copies the chunks its pool lacks in
     /// the background; it counts for acknowledgements once in sync. Adding a backup that is in
-    /// the set already (a failed one) attaches it anew. Prints the replica set.
+    /// the set already attaches it anew, a failed one or one in sync alike: until it is in
+    /// sync again the set holds one copy fewer. A primary started without --backup refuses
+    /// (replication is off there). Prints the replica set.
     AddBackup {
         /// The backup's gRPC address (a dpm-node started with --role backup).
         backup: String,
         /// The primary dpm-node's address.
         #[arg(long, env = "DINOMO_DPM", default_value = "127.0.0.1:7700")]
         dpm: String,
+        /// How long to wait for the attach (the backup digests its whole pool first: the
+        /// primary allows 30 s + 4 s per GiB).
+        #[arg(long, default_value_t = 600)]
+        timeout_secs: u64,
     },
     /// Remove a backup from the primary's replica set: the primary no longer waits for it (a
     /// failed backup holds every acknowledgement until it is removed or added again). Its pool
@@ -70,6 +76,23 @@ pub enum Action {
         /// The primary dpm-node's address.
         #[arg(long, env = "DINOMO_DPM", default_value = "127.0.0.1:7700")]
         dpm: String,
+    },
+    /// Make a backup dpm-node the primary, in place (a failover you decided: the primary is
+    /// lost). The backup must hold a complete copy (`dinomo status --dpm BACKUP` says
+    /// "promotable"). It stops serving as a backup and starts as the primary on its pool at
+    /// its own addresses: it recovers the pool, takes a term later than any the named nodes
+    /// report (which fences the old primary at every backup it attaches) and replicates to
+    /// the --backup nodes. Point the KV nodes, routing node and monitor at it (on Kubernetes,
+    /// the dpm Service; see helm/README.md). Waits until it answers as the primary.
+    PromoteBackup {
+        /// The backup's gRPC address.
+        backup: String,
+        /// Another backup the new primary replicates to (repeat the flag for each).
+        #[arg(long = "backup")]
+        others: Vec<String>,
+        /// How long to wait for it to answer as the primary.
+        #[arg(long, default_value_t = 120)]
+        timeout_secs: u64,
     },
     /// The monitor's view: KNs, occupancy, latencies, replicated keys, recent decisions.
     Status,
@@ -93,9 +116,34 @@ pub async fn run(a: AdminArgs) -> anyhow::Result<()> {
         return crate::fail_dpm::run(dpm, routing, writer, Duration::from_secs(*timeout_secs))
             .await;
     }
-    if let Action::AddBackup { backup, dpm } | Action::RemoveBackup { backup, dpm } = &a.action {
-        let add = matches!(a.action, Action::AddBackup { .. });
-        let set = crate::backup_set::change(dpm, backup, add).await?;
+    if let Action::PromoteBackup {
+        backup,
+        others,
+        timeout_secs,
+    } = &a.action
+    {
+        let s =
+            crate::backup_set::promote(backup, others, Duration::from_secs(*timeout_secs)).await?;
+        println!("{backup} is the primary now (term {}):", s.term);
+        if s.backups.is_empty() {
+            println!("    no backups: it acknowledges alone");
+        }
+        for b in &s.backups {
+            println!("{}", crate::status::backup_line(b));
+        }
+        return Ok(());
+    }
+    let change = match &a.action {
+        Action::AddBackup {
+            backup,
+            dpm,
+            timeout_secs,
+        } => Some((backup, dpm, true, Duration::from_secs(*timeout_secs))),
+        Action::RemoveBackup { backup, dpm } => Some((backup, dpm, false, Duration::from_secs(30))),
+        _ => None,
+    };
+    if let Some((backup, dpm, add, timeout)) = change {
+        let set = crate::backup_set::change(dpm, backup, add, timeout).await?;
         println!(
             "{} backup {backup}; replica set of primary {dpm} (term {}):",
             if add { "added" } else { "removed" },
@@ -120,9 +168,10 @@ pub async fn run(a: AdminArgs) -> anyhow::Result<()> {
         Action::AddKn => m.add_kn(AddKnRequest {}).await,
         Action::RemoveKn { kn } => m.remove_kn(KnRequest { kn_id: kn }).await,
         Action::FailKn { kn } => m.fail_kn(KnRequest { kn_id: kn }).await,
-        Action::FailDpm { .. } | Action::AddBackup { .. } | Action::RemoveBackup { .. } => {
-            unreachable!("handled above")
-        }
+        Action::FailDpm { .. }
+        | Action::AddBackup { .. }
+        | Action::RemoveBackup { .. }
+        | Action::PromoteBackup { .. } => unreachable!("handled above"),
         Action::SetPolicy { file } => {
             let toml = std::fs::read_to_string(&file)
                 .with_context(|| format!("reading {}", file.display()))?;

@@ -55,6 +55,11 @@ pub const CLUSTER_MAP_KEY: &str = "cluster/map";
 /// Where the pool's replica term is kept (written only by [`Dpm::next_replica_term`]).
 const REPLICA_TERM_KEY: &str = "dpm/replica-term";
 
+/// The newest replica term under which this pool's image served as a primary's: written by
+/// [`Dpm::record_replica_image_term`] once a backup accepted the term (only from then on may
+/// the primary acknowledge anything), and copied to the backups with the rest of the pool.
+const REPLICA_IMAGE_TERM_KEY: &str = "dpm/replica-image-term";
+
 /// Where the map a KN was fenced under is kept (see [`Dpm::confirm_serving`]).
 fn fenced_under_key(kn: u32) -> String {
     format!("dpm/fenced-under/{kn}")
@@ -139,9 +144,17 @@ pub struct Dpm {
     fenced_procs: Arc<FencedProcs>,
     stop: Arc<AtomicBool>,
     threads: Mutex<Vec<std::thread::JoinHandle<()>>>,
+    /// The process's lock of the pool ([`crate::pool_lock`]), when a server runs it: released
+    /// with the last holder of this DPM (a handler still running past the server's stop).
+    pool_lock: std::sync::OnceLock<Arc<crate::pool_lock::PoolLock>>,
 }
 
 impl Dpm {
+    /// Keeps `lock` until this DPM is dropped (see the field).
+    pub fn hold_pool_lock(&self, lock: Arc<crate::pool_lock::PoolLock>) {
+        let _ = self.pool_lock.set(lock);
+    }
+
     /// Opens the pool (formatting it when absent and allowed) and starts the background
     /// threads.
     ///
@@ -347,6 +360,7 @@ impl Dpm {
             fenced_procs,
             stop,
             threads: Mutex::new(threads),
+            pool_lock: std::sync::OnceLock::new(),
         }))
     }
 
@@ -1118,6 +1132,28 @@ impl Dpm {
             .update(&[(REPLICA_TERM_KEY, Some(&term.to_le_bytes()[..]))])?;
         tracing::info!(term, "a new replica term started");
         Ok(term)
+    }
+
+    /// The newest term under which this pool's image served as a primary's (see
+    /// [`REPLICA_IMAGE_TERM_KEY`]); for a pool written before that key existed, the newest
+    /// term taken; 0 for a pool that never served a replicated primary.
+    pub fn replica_image_term(&self) -> u64 {
+        let read = |key| {
+            self.meta
+                .get(key)
+                .and_then(|v| <[u8; 8]>::try_from(v.as_slice()).ok())
+                .map(u64::from_le_bytes)
+        };
+        read(REPLICA_IMAGE_TERM_KEY)
+            .or_else(|| read(REPLICA_TERM_KEY))
+            .unwrap_or(0)
+    }
+
+    /// Records that this pool's image serves under replica term `term` (a backup accepted it).
+    pub fn record_replica_image_term(&self, term: u64) -> Result<()> {
+        self.meta
+            .update(&[(REPLICA_IMAGE_TERM_KEY, Some(&term.to_le_bytes()[..]))])?;
+        Ok(())
     }
 
     /// The newest monitor term started (0: none).

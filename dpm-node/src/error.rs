@@ -11,6 +11,10 @@ pub enum DpmError {
     BadPool { path: String, detail: String },
     #[error("pool {path}: {source}")]
     Layout { path: String, source: LayoutError },
+    /// A backup that must not become the primary (its copy is not a consistent image, or it
+    /// is being promoted already).
+    #[error("this backup cannot be promoted: {detail}")]
+    NotPromotable { detail: String },
     /// Another process serves the pool (see `pool_lock`).
     #[error(
         "pool {pool} is in use: another dpm-node process{holder} holds its lock {lock}; two \
@@ -108,6 +112,14 @@ pub enum DpmError {
          primary, so a newer (or competing) primary exists; this primary must stop"
     )]
     StaleTerm { given: u64, current: u64 },
+    /// An attaching primary's pool image is older than the term this backup accepted since.
+    #[error(
+        "replication: this backup accepted term {current}, newer than term {image} under which \
+         the attaching primary's pool last served: another primary has served since, and this \
+         pool may lack what it acknowledged; this primary must stop (promote the backup that \
+         holds the newest copy instead)"
+    )]
+    StaleImage { image: u64, current: u64 },
     /// A CopyComplete call named another copy than the one in progress at the backup (a newer
     /// attach replaced it, or the backup restarted).
     #[error("replication: this backup refuses to mark the copy complete: {detail}")]

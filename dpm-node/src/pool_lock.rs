@@ -14,8 +14,11 @@
 //! crashed node never leaves a stale lock behind; the pid in the file is only a hint for the
 //! error message. KV nodes mapping the pool (shm fabric) take no lock and are not refused.
 //!
-//! A filesystem without `flock` support leaves the pool unprotected, with a warning: refusing
-//! to start there would refuse pools that worked before.
+//! The lock file is named after the pool's path with symbolic links resolved, so a link to the
+//! pool finds the same lock (a hard link or a copy does not: do not serve one pool under two
+//! names). A filesystem without `flock` support leaves the pool unprotected, with a warning:
+//! refusing to start there would refuse pools that worked before. On NFS the lock is the
+//! server's, and a crashed client's lasts until the server's lease on it expires.
 
 use std::fs::{File, OpenOptions, TryLockError};
 use std::io::Write;
@@ -30,6 +33,26 @@ pub struct PoolLock {
     /// `None`: the filesystem does not support locks (warned at acquire).
     _file: Option<File>,
     path: PathBuf,
+}
+
+/// `pool` with symbolic links resolved (the pool's directory's, when the pool does not exist
+/// yet): two names of one pool through a link take one lock. As given when it cannot be
+/// resolved (the open that follows says why).
+fn resolved(pool: &Path) -> PathBuf {
+    if let Ok(p) = std::fs::canonicalize(pool) {
+        return p;
+    }
+    match (pool.parent(), pool.file_name()) {
+        (Some(dir), Some(name)) => {
+            let dir = if dir.as_os_str().is_empty() {
+                Path::new(".")
+            } else {
+                dir
+            };
+            std::fs::canonicalize(dir).map_or_else(|_| pool.to_path_buf(), |d| d.join(name))
+        }
+        _ => pool.to_path_buf(),
+    }
 }
 
 /// The lock file of a file pool: `<pool>.lock`.
@@ -49,17 +72,23 @@ impl PoolLock {
         let path = if device {
             pool.to_path_buf()
         } else {
-            lock_path(pool)
+            lock_path(&resolved(pool))
         };
         let opened = if device {
             File::open(&path)
         } else {
-            OpenOptions::new()
+            match OpenOptions::new()
                 .read(true)
                 .write(true)
                 .create(true)
                 .truncate(false)
                 .open(&path)
+            {
+                // Another user's lock file (a node run as root before): flock needs no write
+                // access; only the pid hint is lost.
+                Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => File::open(&path),
+                r => r,
+            }
         };
         let mut file = opened.map_err(|e| DpmError::BadPool {
             path: pool.display().to_string(),
@@ -136,6 +165,19 @@ mod tests {
         );
         drop(first);
         PoolLock::acquire(&pool).unwrap();
+    }
+
+    /// A symbolic link to a served pool finds the same lock.
+    #[test]
+    fn a_link_to_a_held_pool_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let pool = dir.path().join("pool");
+        std::fs::write(&pool, b"x").unwrap();
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&pool, &link).unwrap();
+        let _held = PoolLock::acquire(&pool).unwrap();
+        let err = PoolLock::acquire(&link).unwrap_err().to_string();
+        assert!(err.contains("in use"), "{err}");
     }
 
     /// Another pool in the same directory is not locked by this one's lock.

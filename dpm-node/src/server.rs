@@ -25,6 +25,7 @@ use crate::config::{DpmConfig, FabricKind, ReplicaRole};
 use crate::dpm::Dpm;
 use crate::error::{DpmError, Result};
 use crate::pool_lock::PoolLock;
+use crate::replication::backup::Promotion;
 use crate::replication::{Backup, Primary, ReplicaGrpc, ReplicatorOptions};
 use crate::service::DpmGrpc;
 
@@ -161,20 +162,66 @@ impl Nic {
 }
 
 /// Serves until `shutdown` completes. `ready` is called once every listener is bound.
+///
+/// A backup that is promoted (`ReplicaService.Promote`) stops serving as a backup and serves
+/// on as the primary, on the same pool and at the same addresses, in this same call.
 pub async fn run(
-    config: DpmConfig,
+    mut config: DpmConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,
     ready: impl FnOnce(&Running) + Send,
 ) -> Result<()> {
-    // Held until this function returns: while it serves, no other process serves the pool.
-    let lock = PoolLock::acquire(&config.pool_path)?;
+    // While it serves, no other process serves the pool: held until this function returns
+    // and the last user of the pool (the DPM, the backup's state: work still running past
+    // the server's stop) is gone.
+    let lock = Arc::new(PoolLock::acquire(&config.pool_path)?);
     tracing::debug!(lock = %lock.path().display(), "holding the pool's lock");
+    // The backup's server and then, if promoted, the primary's wait for the same signal.
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        shutdown.await;
+        let _ = stop_tx.send(true);
+    });
+    let stopped = move || {
+        let mut rx = stop_rx.clone();
+        async move {
+            // An error: the signal's task is gone (the runtime stops): stop too.
+            let _ = rx.wait_for(|stop| *stop).await;
+        }
+    };
     if config.role == ReplicaRole::Backup {
-        return run_backup(config, shutdown, ready).await;
+        // Promoted before this start: the primary, whatever the command line says.
+        if let Some(promotion) = crate::replication::backup::read_promotion(&config.pool_path)? {
+            let listen = config.listen;
+            promotion.apply(&mut config, listen);
+            tracing::warn!(promotion = %crate::replication::backup::promotion_path(&config.pool_path).display(), backups = ?config.backups, "this backup was promoted before: starting as the primary on its pool (remove the file to start it as a backup again)");
+            return run_primary(config, lock, stopped(), ready).await;
+        }
+        let Some((promotion, grpc)) =
+            run_backup(config.clone(), lock.clone(), stopped(), ready).await?
+        else {
+            return Ok(());
+        };
+        promotion.apply(&mut config, grpc);
+        tracing::warn!(grpc = %config.listen, fabric = %config.fabric_listen, backups = ?config.backups, "promoted: serving as the primary on this backup's pool from now on");
+        return run_primary(config, lock, stopped(), |r: &Running| {
+            tracing::info!(grpc = %r.grpc, fabric = %r.fabric, "the promoted primary serves");
+        })
+        .await;
     }
+    run_primary(config, lock, stopped(), ready).await
+}
+
+/// Serves as the primary (or the only dpm-node) until `shutdown` completes.
+async fn run_primary(
+    config: DpmConfig,
+    lock: Arc<PoolLock>,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    ready: impl FnOnce(&Running) + Send,
+) -> Result<()> {
     let dpm = tokio::task::spawn_blocking(move || Dpm::open(config))
         .await
         .map_err(|e| DpmError::Config(format!("opening the DPM panicked: {e}")))??;
+    dpm.hold_pool_lock(lock);
     let (nic, fabric) = Nic::start(&dpm).await?;
     // The NIC is detached from the DPM however this function returns.
     struct Detach<'a>(&'a Nic, &'a Dpm);
@@ -246,16 +293,7 @@ pub async fn run(
         .add_service(svc)
         .add_service(ReplicaServiceServer::new(replica.clone()))
         .serve_with_incoming_shutdown(dinomo_proto::nodelay_incoming(listener), signal);
-    let served = tokio::select! {
-        r = serve => r,
-        _ = async {
-            let _ = stopping_rx.await;
-            tokio::time::sleep(Duration::from_secs(2)).await;
-        } => {
-            tracing::info!("connections still open after the grace period; stopping anyway");
-            Ok(())
-        }
-    };
+    let served = with_grace(serve, stopping_rx).await;
     gauges.abort();
     let _ = gauges.await; // releases its handle on the NIC
     drop(detach);
@@ -311,18 +349,21 @@ async fn start_replication(dpm: &Arc<Dpm>, grpc: SocketAddr) -> Result<ReplicaGr
 }
 
 /// Runs a backup (see [`crate::replication::backup`]): the ReplicaService and health on the
-/// gRPC port; the fabric NIC starts when a primary attaches.
+/// gRPC port; the fabric NIC starts when a primary attaches. Returns when `shutdown`
+/// completes (`None`) or once promoted: the promotion and the gRPC address it served on.
 async fn run_backup(
     config: DpmConfig,
+    lock: Arc<PoolLock>,
     shutdown: impl Future<Output = ()> + Send + 'static,
     ready: impl FnOnce(&Running) + Send,
-) -> Result<()> {
+) -> Result<Option<(Promotion, SocketAddr)>> {
     let backup = Arc::new(Backup::new(
         config.pool_path.clone(),
         config.durability,
         config.fabric_listen,
         config.fabric_advertise.clone(),
     )?);
+    backup.hold_pool_lock(lock).await;
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
         .map_err(|e| DpmError::Config(format!("cannot listen on {}: {e}", config.listen)))?;
@@ -334,20 +375,64 @@ async fn run_backup(
     ready(&running);
     let (health, health_service) = dinomo_node_common::health::Health::new().await;
     health.set(true).await;
-    let shutdown = health.on_shutdown(shutdown);
+    let mut promoted = backup.promotion();
+    let stop = async move {
+        tokio::select! {
+            _ = shutdown => {}
+            _ = promoted.wait_for(Option::is_some) => {}
+        }
+    };
+    let shutdown = health.on_shutdown(stop);
+    // As the primary's: callers that keep their connections open (the old primary's) get a
+    // short grace period, then the server stops anyway.
+    let (stopping_tx, stopping_rx) = tokio::sync::oneshot::channel::<()>();
+    let signal = async move {
+        shutdown.await;
+        let _ = stopping_tx.send(());
+    };
     let security = &config.security;
     security.warn_if_insecure("dpm-node (backup)", running.grpc);
-    security
+    let serve = security
         .server_builder()
         .map_err(|e| DpmError::Config(format!("TLS: {e}")))?
         .add_service(health_service)
-        .add_service(ReplicaServiceServer::new(ReplicaGrpc::Backup(backup)))
-        .serve_with_incoming_shutdown(dinomo_proto::nodelay_incoming(listener), shutdown)
-        .await
-        .map_err(|e| DpmError::Config(format!("gRPC server failed: {e}")))?;
-    tracing::info!("backup stopped");
-    Ok(())
+        .add_service(ReplicaServiceServer::new(ReplicaGrpc::Backup(
+            backup.clone(),
+        )))
+        .serve_with_incoming_shutdown(dinomo_proto::nodelay_incoming(listener), signal);
+    let served = with_grace(serve, stopping_rx).await;
+    served.map_err(|e| DpmError::Config(format!("gRPC server failed: {e}")))?;
+    let promotion = backup.promotion().borrow().clone();
+    match promotion {
+        Some(p) => Ok(Some((p, running.grpc))),
+        None => {
+            tracing::info!("backup stopped");
+            Ok(None)
+        }
+    }
 }
+
+/// Runs `serve` (a gRPC server with graceful shutdown) until it ends, or until
+/// [`SHUTDOWN_GRACE`] after `stopping` fired: clients that keep their connections open (KNs, a
+/// primary's calls to its backup) do not hold the stop.
+async fn with_grace<E>(
+    serve: impl Future<Output = std::result::Result<(), E>>,
+    stopping: tokio::sync::oneshot::Receiver<()>,
+) -> std::result::Result<(), E> {
+    tokio::select! {
+        r = serve => r,
+        _ = async {
+            let _ = stopping.await;
+            tokio::time::sleep(SHUTDOWN_GRACE).await;
+        } => {
+            tracing::info!("connections still open after the grace period; stopping anyway");
+            Ok(())
+        }
+    }
+}
+
+/// How long a stopping server waits for open connections (see [`with_grace`]).
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(2);
 
 async fn export_gauges(dpm: Arc<Dpm>, nic: Nic) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));

@@ -82,7 +82,10 @@ pub fn to_status(e: DpmError) -> Status {
         | DpmError::CellsFull { .. }
         | DpmError::MetadataFull { .. }
         | DpmError::MetadataTooLarge { .. } => Status::resource_exhausted(msg),
-        DpmError::StaleTerm { .. } | DpmError::StaleCopy { .. } => Status::failed_precondition(msg),
+        DpmError::StaleTerm { .. }
+        | DpmError::StaleCopy { .. }
+        | DpmError::StaleImage { .. }
+        | DpmError::NotPromotable { .. } => Status::failed_precondition(msg),
         DpmError::Replication(_) => Status::unavailable(msg),
         _ => Status::internal(msg),
     }

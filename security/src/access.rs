@@ -72,7 +72,7 @@ pub static TABLE: &[Rule] = rules! {
         // The primary dpm-node attaches its backups with its node identity.
         "Attach": NODE, "CopyComplete": NODE,
         "Status": NODE_MONITOR_ADMIN,
-        "AddBackup": MONITOR_ADMIN, "RemoveBackup": MONITOR_ADMIN,
+        "AddBackup": MONITOR_ADMIN, "RemoveBackup": MONITOR_ADMIN, "Promote": MONITOR_ADMIN,
     }
     "grpc.health.v1.Health" {
         "Check": ANY, "Watch": ANY,

@@ -123,7 +123,8 @@ fn swap_pools(a: &Path, b: &Path) -> anyhow::Result<()> {
 }
 
 async fn change_set(dpm: &str, backup: &str, add: bool) -> anyhow::Result<()> {
-    crate::backup_set::change(dpm, backup, add)
+    // Short: `up` supervises every node from one loop, and its pools attach within seconds.
+    crate::backup_set::change(dpm, backup, add, Duration::from_secs(40))
         .await
         .map(|_| ())
 }

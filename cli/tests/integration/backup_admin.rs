@@ -1,6 +1,7 @@
-//! `dinomo admin add-backup` / `remove-backup`: an operator changes a running primary's replica
-//! set (a failed backup holds every acknowledgement until it is removed or added again), and
-//! each prints the set after the change; a wrong address fails with the primary's reason.
+//! `dinomo admin add-backup` / `remove-backup` / `promote-backup`: an operator changes a
+//! running primary's replica set (a failed backup holds every acknowledgement until it is
+//! removed or added again) and, the primary lost, makes a backup the primary in place; each
+//! prints the set after the change; a wrong address fails with the node's reason.
 
 use std::time::{Duration, Instant};
 
@@ -96,4 +97,22 @@ async fn an_operator_adds_and_removes_backups() {
     );
     let (ok, out) = admin(&["add-backup", &b1.addr, "--dpm", &b2.addr]).await;
     assert!(!ok && out.contains("this dpm-node is a backup"), "{out}");
+
+    // The primary is lost: the operator promotes b2, which replicates to b1 from then on.
+    let old_term = primary_status(&primary.addr).await.term;
+    let mut primary = primary;
+    primary.kill9();
+    let (ok, out) = admin(&["promote-backup", &b2.addr, "--backup", &b1.addr]).await;
+    assert!(ok, "{out}");
+    assert!(
+        out.contains(&format!("{} is the primary now", b2.addr)) && out.contains(&b1.addr),
+        "{out}"
+    );
+    let s = primary_status(&b2.addr).await;
+    assert!(s.role == "primary" && s.term > old_term, "{s:?}");
+    let (ok, out) = admin(&["promote-backup", &b2.addr]).await;
+    assert!(
+        !ok && out.contains("only a backup can be promoted"),
+        "{out}"
+    );
 }

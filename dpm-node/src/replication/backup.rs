@@ -61,6 +61,34 @@ pub struct Backup {
     grants: Arc<GrantTable>,
     /// Shared so that an attach's blocking work can own the lock (see `attach`).
     state: Arc<tokio::sync::Mutex<State>>,
+    /// Set once by [`Backup::promote`]: the process then serves as the primary.
+    promotion: tokio::sync::watch::Sender<Option<Promotion>>,
+}
+
+/// What a promoted backup's process starts the primary with (see [`Backup::promote`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Promotion {
+    /// The gRPC addresses of the new primary's backups.
+    pub backups: Vec<String>,
+    /// Where the backup's fabric NIC listened, if a primary attached it in this process's
+    /// life: the new primary's NIC serves KNs there (its advertised address is the backup's).
+    pub fabric: Option<SocketAddr>,
+}
+
+impl Promotion {
+    /// The backup's `config` turned into its primary's: same pool, gRPC at `grpc` (the address
+    /// the backup served on, port 0 resolved), the tcp fabric at the backup's NIC address,
+    /// replicating to the promotion's backups. The pool exists: never formatted.
+    pub fn apply(&self, config: &mut crate::config::DpmConfig, grpc: SocketAddr) {
+        config.role = crate::config::ReplicaRole::Primary;
+        config.listen = grpc;
+        if let Some(fabric) = self.fabric {
+            config.fabric_listen = fabric;
+        }
+        config.fabric = crate::config::FabricKind::Tcp;
+        config.backups = self.backups.clone();
+        config.create = false;
+    }
 }
 
 #[derive(Debug, Default)]
@@ -74,6 +102,11 @@ struct State {
     primary: String,
     nic: Option<TcpNic>,
     region: Option<Arc<PmRegion>>,
+    /// Promoted: no primary attaches it any more.
+    promoted: bool,
+    /// The process's lock of the pool ([`crate::pool_lock`]), when a server runs this backup:
+    /// here so that an attach's blocking work, which owns this state, keeps it.
+    pool_lock: Option<Arc<crate::pool_lock::PoolLock>>,
 }
 
 /// What an attach answers: where the primary writes, and with which key.
@@ -157,6 +190,55 @@ fn sync_dir_of(path: &Path) {
             let _ = d.sync_all();
         }
     }
+}
+
+/// Where a promoted backup records its promotion: `<pool>.promoted`, beside the pool. A node
+/// started as a backup on a pool with this file starts as the primary it was promoted to (a
+/// restarted pod comes back in the role it last had, not the one of its command line).
+pub fn promotion_path(pool: &Path) -> PathBuf {
+    let mut p = pool.as_os_str().to_owned();
+    p.push(".promoted");
+    PathBuf::from(p)
+}
+
+/// The promotion recorded beside `pool`, if any (see [`promotion_path`]): the backups the
+/// primary replicates to; its fabric NIC listens where the configuration says.
+pub fn read_promotion(pool: &Path) -> Result<Option<Promotion>> {
+    let path = promotion_path(pool);
+    let text = match std::fs::read_to_string(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
+        Err(e) => return Err(e.into()),
+    };
+    let mut backups = None;
+    for line in text.lines().map(str::trim).filter(|l| !l.is_empty()) {
+        match line.split_once(' ').unwrap_or((line, "")) {
+            ("backups", list) => {
+                backups = Some(list.split_whitespace().map(str::to_string).collect())
+            }
+            _ => {
+                return Err(DpmError::BadPool {
+                    path: path.display().to_string(),
+                    detail: format!("holds {line:?}, not \"backups ADDRESS...\""),
+                })
+            }
+        }
+    }
+    let backups = backups.ok_or_else(|| DpmError::BadPool {
+        path: path.display().to_string(),
+        detail: "names no backups line".into(),
+    })?;
+    Ok(Some(Promotion {
+        backups,
+        fabric: None,
+    }))
+}
+
+fn write_promotion(pool: &Path, backups: &[String]) -> Result<()> {
+    write_durably(
+        &promotion_path(pool),
+        &format!("backups {}\n", backups.join(" ")),
+    )
 }
 
 /// The version of the copy marker's format this build writes and reads.
@@ -336,6 +418,7 @@ impl Backup {
                 instance,
                 ..State::default()
             })),
+            promotion: tokio::sync::watch::channel(None).0,
         })
     }
 
@@ -362,14 +445,25 @@ impl Backup {
         &self,
         term: u64,
         instance: u64,
+        image_term: Option<u64>,
         pool_bytes: u64,
         primary: &str,
         incremental: Option<Incremental>,
     ) -> Result<Attached> {
         let mut st = self.state.clone().lock_owned().await;
-        if term < st.term || (term == st.term && instance != st.instance) {
+        // Promoted: this process is becoming a primary of a later term.
+        if st.promoted || term < st.term || (term == st.term && instance != st.instance) {
             return Err(DpmError::StaleTerm {
                 given: term,
+                current: st.term,
+            });
+        }
+        // The primary this backup accepted may attach it again whatever its image's term (it
+        // is older than its own term until a backup accepted that).
+        let current_primary = term == st.term && instance == st.instance;
+        if let Some(image) = image_term.filter(|&i| i < st.term && !current_primary) {
+            return Err(DpmError::StaleImage {
+                image,
                 current: st.term,
             });
         }
@@ -457,6 +551,95 @@ impl Backup {
             copy,
             chunk_digests,
         })
+    }
+
+    /// Keeps `lock` until the last user of this backup's state is done with it.
+    pub async fn hold_pool_lock(&self, lock: Arc<crate::pool_lock::PoolLock>) {
+        self.state.lock().await.pool_lock = Some(lock);
+    }
+
+    /// The promotion, once [`Backup::promote`] succeeded (`None` before).
+    pub fn promotion(&self) -> tokio::sync::watch::Receiver<Option<Promotion>> {
+        self.promotion.subscribe()
+    }
+
+    /// Makes this backup the primary (a failover its caller decided; see `Promote` in
+    /// proto/dpm.proto): refused unless its copy marker says `complete` (a consistent image).
+    /// Records a term of at least `min_term` durably (a primary of an older term is refused
+    /// from now on, here and, once the new primary attached them, at the other backups),
+    /// revokes the old primary's key (the revoke waits for its posts in progress) and stops
+    /// the NIC; then publishes the [`Promotion`], on which the process stops serving as a
+    /// backup and starts the primary on this pool, which takes a later term still.
+    /// Returns the term recorded and the term of the primary whose copy the pool holds.
+    pub async fn promote(&self, backups: Vec<String>, min_term: u64) -> Result<(u64, u64)> {
+        let mut st = self.state.lock().await;
+        if st.promoted {
+            return Err(DpmError::NotPromotable {
+                detail: "it is being promoted already".into(),
+            });
+        }
+        let pool = self.pool_path.clone();
+        let marker = tokio::task::spawn_blocking(move || read_copy_marker(&pool))
+            .await
+            .map_err(|e| DpmError::Io(std::io::Error::other(e)))?;
+        let marker_path = copy_marker_path(&self.pool_path);
+        let copy_term = match marker {
+            Ok(Some(m)) if m.state == CopyState::Complete => m.term,
+            Ok(Some(m)) => {
+                return Err(DpmError::NotPromotable {
+                    detail: format!(
+                        "its copy marker {} says {} (a copy started under term {} that never \
+                         finished): its pool is not a consistent image, and serving it would \
+                         lose acknowledged writes; promote a backup whose copy is complete \
+                         (`dinomo status` shows each backup's)",
+                        marker_path.display(),
+                        m.state.as_str(),
+                        m.term
+                    ),
+                })
+            }
+            Ok(None) => {
+                return Err(DpmError::NotPromotable {
+                    detail: format!(
+                        "it has no copy marker ({}): no primary copied its pool since it was \
+                         made or last opened as a primary's",
+                        marker_path.display()
+                    ),
+                })
+            }
+            Err(e) => {
+                return Err(DpmError::NotPromotable {
+                    detail: format!("its copy marker cannot be read: {e}"),
+                })
+            }
+        };
+        let term = st.term.max(min_term);
+        let (pool, instance, listed) = (self.pool_path.clone(), st.instance, backups.clone());
+        // The term first: from then on no primary older than the promotion attaches it. Then
+        // the promotion, so that a restart (of the process, of its pod) comes back as the
+        // primary even if it happens before the answer.
+        tokio::task::spawn_blocking(move || {
+            write_term(&pool, term, instance)?;
+            write_promotion(&pool, &listed)
+        })
+        .await
+        .map_err(|e| DpmError::Io(std::io::Error::other(e)))??;
+        st.term = term;
+        // The old primary's WRITEs end here (the revoke waits for posts in progress).
+        self.grants.revoke_all()?;
+        st.promoted = true;
+        let fabric = st.nic.take().map(|nic| nic.local_addr());
+        st.region = None;
+        st.primary.clear();
+        tracing::warn!(
+            term,
+            copy_term,
+            ?backups,
+            "promoted: this backup stops serving as one and starts as the primary on its pool"
+        );
+        self.promotion
+            .send_replace(Some(Promotion { backups, fabric }));
+        Ok((term, copy_term))
     }
 
     /// Records durably that the copy `copy` of `term`/`instance` is complete (the primary saw
@@ -593,7 +776,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let b = backup(dir.path());
         assert_eq!(read_copy_marker(&dir.path().join("pool")).unwrap(), None);
-        let a = b.attach(3, 11, 1 << 20, "p:1", None).await.unwrap();
+        let a = b.attach(3, 11, None, 1 << 20, "p:1", None).await.unwrap();
         let m = marker(dir.path());
         assert_eq!(
             (m.state, m.term, m.instance, m.copy),
@@ -609,7 +792,7 @@ mod tests {
 
         // A new attach (even of the same primary) starts a new copy: incomplete again, and
         // the earlier copy's CopyComplete no longer counts.
-        let again = b.attach(3, 11, 1 << 20, "p:1", None).await.unwrap();
+        let again = b.attach(3, 11, None, 1 << 20, "p:1", None).await.unwrap();
         assert_ne!(again.copy, a.copy);
         assert_eq!(marker(dir.path()).state, CopyState::Incomplete);
         assert!(b.copy_complete(3, 11, a.copy).await.is_err());
@@ -619,6 +802,46 @@ mod tests {
         let restarted = backup(dir.path());
         assert!(restarted.copy_complete(3, 11, again.copy).await.is_err());
         assert_eq!(marker(dir.path()).state, CopyState::Incomplete);
+    }
+
+    /// A primary whose pool image is older than the term the backup accepted is refused (a
+    /// deposed primary back on its old pool, a new empty one), unless it is the primary the
+    /// backup accepted; one whose image is as new is attached; an older primary (no image
+    /// term) is not checked.
+    #[tokio::test]
+    async fn a_primary_with_an_older_image_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = backup(dir.path());
+        let len = 1 << 20;
+        b.attach(3, 11, Some(0), len, "p:1", None).await.unwrap();
+        for (term, instance, image) in [(4, 12, 2), (4, 12, 0)] {
+            let e = b
+                .attach(term, instance, Some(image), len, "p:2", None)
+                .await
+                .unwrap_err();
+            assert!(
+                matches!(e, DpmError::StaleImage { image: i, current: 3 } if i == image),
+                "{e}"
+            );
+        }
+        assert_eq!(b.term().await, 3, "a refused attach changes nothing");
+        // The accepted primary again, its image still older than its term.
+        b.attach(3, 11, Some(2), len, "p:1", None).await.unwrap();
+        // A primary promoted from a copy of term 3's image.
+        b.attach(4, 12, Some(3), len, "p:2", None).await.unwrap();
+        // Term 4's primary served: term 3's image is stale now, whatever term it takes.
+        assert!(matches!(
+            b.attach(5, 13, Some(3), len, "p:1", None).await,
+            Err(DpmError::StaleImage {
+                image: 3,
+                current: 4
+            })
+        ));
+        assert!(b.attach(6, 14, None, len, "p:3", None).await.is_ok());
+        assert!(matches!(
+            b.attach(7, 15, Some(5), len, "p:4", None).await,
+            Err(DpmError::StaleImage { .. })
+        ));
     }
 
     /// An attach asking for an incremental copy keeps the pool it finds (of the asked size)
@@ -635,7 +858,7 @@ mod tests {
             chunk_bytes: digest::chunk_bytes_for(len),
             key: [42; digest::KEY_BYTES],
         };
-        b.attach(3, 11, len, "p:1", None).await.unwrap();
+        b.attach(3, 11, None, len, "p:1", None).await.unwrap();
         // What the primary wrote through the NIC, as another mapping of the same file sees it.
         PmRegion::open(&pool, DurabilityRequest::ProcessCrash)
             .unwrap()
@@ -648,7 +871,7 @@ mod tests {
             got
         };
 
-        let a = b.attach(4, 12, len, "p:2", Some(inc)).await.unwrap();
+        let a = b.attach(4, 12, None, len, "p:2", Some(inc)).await.unwrap();
         assert_eq!(read_back((1 << 20) + 64), *b"held", "the pool was not kept");
         let want = {
             let f = std::fs::File::open(&pool).unwrap();
@@ -664,14 +887,17 @@ mod tests {
             chunk_bytes: 3 << 20,
             ..inc
         };
-        assert!(b.attach(4, 12, len, "p:2", Some(bad)).await.is_err());
+        assert!(b.attach(4, 12, None, len, "p:2", Some(bad)).await.is_err());
 
         let bigger = 4 << 20;
         let inc4 = Incremental {
             chunk_bytes: digest::chunk_bytes_for(bigger),
             key: inc.key,
         };
-        let a = b.attach(4, 12, bigger, "p:2", Some(inc4)).await.unwrap();
+        let a = b
+            .attach(4, 12, None, bigger, "p:2", Some(inc4))
+            .await
+            .unwrap();
         assert_eq!(
             a.chunk_digests,
             digest::zero_digests(bigger, inc4.chunk_bytes, &inc.key)
@@ -682,7 +908,7 @@ mod tests {
             .unwrap()
             .write_durable(64, b"gone")
             .unwrap();
-        let a = b.attach(4, 12, bigger, "p:2", None).await.unwrap();
+        let a = b.attach(4, 12, None, bigger, "p:2", None).await.unwrap();
         assert!(a.chunk_digests.is_empty());
         assert_eq!(
             read_back(64),

@@ -65,6 +65,12 @@ pub struct Primary {
     address: String,
     security: Security,
     replicator: Arc<Replicator>,
+    /// The newest term under which the pool's image served before this primary started
+    /// ([`Dpm::replica_image_term`]): a backup that accepted a newer one refuses this primary,
+    /// whose image may lack what that term's primary acknowledged.
+    image_term: u64,
+    /// Whether this primary's term was recorded as the image's (once a backup accepted it).
+    image_term_recorded: std::sync::atomic::AtomicBool,
 }
 
 impl Primary {
@@ -77,6 +83,7 @@ impl Primary {
         opts: ReplicatorOptions,
     ) -> Result<Arc<Self>> {
         let on_file = backup::read_term(&dpm.config.pool_path)?;
+        let image_term = dpm.replica_image_term();
         let term = dpm.next_replica_term(on_file)?;
         let region = dpm.pool().region().clone();
         let replicator = Replicator::new(region.clone(), opts);
@@ -89,6 +96,8 @@ impl Primary {
             address,
             security,
             replicator,
+            image_term,
+            image_term_recorded: std::sync::atomic::AtomicBool::new(false),
         });
         tokio::spawn(watch_failed_backups(Arc::downgrade(&primary)));
         Ok(primary)
@@ -155,6 +164,7 @@ impl Primary {
                 primary: self.address.clone(),
                 chunk_bytes,
                 digest_key: digest_key.to_vec(),
+                image_term: Some(self.image_term),
             })
             .await;
         let r = match r {
@@ -244,6 +254,18 @@ impl Primary {
             })
         });
         self.replicator.add(address, nic, key, held, Some(confirm));
+        // A backup accepted the term: from now on this primary may acknowledge, so the pool's
+        // image is this term's (and so is every backup's copy of it).
+        if !self
+            .image_term_recorded
+            .swap(true, std::sync::atomic::Ordering::AcqRel)
+        {
+            let (dpm, term) = (self.dpm.clone(), self.term);
+            tokio::task::spawn_blocking(move || dpm.record_replica_image_term(term))
+                .await
+                .map_err(|e| DpmError::Io(std::io::Error::other(e)))??;
+            tracing::info!(term, "the pool's image serves under this term from now on");
+        }
         Ok(())
     }
 

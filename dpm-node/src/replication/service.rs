@@ -124,7 +124,14 @@ impl ReplicaService for ReplicaGrpc {
             }),
         };
         let a = b
-            .attach(r.term, r.instance, r.pool_bytes, &r.primary, incremental)
+            .attach(
+                r.term,
+                r.instance,
+                r.image_term,
+                r.pool_bytes,
+                &r.primary,
+                incremental,
+            )
             .await
             .map_err(to_status)?;
         Ok(Response::new(pb::AttachResponse {
@@ -166,6 +173,24 @@ impl ReplicaService for ReplicaGrpc {
         let address = req.into_inner().address;
         p.add_backup(&address).await.map_err(to_status)?;
         Ok(Response::new(self.status_now().await))
+    }
+
+    async fn promote(
+        &self,
+        req: Request<pb::PromoteRequest>,
+    ) -> Result<Response<pb::PromoteResponse>, Status> {
+        let ReplicaGrpc::Backup(b) = self else {
+            return Err(Status::failed_precondition(
+                "this dpm-node is not a backup: only a backup can be promoted",
+            ));
+        };
+        let r = req.into_inner();
+        let (accepted_term, copy_term) =
+            b.promote(r.backups, r.min_term).await.map_err(to_status)?;
+        Ok(Response::new(pb::PromoteResponse {
+            accepted_term,
+            copy_term,
+        }))
     }
 
     async fn remove_backup(

@@ -17,8 +17,8 @@ use dinomo_layout::log::LogOp;
 use dinomo_proto::dpm::dpm_service_client::DpmServiceClient;
 use dinomo_proto::dpm::replica_service_client::ReplicaServiceClient;
 use dinomo_proto::dpm::{
-    AllocateSegmentRequest, PutMetadataRequest, RegisterKnRequest, ReplicaStatusRequest,
-    ReplicaStatusResponse, SealSegmentRequest,
+    AllocateSegmentRequest, GetMetadataRequest, PromoteRequest, PutMetadataRequest,
+    RegisterKnRequest, ReplicaStatusRequest, ReplicaStatusResponse, SealSegmentRequest,
 };
 use tonic::transport::Channel;
 
@@ -314,6 +314,167 @@ async fn a_promoted_backup_fences_the_old_primary() {
         old.exits_within(Duration::from_secs(15)),
         "the deposed primary still runs; log:\n{}",
         std::fs::read_to_string(dir.path().join("p.log")).unwrap_or_default()
+    );
+}
+
+/// Asks the backup at `addr` to become the primary, replicating to `backups`.
+async fn promote(
+    addr: std::net::SocketAddr,
+    backups: Vec<String>,
+    min_term: u64,
+) -> Result<dinomo_proto::dpm::PromoteResponse, tonic::Status> {
+    ReplicaServiceClient::connect(format!("http://{addr}"))
+        .await
+        .map_err(|e| tonic::Status::unavailable(e.to_string()))?
+        .promote(PromoteRequest { backups, min_term })
+        .await
+        .map(|r| r.into_inner())
+}
+
+/// `Promote` on a backup whose copy is complete makes that process the primary, at its own
+/// addresses, with no restart and no file moved (what a failover on Kubernetes needs): it
+/// takes a later term, attaches the other backup, holds everything the old primary
+/// acknowledged and serves KNs; the old primary, still running, acknowledges nothing more and
+/// stops. A backup whose pool no primary copied, and a primary, are refused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_backup_promoted_in_place_serves_as_the_primary() {
+    let dir = tempfile::tempdir().unwrap();
+    let (c3, _) = config(dir.path(), "b3", "role = \"backup\"");
+    let b3 = DpmProcess::start(&c3, &dir.path().join("b3.log"));
+    let (b1, mut b2, cp, [_, pool2]) = two_backups(dir.path(), "replica_ack_timeout_ms = 1000");
+    let mut old = DpmProcess::start(&cp, &dir.path().join("p.log"));
+    let s = wait_in_sync(old.grpc, 2).await;
+    let (kn, mut w) = kn_writer(&old).await;
+    const KEYS: u32 = 64;
+    for chunk in (0..KEYS).collect::<Vec<_>>().chunks(8) {
+        let recs: Vec<LogRecord> = chunk.iter().map(|&i| record(i)).collect();
+        w.append(&recs).await.unwrap();
+    }
+    old.client()
+        .await
+        .put_metadata(PutMetadataRequest {
+            name: "test/replicated".into(),
+            value: Some(b"yes".to_vec()),
+        })
+        .await
+        .unwrap();
+
+    let e = promote(b3.grpc, vec![], s.term).await.unwrap_err();
+    assert!(
+        e.code() == tonic::Code::FailedPrecondition && e.message().contains("no copy marker"),
+        "{e:?}"
+    );
+    let e = promote(old.grpc, vec![], s.term).await.unwrap_err();
+    assert!(
+        e.message().contains("only a backup can be promoted"),
+        "{e:?}"
+    );
+
+    let r = promote(b2.grpc, vec![b1.grpc.to_string()], s.term)
+        .await
+        .unwrap();
+    assert_eq!((r.accepted_term, r.copy_term), (s.term, s.term), "{r:?}");
+    // Refused, or nothing listens any more (the backup's server stopped).
+    let e = promote(b2.grpc, vec![], s.term).await;
+    assert!(e.is_err(), "promoted twice: {e:?}");
+
+    // The same address answers as a primary of a later term, with b1 in sync.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let ns = loop {
+        let now = async {
+            ReplicaServiceClient::connect(format!("http://{}", b2.grpc))
+                .await
+                .ok()?
+                .status(ReplicaStatusRequest {})
+                .await
+                .ok()
+        };
+        if let Some(st) = now.await {
+            let st = st.into_inner();
+            if st.role == "primary" && st.backups.len() == 1 && st.backups[0].state == "in-sync" {
+                break st;
+            }
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the promoted backup is not a primary in sync with b1; log:\n{}",
+            std::fs::read_to_string(dir.path().join("b2.log")).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(ns.term > s.term, "new term {} after {}", ns.term, s.term);
+    assert_eq!(replica_status(b1.grpc).await.term, ns.term);
+
+    // The old primary's writes are not acknowledged any more.
+    let e = w.append(&[record(KEYS)]).await;
+    assert!(
+        e.is_err(),
+        "the old primary acknowledged a write after the promotion"
+    );
+    // The new one holds what the old one acknowledged, and serves a KN.
+    let meta = b2
+        .client()
+        .await
+        .get_metadata(GetMetadataRequest {
+            name: "test/replicated".into(),
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .value;
+    assert_eq!(meta.as_deref(), Some(&b"yes"[..]));
+    let (kn2, mut w2) = kn_writer(&b2).await;
+    w2.append(&[record(KEYS + 1)]).await.unwrap();
+    assert!(
+        old.exits_within(Duration::from_secs(15)),
+        "the deposed primary still runs; log:\n{}",
+        std::fs::read_to_string(dir.path().join("p.log")).unwrap_or_default()
+    );
+    // The old primary back on its pool, as a Kubernetes StatefulSet restarts it, twice (each
+    // start takes a later term: the second one is newer than the promoted primary's). Its
+    // image is term s.term's and b1 accepted ns.term since: b1 refuses it, it stops, and b1
+    // stays the promoted primary's backup.
+    for round in 0..2 {
+        let log = dir.path().join(format!("p-again-{round}.log"));
+        let mut again = DpmProcess::start(&cp, &log);
+        let text = || std::fs::read_to_string(&log).unwrap_or_default();
+        assert!(
+            again.exits_within(Duration::from_secs(15)),
+            "the old primary, restarted, still runs; log:\n{}",
+            text()
+        );
+    }
+    let b1s = replica_status(b1.grpc).await;
+    assert_eq!(
+        (b1s.term, b1s.primary.as_str()),
+        (ns.term, b2.grpc.to_string().as_str()),
+        "the restarted old primary took b1 over"
+    );
+    let (_, mut w3) = kn_writer(&b2).await;
+    w3.append(&[record(KEYS + 2)]).await.unwrap();
+
+    // The promoted node restarts (its pod does) with its backup's command line: it comes
+    // back as the primary (it recorded its promotion), takes a later term and b1 follows.
+    b2.kill9();
+    let mut b2 = DpmProcess::start(
+        &dir.path().join("b2").join("dpm.toml"),
+        &dir.path().join("b2-again.log"),
+    );
+    let again = wait_in_sync(b2.grpc, 1).await;
+    assert!(again.role == "primary" && again.term > ns.term, "{again:?}");
+    let (kn3, mut w4) = kn_writer(&b2).await;
+    w4.append(&[record(KEYS + 3)]).await.unwrap();
+
+    // Every record acknowledged by any primary is in the promoted pool.
+    b2.kill9();
+    let (bad, _) = check_pool(
+        &pool2,
+        &[kn, kn2, kn3],
+        (0..KEYS).chain([KEYS + 1, KEYS + 2, KEYS + 3]),
+    );
+    assert!(
+        bad.is_empty(),
+        "records missing after the promotion: {bad:?}"
     );
 }
 

@@ -209,6 +209,13 @@ async fn posts_waiting_when_the_primary_stops_are_not_acknowledged() {
         );
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
+    // Every post waits for its barrier (none failed for another reason before the stop).
+    for (i, p) in posts.iter().enumerate() {
+        assert!(
+            !p.is_finished(),
+            "post {i} answered before the primary stopped"
+        );
+    }
     t.rep.end("the primary stops");
     t.gate.set_closed(false);
     let mut acknowledged = Vec::new();
