@@ -1135,18 +1135,23 @@ impl Dpm {
     }
 
     /// The newest term under which this pool's image served as a primary's (see
-    /// [`REPLICA_IMAGE_TERM_KEY`]); for a pool written before that key existed, the newest
-    /// term taken; 0 for a pool that never served a replicated primary.
-    pub fn replica_image_term(&self) -> u64 {
+    /// [`REPLICA_IMAGE_TERM_KEY`]), recorded first if the pool has none: 0 for a pool that never
+    /// took a term, else (a pool written before the key existed) the newest term it took. Read
+    /// before [`Dpm::next_replica_term`], so that terms taken at starts no backup accepted never
+    /// count as the image's.
+    pub fn init_replica_image_term(&self) -> Result<u64> {
         let read = |key| {
             self.meta
                 .get(key)
                 .and_then(|v| <[u8; 8]>::try_from(v.as_slice()).ok())
                 .map(u64::from_le_bytes)
         };
-        read(REPLICA_IMAGE_TERM_KEY)
-            .or_else(|| read(REPLICA_TERM_KEY))
-            .unwrap_or(0)
+        if let Some(image) = read(REPLICA_IMAGE_TERM_KEY) {
+            return Ok(image);
+        }
+        let image = read(REPLICA_TERM_KEY).unwrap_or(0);
+        self.record_replica_image_term(image)?;
+        Ok(image)
     }
 
     /// Records that this pool's image serves under replica term `term` (a backup accepted it).

@@ -25,9 +25,10 @@ use crate::config::{DpmConfig, FabricKind, ReplicaRole};
 use crate::dpm::Dpm;
 use crate::error::{DpmError, Result};
 use crate::pool_lock::PoolLock;
-use crate::replication::backup::Promotion;
+use crate::replication::backup::{read_role, role_path, Promotion, RecordedRole};
 use crate::replication::{Backup, Primary, ReplicaGrpc, ReplicatorOptions};
 use crate::service::DpmGrpc;
+use dinomo_node_common::health::Health;
 
 /// A running node's addresses (ports resolved when the config asked for port 0).
 #[derive(Debug, Clone)]
@@ -181,6 +182,7 @@ pub async fn run(
         shutdown.await;
         let _ = stop_tx.send(true);
     });
+    let stop_now = stop_rx.clone();
     let stopped = move || {
         let mut rx = stop_rx.clone();
         async move {
@@ -188,33 +190,61 @@ pub async fn run(
             let _ = rx.wait_for(|stop| *stop).await;
         }
     };
-    if config.role == ReplicaRole::Backup {
-        // Promoted before this start: the primary, whatever the command line says.
-        if let Some(promotion) = crate::replication::backup::read_promotion(&config.pool_path)? {
+    // A role taken at run time before this start (promoted, or deposed) wins over the command
+    // line: a restarted process comes back in the role it last had.
+    let recorded = read_role(&config.pool_path)?;
+    let file = role_path(&config.pool_path);
+    match (&recorded, config.role) {
+        (Some(RecordedRole::Primary { backups }), ReplicaRole::Backup) => {
+            let promotion = Promotion {
+                backups: backups.clone(),
+                fabric: None,
+            };
             let listen = config.listen;
             promotion.apply(&mut config, listen);
-            tracing::warn!(promotion = %crate::replication::backup::promotion_path(&config.pool_path).display(), backups = ?config.backups, "this backup was promoted before: starting as the primary on its pool (remove the file to start it as a backup again)");
-            return run_primary(config, lock, stopped(), ready).await;
+            tracing::warn!(file = %file.display(), backups = ?config.backups, "this backup was promoted before: starting as the primary on its pool (delete the file to let the command line decide)");
         }
-        let Some((promotion, grpc)) =
-            run_backup(config.clone(), lock.clone(), stopped(), ready).await?
+        (Some(RecordedRole::Backup), ReplicaRole::Primary) => {
+            config.role = ReplicaRole::Backup;
+            tracing::warn!(file = %file.display(), "this primary was deposed before: starting as a backup on its pool, for the newer primary to attach (delete the file to let the command line decide)");
+        }
+        _ => {}
+    }
+    // One health reporter for the process: the plain-text probe listener (`--health-addr`)
+    // follows the backup and then, if promoted, the primary.
+    let (health, _) = dinomo_node_common::health::Health::new().await;
+    if config.role == ReplicaRole::Backup {
+        let Some((promotion, grpc)) = run_backup(
+            config.clone(),
+            lock.clone(),
+            health.clone(),
+            stopped(),
+            ready,
+        )
+        .await?
         else {
             return Ok(());
         };
+        health.set(false).await;
+        if *stop_now.borrow() {
+            tracing::info!("stopping as the promotion completes: the next start is the primary's (its role is recorded)");
+            return Ok(());
+        }
         promotion.apply(&mut config, grpc);
         tracing::warn!(grpc = %config.listen, fabric = %config.fabric_listen, backups = ?config.backups, "promoted: serving as the primary on this backup's pool from now on");
-        return run_primary(config, lock, stopped(), |r: &Running| {
+        return run_primary(config, lock, health, stopped(), |r: &Running| {
             tracing::info!(grpc = %r.grpc, fabric = %r.fabric, "the promoted primary serves");
         })
         .await;
     }
-    run_primary(config, lock, stopped(), ready).await
+    run_primary(config, lock, health, stopped(), ready).await
 }
 
 /// Serves as the primary (or the only dpm-node) until `shutdown` completes.
 async fn run_primary(
     config: DpmConfig,
     lock: Arc<PoolLock>,
+    health: Health,
     shutdown: impl Future<Output = ()> + Send + 'static,
     ready: impl FnOnce(&Running) + Send,
 ) -> Result<()> {
@@ -260,7 +290,7 @@ async fn run_primary(
     // Graceful shutdown waits for open connections; clients that keep theirs open get a short
     // grace period, then the server stops anyway.
     // The pool is open and every listener bound: the node can do its job from now on.
-    let (health, health_service) = dinomo_node_common::health::Health::new().await;
+    let health_service = health.service();
     health.set(true).await;
     let deposed_by = replica.clone();
     let shutdown = health.on_shutdown(async move {
@@ -354,6 +384,7 @@ async fn start_replication(dpm: &Arc<Dpm>, grpc: SocketAddr) -> Result<ReplicaGr
 async fn run_backup(
     config: DpmConfig,
     lock: Arc<PoolLock>,
+    health: Health,
     shutdown: impl Future<Output = ()> + Send + 'static,
     ready: impl FnOnce(&Running) + Send,
 ) -> Result<Option<(Promotion, SocketAddr)>> {
@@ -373,16 +404,17 @@ async fn run_backup(
     };
     tracing::info!(grpc = %running.grpc, "dpm-node serving as a backup");
     ready(&running);
-    let (health, health_service) = dinomo_node_common::health::Health::new().await;
+    let health_service = health.service();
     health.set(true).await;
     let mut promoted = backup.promotion();
-    let stop = async move {
+    // Only a real shutdown is "stopping" for the health status: a promotion goes on serving.
+    let shutdown = health.on_shutdown(shutdown);
+    let shutdown = async move {
         tokio::select! {
             _ = shutdown => {}
             _ = promoted.wait_for(Option::is_some) => {}
         }
     };
-    let shutdown = health.on_shutdown(stop);
     // As the primary's: callers that keep their connections open (the old primary's) get a
     // short grace period, then the server stops anyway.
     let (stopping_tx, stopping_rx) = tokio::sync::oneshot::channel::<()>();

@@ -102,6 +102,15 @@ impl Health {
         (h, service)
     }
 
+    /// Another gRPC service serving this reporter's statuses: a node that replaces its gRPC
+    /// server (a promoted backup starting as the primary) adds it to the new one, and the
+    /// plain-text listener ([`HealthArgs`]) goes on serving the same statuses.
+    pub fn service(&self) -> HealthServer<tonic_health::server::HealthService> {
+        HealthServer::new(tonic_health::server::HealthService::from_health_reporter(
+            self.reporter.clone(),
+        ))
+    }
+
     /// `shutdown`, after which the status is NOT_SERVING for good: pass the result to the
     /// server as its shutdown signal.
     pub fn on_shutdown(

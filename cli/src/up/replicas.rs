@@ -105,10 +105,10 @@ fn copy_complete(pool: &Path) -> bool {
     }
 }
 
-/// Swaps the names of two pools and of their term files and copy markers (a marker and a term
-/// file describe the pool beside them, so they move with it).
+/// Swaps the names of two pools and of their term files, copy markers and role records (each
+/// describes the pool beside it, so it moves with it).
 fn swap_pools(a: &Path, b: &Path) -> anyhow::Result<()> {
-    for suffix in ["", ".term", ".copy"] {
+    for suffix in ["", ".term", ".copy", ".role"] {
         let (a, b) = (sibling(a, suffix), sibling(b, suffix));
         let tmp = sibling(&a, ".swap");
         let rename = |from: &Path, to: &Path| match std::fs::rename(from, to) {

@@ -8,7 +8,10 @@ use std::time::{Duration, Instant};
 use dinomo_proto::dpm::replica_service_client::ReplicaServiceClient;
 use dinomo_proto::dpm::{ReplicaStatusRequest, ReplicaStatusResponse};
 
+use tonic_health::pb::health_check_response::ServingStatus;
+
 use super::cluster::{spawn_dpm, INSECURE};
+use super::deploy::wait_health;
 
 async fn primary_status(dpm: &str) -> ReplicaStatusResponse {
     let mut c = ReplicaServiceClient::connect(format!("http://{dpm}"))
@@ -49,7 +52,16 @@ async fn an_operator_adds_and_removes_backups() {
     };
     let backup_args = ["--role", "backup", "--fabric", "tcp"];
     let b1 = spawn_dpm(&sub("b1"), &backup_args);
-    let b2 = spawn_dpm(&sub("b2"), &backup_args);
+    // b2's probes go to a plain-text health listener, as kubelet's do: they must follow it
+    // from backup to primary.
+    let b2_health = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let b2 = spawn_dpm(
+        &sub("b2"),
+        &[backup_args.as_slice(), &["--health-addr", &b2_health]].concat(),
+    );
     let primary = spawn_dpm(&sub("p"), &["--fabric", "tcp", "--backup", &b1.addr]);
 
     let (ok, out) = admin(&["add-backup", &b2.addr, "--dpm", &primary.addr]).await;
@@ -110,6 +122,9 @@ async fn an_operator_adds_and_removes_backups() {
     );
     let s = primary_status(&b2.addr).await;
     assert!(s.role == "primary" && s.term > old_term, "{s:?}");
+    wait_health(&b2_health, ServingStatus::Serving, Duration::from_secs(10))
+        .await
+        .expect("the promoted node's probes say it serves");
     let (ok, out) = admin(&["promote-backup", &b2.addr]).await;
     assert!(
         !ok && out.contains("only a backup can be promoted"),

@@ -31,7 +31,11 @@ async fn health(addr: &str) -> Result<ServingStatus, String> {
 }
 
 /// Waits (bounded) until `addr` reports `want`; the last answer otherwise.
-async fn wait_health(addr: &str, want: ServingStatus, within: Duration) -> Result<(), String> {
+pub(crate) async fn wait_health(
+    addr: &str,
+    want: ServingStatus,
+    within: Duration,
+) -> Result<(), String> {
     let start = Instant::now();
     loop {
         let got = health(addr).await;

@@ -62,7 +62,7 @@ pub struct Backup {
     /// Shared so that an attach's blocking work can own the lock (see `attach`).
     state: Arc<tokio::sync::Mutex<State>>,
     /// Set once by [`Backup::promote`]: the process then serves as the primary.
-    promotion: tokio::sync::watch::Sender<Option<Promotion>>,
+    promotion: Arc<tokio::sync::watch::Sender<Option<Promotion>>>,
 }
 
 /// What a promoted backup's process starts the primary with (see [`Backup::promote`]).
@@ -192,53 +192,78 @@ fn sync_dir_of(path: &Path) {
     }
 }
 
-/// Where a promoted backup records its promotion: `<pool>.promoted`, beside the pool. A node
-/// started as a backup on a pool with this file starts as the primary it was promoted to (a
-/// restarted pod comes back in the role it last had, not the one of its command line).
-pub fn promotion_path(pool: &Path) -> PathBuf {
+/// The role a node took at run time, recorded beside its pool (`<pool>.role`, see
+/// [`role_path`]): a backup promoted to primary (with the backups it replicates to), or a
+/// primary deposed by a newer one. A node starts in the role its pool records, whatever its
+/// command line says, so a restarted process (or pod) comes back in the role it last had.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RecordedRole {
+    Primary { backups: Vec<String> },
+    Backup,
+}
+
+/// Where a node records the role it took at run time: `<pool>.role`, beside the pool (`dinomo
+/// up` renames it with the pool when it promotes a backup). Deleting it makes the command
+/// line decide again.
+pub fn role_path(pool: &Path) -> PathBuf {
     let mut p = pool.as_os_str().to_owned();
-    p.push(".promoted");
+    p.push(".role");
     PathBuf::from(p)
 }
 
-/// The promotion recorded beside `pool`, if any (see [`promotion_path`]): the backups the
-/// primary replicates to; its fabric NIC listens where the configuration says.
-pub fn read_promotion(pool: &Path) -> Result<Option<Promotion>> {
-    let path = promotion_path(pool);
+/// The role recorded beside `pool`, if any (see [`RecordedRole`]).
+pub fn read_role(pool: &Path) -> Result<Option<RecordedRole>> {
+    let path = role_path(pool);
     let text = match std::fs::read_to_string(&path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
         Err(e) => return Err(e.into()),
     };
-    let mut backups = None;
-    for line in text.lines().map(str::trim).filter(|l| !l.is_empty()) {
-        match line.split_once(' ').unwrap_or((line, "")) {
-            ("backups", list) => {
-                backups = Some(list.split_whitespace().map(str::to_string).collect())
-            }
-            _ => {
-                return Err(DpmError::BadPool {
-                    path: path.display().to_string(),
-                    detail: format!("holds {line:?}, not \"backups ADDRESS...\""),
-                })
-            }
-        }
-    }
-    let backups = backups.ok_or_else(|| DpmError::BadPool {
+    let bad = |detail: String| DpmError::BadPool {
         path: path.display().to_string(),
-        detail: "names no backups line".into(),
-    })?;
-    Ok(Some(Promotion {
-        backups,
-        fabric: None,
-    }))
+        detail,
+    };
+    let mut lines = text.lines().map(str::trim).filter(|l| !l.is_empty());
+    match (lines.next(), lines.next(), lines.next()) {
+        (Some("backup"), None, None) => Ok(Some(RecordedRole::Backup)),
+        (Some("primary"), None, None) => Ok(Some(RecordedRole::Primary {
+            backups: Vec::new(),
+        })),
+        (Some("primary"), Some(list), None) if list.starts_with("backups") => {
+            Ok(Some(RecordedRole::Primary {
+                backups: list["backups".len()..]
+                    .split_whitespace()
+                    .map(str::to_string)
+                    .collect(),
+            }))
+        }
+        _ => Err(bad(format!(
+            "holds {text:?}, not \"backup\" or \"primary\" with a \"backups ADDRESS...\" line; \
+             delete it to let the command line decide the role"
+        ))),
+    }
 }
 
-fn write_promotion(pool: &Path, backups: &[String]) -> Result<()> {
-    write_durably(
-        &promotion_path(pool),
-        &format!("backups {}\n", backups.join(" ")),
-    )
+/// Records that the primary of `pool` was deposed by a primary of `term`: its role is backup
+/// from now on, and it refuses primaries older than `term` (its `.term`, written first), so
+/// that started again it waits for that primary (or a later one) to attach it.
+pub fn demote(pool: &Path, term: u64) -> Result<()> {
+    let (accepted, _) = read_term_instance(pool)?;
+    if term > accepted + 1 {
+        // `term - 1` with instance 0 (no primary's: instances are odd): every primary of
+        // `term - 1` or older is refused, the one of `term` (any instance) and later accepted.
+        write_term(pool, term - 1, 0)?;
+    }
+    write_role(pool, &RecordedRole::Backup)
+}
+
+/// Records `role` beside `pool`, durably (see [`RecordedRole`]).
+pub fn write_role(pool: &Path, role: &RecordedRole) -> Result<()> {
+    let text = match role {
+        RecordedRole::Backup => "backup\n".to_string(),
+        RecordedRole::Primary { backups } => format!("primary\nbackups {}\n", backups.join(" ")),
+    };
+    write_durably(&role_path(pool), &text)
 }
 
 /// The version of the copy marker's format this build writes and reads.
@@ -418,7 +443,7 @@ impl Backup {
                 instance,
                 ..State::default()
             })),
-            promotion: tokio::sync::watch::channel(None).0,
+            promotion: Arc::new(tokio::sync::watch::channel(None).0),
         })
     }
 
@@ -572,74 +597,20 @@ impl Backup {
     /// backup and starts the primary on this pool, which takes a later term still.
     /// Returns the term recorded and the term of the primary whose copy the pool holds.
     pub async fn promote(&self, backups: Vec<String>, min_term: u64) -> Result<(u64, u64)> {
-        let mut st = self.state.lock().await;
-        if st.promoted {
-            return Err(DpmError::NotPromotable {
-                detail: "it is being promoted already".into(),
-            });
-        }
-        let pool = self.pool_path.clone();
-        let marker = tokio::task::spawn_blocking(move || read_copy_marker(&pool))
-            .await
-            .map_err(|e| DpmError::Io(std::io::Error::other(e)))?;
-        let marker_path = copy_marker_path(&self.pool_path);
-        let copy_term = match marker {
-            Ok(Some(m)) if m.state == CopyState::Complete => m.term,
-            Ok(Some(m)) => {
-                return Err(DpmError::NotPromotable {
-                    detail: format!(
-                        "its copy marker {} says {} (a copy started under term {} that never \
-                         finished): its pool is not a consistent image, and serving it would \
-                         lose acknowledged writes; promote a backup whose copy is complete \
-                         (`dinomo status` shows each backup's)",
-                        marker_path.display(),
-                        m.state.as_str(),
-                        m.term
-                    ),
-                })
-            }
-            Ok(None) => {
-                return Err(DpmError::NotPromotable {
-                    detail: format!(
-                        "it has no copy marker ({}): no primary copied its pool since it was \
-                         made or last opened as a primary's",
-                        marker_path.display()
-                    ),
-                })
-            }
-            Err(e) => {
-                return Err(DpmError::NotPromotable {
-                    detail: format!("its copy marker cannot be read: {e}"),
-                })
-            }
-        };
-        let term = st.term.max(min_term);
-        let (pool, instance, listed) = (self.pool_path.clone(), st.instance, backups.clone());
-        // The term first: from then on no primary older than the promotion attaches it. Then
-        // the promotion, so that a restart (of the process, of its pod) comes back as the
-        // primary even if it happens before the answer.
+        let st = self.state.clone().lock_owned().await;
+        let (pool, grants, promotion) = (
+            self.pool_path.clone(),
+            self.grants.clone(),
+            self.promotion.clone(),
+        );
+        // All of it in one blocking task that owns the state: a call dropped on the way (its
+        // caller's deadline passed) cannot leave the term and role written but the old
+        // primary's key alive, nor the process a backup.
         tokio::task::spawn_blocking(move || {
-            write_term(&pool, term, instance)?;
-            write_promotion(&pool, &listed)
+            promote_locked(st, &pool, &grants, &promotion, backups, min_term)
         })
         .await
-        .map_err(|e| DpmError::Io(std::io::Error::other(e)))??;
-        st.term = term;
-        // The old primary's WRITEs end here (the revoke waits for posts in progress).
-        self.grants.revoke_all()?;
-        st.promoted = true;
-        let fabric = st.nic.take().map(|nic| nic.local_addr());
-        st.region = None;
-        st.primary.clear();
-        tracing::warn!(
-            term,
-            copy_term,
-            ?backups,
-            "promoted: this backup stops serving as one and starts as the primary on its pool"
-        );
-        self.promotion
-            .send_replace(Some(Promotion { backups, fabric }));
-        Ok((term, copy_term))
+        .map_err(|e| DpmError::Io(std::io::Error::other(e)))?
     }
 
     /// Records durably that the copy `copy` of `term`/`instance` is complete (the primary saw
@@ -672,6 +643,100 @@ impl Backup {
         tracing::info!(term, copy, "the copy of the primary's pool is complete: this pool holds a consistent image from now on");
         Ok(())
     }
+}
+
+/// [`Backup::promote`]'s work, under the backup's state lock.
+fn promote_locked(
+    mut st: tokio::sync::OwnedMutexGuard<State>,
+    pool: &Path,
+    grants: &GrantTable,
+    promotion: &tokio::sync::watch::Sender<Option<Promotion>>,
+    backups: Vec<String>,
+    min_term: u64,
+) -> Result<(u64, u64)> {
+    if st.promoted {
+        return Err(DpmError::NotPromotable {
+            detail: "it is being promoted already".into(),
+        });
+    }
+    let marker_path = copy_marker_path(pool);
+    let copy_term = match read_copy_marker(pool) {
+        // A marker of another copy than the one in progress here was written by a late
+        // CopyComplete of an earlier copy: it says nothing of what the pool holds now.
+        Ok(Some(m)) if m.state == CopyState::Complete && st.copy != 0 && m.copy != st.copy => {
+            return Err(DpmError::NotPromotable {
+                detail: format!(
+                    "its copy marker {} says copy {} is complete, but the copy in progress \
+                     here is {}: its pool is not known to be a consistent image",
+                    marker_path.display(),
+                    m.copy,
+                    st.copy
+                ),
+            })
+        }
+        Ok(Some(m)) if m.state == CopyState::Complete => m.term,
+        Ok(Some(m)) => {
+            return Err(DpmError::NotPromotable {
+                detail: format!(
+                    "its copy marker {} says {} (a copy started under term {} that never \
+                     finished): its pool is not a consistent image, and serving it would lose \
+                     acknowledged writes; promote a backup whose copy is complete (`dinomo \
+                     status` shows each backup's)",
+                    marker_path.display(),
+                    m.state.as_str(),
+                    m.term
+                ),
+            })
+        }
+        Ok(None) => {
+            return Err(DpmError::NotPromotable {
+                detail: format!(
+                    "it has no copy marker ({}): no primary copied its pool since it was made \
+                     or last opened as a primary's",
+                    marker_path.display()
+                ),
+            })
+        }
+        Err(e) => {
+            return Err(DpmError::NotPromotable {
+                detail: format!("its copy marker cannot be read: {e}"),
+            })
+        }
+    };
+    if backups.is_empty() {
+        return Err(DpmError::NotPromotable {
+            detail: "name at least one backup for it: a primary takes a term, which fences the \
+                     old one, only at the backups it attaches (to run a pool alone, stop this \
+                     node and start a dpm-node without --backup on its pool)"
+                .into(),
+        });
+    }
+    let term = st.term.max(min_term);
+    // The term first: from then on no primary older than the promotion attaches it. Then the
+    // role, so that a restart (of the process, of its pod) comes back as the primary even if
+    // it happens before the answer.
+    write_term(pool, term, st.instance)?;
+    write_role(
+        pool,
+        &RecordedRole::Primary {
+            backups: backups.clone(),
+        },
+    )?;
+    st.term = term;
+    // The old primary's WRITEs end here (the revoke waits for posts in progress).
+    grants.revoke_all()?;
+    st.promoted = true;
+    let fabric = st.nic.take().map(|nic| nic.local_addr());
+    st.region = None;
+    st.primary.clear();
+    tracing::warn!(
+        term,
+        copy_term,
+        ?backups,
+        "promoted: this backup stops serving as one and starts as the primary on its pool"
+    );
+    promotion.send_replace(Some(Promotion { backups, fabric }));
+    Ok((term, copy_term))
 }
 
 /// A zero-filled pool of `len` bytes at `path`: a new file renamed over the old one (a backup's

@@ -83,7 +83,7 @@ impl Primary {
         opts: ReplicatorOptions,
     ) -> Result<Arc<Self>> {
         let on_file = backup::read_term(&dpm.config.pool_path)?;
-        let image_term = dpm.replica_image_term();
+        let image_term = dpm.init_replica_image_term()?;
         let term = dpm.next_replica_term(on_file)?;
         let region = dpm.pool().region().clone();
         let replicator = Replicator::new(region.clone(), opts);
@@ -117,10 +117,28 @@ impl Primary {
         }
     }
 
-    /// Stops acknowledging for good: another primary has taken over.
-    fn depose(&self, why: String) {
+    /// Stops acknowledging for good: another primary has taken over. With `newer_term` (a
+    /// replica showed another primary: see [`Primary::newer_primary`]), this
+    /// node also records that it is a backup now (see `backup::RecordedRole`) and the term it
+    /// saw, so that started again it serves as a backup that refuses anything older, for the
+    /// new primary to attach. Without (a refusal that proves no newer primary, such as a
+    /// `--backup` that names a primary by mistake), its role stays the command line's: its
+    /// pool may be the only up-to-date one.
+    fn depose(&self, why: String, newer_term: Option<u64>) {
         tracing::error!(reason = %why, "deposed: another primary has taken over; this dpm-node acknowledges nothing more and stops");
         self.replicator.end(&format!("deposed: {why}"));
+        if let Some(term) = newer_term {
+            let pool = &self.dpm.config.pool_path;
+            let file = backup::role_path(pool);
+            match backup::demote(pool, term) {
+                Ok(()) => {
+                    tracing::warn!(file = %file.display(), term, "recorded this node's role as backup (of term {term} or later): started again, it serves as one");
+                }
+                Err(e) => {
+                    tracing::error!(file = %file.display(), error = %e, "cannot record this node's role as backup: started again as a primary, it will be refused and stop");
+                }
+            }
+        }
         self.deposed.send_if_modified(|d| {
             let first = d.is_none();
             if first {
@@ -176,7 +194,13 @@ impl Primary {
                     self.term,
                     s.message()
                 );
-                self.depose(why.clone());
+                // Demoted only if the answer shows another primary: a newer term, or a
+                // primary of this term (two starts took the same term; that one serves).
+                let newer = self
+                    .ask_status(address)
+                    .await
+                    .and_then(|st| self.newer_primary(&st));
+                self.depose(why.clone(), newer);
                 return Err(DpmError::StaleTerm {
                     given: self.term,
                     current: 0,
@@ -253,19 +277,23 @@ impl Primary {
                 .await
             })
         });
-        self.replicator.add(address, nic, key, held, Some(confirm));
-        // A backup accepted the term: from now on this primary may acknowledge, so the pool's
-        // image is this term's (and so is every backup's copy of it).
+        // A backup accepted the term, and once it is added this primary may acknowledge: the
+        // pool's image is this term's from now on, recorded before (a restart after an
+        // acknowledgement must find it) and copied to the backup with the pool. Without the
+        // record, no add: nothing is acknowledged, and the next attach tries again.
         if !self
             .image_term_recorded
-            .swap(true, std::sync::atomic::Ordering::AcqRel)
+            .load(std::sync::atomic::Ordering::Acquire)
         {
             let (dpm, term) = (self.dpm.clone(), self.term);
             tokio::task::spawn_blocking(move || dpm.record_replica_image_term(term))
                 .await
                 .map_err(|e| DpmError::Io(std::io::Error::other(e)))??;
+            self.image_term_recorded
+                .store(true, std::sync::atomic::Ordering::Release);
             tracing::info!(term, "the pool's image serves under this term from now on");
         }
+        self.replicator.add(address, nic, key, held, Some(confirm));
         Ok(())
     }
 
@@ -299,6 +327,12 @@ impl Primary {
                 s.role, s.term, self.term
             )
         })
+    }
+
+    /// The term of the primary that `s` (a replica's status) shows exists beside this one, if
+    /// it shows one: a replica of a newer term, or a primary of this term.
+    fn newer_primary(&self, s: &pb::ReplicaStatusResponse) -> Option<u64> {
+        (s.term > self.term || (s.role == "primary" && s.term == self.term)).then_some(s.term)
     }
 
     pub fn remove_backup(&self, address: &str) -> bool {
@@ -384,7 +418,7 @@ async fn watch_failed_backups(primary: std::sync::Weak<Primary>) {
         }
         for (b, _, s) in &answered {
             if let Some(why) = p.taken_over(&b.address, s) {
-                p.depose(why);
+                p.depose(why, p.newer_primary(s));
                 return;
             }
         }

@@ -823,3 +823,27 @@ async fn metadata_listing_stops_at_its_bound() {
     assert_eq!((got.len(), left_out), (5, None));
     assert_eq!(dpm.list_metadata("list/").len(), 5);
 }
+
+/// The term under which a pool's image served is recorded before the first term is taken and
+/// advanced only by [`Dpm::record_replica_image_term`] (a backup accepted a primary): starts
+/// that no backup accepted, however many, leave it where it was, and it survives a reopen.
+/// (Read from the newest term taken, an empty primary restarted N+1 times out-termed backups of
+/// term N and was attached, copying its empty pool over them.)
+#[test]
+fn terms_taken_without_a_backup_do_not_advance_the_image_term() {
+    let dir = tempfile::tempdir().unwrap();
+    let dpm = Dpm::open(config(dir.path(), |_| {})).unwrap();
+    assert_eq!(dpm.init_replica_image_term().unwrap(), 0);
+    for _ in 0..3 {
+        dpm.next_replica_term(0).unwrap();
+        assert_eq!(dpm.init_replica_image_term().unwrap(), 0);
+    }
+    dpm.record_replica_image_term(4).unwrap();
+    dpm.next_replica_term(0).unwrap();
+    assert_eq!(dpm.init_replica_image_term().unwrap(), 4);
+    dpm.shutdown();
+    drop(dpm);
+    let dpm = Dpm::open(config(dir.path(), |c| c.create = false)).unwrap();
+    assert_eq!(dpm.init_replica_image_term().unwrap(), 4);
+    dpm.shutdown();
+}

@@ -22,7 +22,7 @@ use dinomo_proto::dpm::{
 };
 use tonic::transport::Channel;
 
-use dinomo_dpm_node::replication::backup::{copy_marker_path, read_copy_marker};
+use dinomo_dpm_node::replication::backup::{copy_marker_path, read_copy_marker, role_path};
 use dinomo_dpm_node::replication::{CopyMarker, CopyState};
 
 use super::process::DpmProcess;
@@ -364,6 +364,8 @@ async fn a_backup_promoted_in_place_serves_as_the_primary() {
         e.code() == tonic::Code::FailedPrecondition && e.message().contains("no copy marker"),
         "{e:?}"
     );
+    let e = promote(b1.grpc, vec![], s.term).await.unwrap_err();
+    assert!(e.message().contains("name at least one backup"), "{e:?}");
     let e = promote(old.grpc, vec![], s.term).await.unwrap_err();
     assert!(
         e.message().contains("only a backup can be promoted"),
@@ -430,18 +432,32 @@ async fn a_backup_promoted_in_place_serves_as_the_primary() {
         "the deposed primary still runs; log:\n{}",
         std::fs::read_to_string(dir.path().join("p.log")).unwrap_or_default()
     );
-    // The old primary back on its pool, as a Kubernetes StatefulSet restarts it, twice (each
-    // start takes a later term: the second one is newer than the promoted primary's). Its
-    // image is term s.term's and b1 accepted ns.term since: b1 refuses it, it stops, and b1
-    // stays the promoted primary's backup.
+    // The old primary, deposed, recorded that it is a backup now: restarted on its pool (as
+    // a Kubernetes StatefulSet restarts it), it serves as one.
+    let old_pool = dir.path().join("p").join("pool");
+    assert_eq!(
+        std::fs::read_to_string(role_path(&old_pool))
+            .unwrap()
+            .trim(),
+        "backup"
+    );
+    let mut rejoined = DpmProcess::start(&cp, &dir.path().join("p-rejoined.log"));
+    assert_eq!(replica_status(rejoined.grpc).await.role, "backup");
+    rejoined.kill9();
+    // Without that record (deleted; or a primary killed before it learned it was deposed) it
+    // starts as a primary, twice (each start takes a later term: the second one newer than
+    // the promoted primary's). Its pool's image is term s.term's and b1 accepted ns.term
+    // since: b1 refuses it, it stops, and b1 stays the promoted primary's backup.
+    // (Refused for a term no newer than its own, it is not demoted again: nothing shows a
+    // newer primary then.)
     for round in 0..2 {
+        let _ = std::fs::remove_file(role_path(&old_pool));
         let log = dir.path().join(format!("p-again-{round}.log"));
         let mut again = DpmProcess::start(&cp, &log);
-        let text = || std::fs::read_to_string(&log).unwrap_or_default();
         assert!(
             again.exits_within(Duration::from_secs(15)),
             "the old primary, restarted, still runs; log:\n{}",
-            text()
+            std::fs::read_to_string(&log).unwrap_or_default()
         );
     }
     let b1s = replica_status(b1.grpc).await;
@@ -465,12 +481,44 @@ async fn a_backup_promoted_in_place_serves_as_the_primary() {
     let (kn3, mut w4) = kn_writer(&b2).await;
     w4.append(&[record(KEYS + 3)]).await.unwrap();
 
-    // Every record acknowledged by any primary is in the promoted pool.
+    // b2 is lost in turn: b1 is promoted, to replicate to b2. b2 comes back (its pod
+    // restarts) as the primary it recorded, is refused by b1 and stops, recording that it is
+    // a backup now; started again, it is one, and b1 attaches it.
+    b2.kill9();
+    let r = promote(b1.grpc, vec![b2.grpc.to_string()], again.term)
+        .await
+        .expect("b1, in sync under b2, is promotable");
+    assert_eq!(r.copy_term, again.term, "{r:?}");
+    let b2_config = dir.path().join("b2").join("dpm.toml");
+    let b2_port = ["--listen", &b2.grpc.to_string()];
+    let log = dir.path().join("b2-deposed.log");
+    let mut stale = DpmProcess::start_with_args(&b2_config, &log, &b2_port);
+    assert!(
+        stale.exits_within(Duration::from_secs(15)),
+        "b2, back as a primary, was not refused; log:\n{}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+    assert_eq!(
+        std::fs::read_to_string(role_path(&pool2)).unwrap().trim(),
+        "backup"
+    );
+    let mut b2 =
+        DpmProcess::start_with_args(&b2_config, &dir.path().join("b2-backup.log"), &b2_port);
+    let b1s = wait_in_sync(b1.grpc, 1).await;
+    assert!(b1s.role == "primary" && b1s.term > again.term, "{b1s:?}");
+    assert_eq!(replica_status(b2.grpc).await.role, "backup");
+    let (kn4, mut w5) = kn_writer(&b1).await;
+    w5.append(&[record(KEYS + 4)]).await.unwrap();
+
+    // Every record acknowledged by any primary is in b1's pool.
+    let pool1 = dir.path().join("b1").join("pool");
+    let mut b1 = b1;
+    b1.kill9();
     b2.kill9();
     let (bad, _) = check_pool(
-        &pool2,
-        &[kn, kn2, kn3],
-        (0..KEYS).chain([KEYS + 1, KEYS + 2, KEYS + 3]),
+        &pool1,
+        &[kn, kn2, kn3, kn4],
+        (0..KEYS).chain([KEYS + 1, KEYS + 2, KEYS + 3, KEYS + 4]),
     );
     assert!(
         bad.is_empty(),

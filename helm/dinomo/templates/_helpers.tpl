@@ -38,9 +38,14 @@ controller-revision-hash label that appends 11 characters). */}}
 {{- printf "%s-0.%s.%s.svc" (include "dinomo.dpm.name" .) (include "dinomo.dpm.name" .) .Release.Namespace -}}
 {{- end -}}
 
-{{/* The dpm-node's gRPC address, given to the KV nodes, routing nodes and monitor. */}}
+{{/* The dpm-node's gRPC address, given to the KV nodes, routing nodes and monitor:
+dpm.address (a promoted backup's, after a manual failover) or the dpm StatefulSet's pod. */}}
 {{- define "dinomo.dpm.address" -}}
+{{- if .Values.dpm.address -}}
+{{- .Values.dpm.address -}}
+{{- else -}}
 {{- printf "%s:%d" (include "dinomo.dpm.host" .) (int64 .Values.dpm.port) -}}
+{{- end -}}
 {{- end -}}
 
 {{/* The StatefulSet (and headless Service) of the dpm-node's backups. */}}
