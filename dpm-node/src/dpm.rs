@@ -55,6 +55,9 @@ pub const CLUSTER_MAP_KEY: &str = "cluster/map";
 /// Where the pool's replica term is kept (written only by [`Dpm::next_replica_term`]).
 const REPLICA_TERM_KEY: &str = "dpm/replica-term";
 
+/// The term and primary instance taken at the last start (16 bytes, little-endian words).
+const REPLICA_TAKEN_KEY: &str = "dpm/replica-taken";
+
 /// The newest replica term under which this pool's image served as a primary's: written by
 /// [`Dpm::record_replica_image_term`] once a backup accepted the term (only from then on may
 /// the primary acknowledge anything), and copied to the backups with the rest of the pool.
@@ -1121,17 +1124,36 @@ impl Dpm {
     /// Starts the next replica term of this pool (docs/decisions/0007): one more than the
     /// newest of `at_least` and the term recorded in the pool, persisted before it is
     /// returned. A primary takes one at start; backups refuse older ones from then on.
-    pub fn next_replica_term(&self, at_least: u64) -> Result<u64> {
+    ///
+    /// Also records the term with `instance` (the primary process taking it) and returns the
+    /// term and instance recorded at the previous start, if any: a backup that accepted that
+    /// start, and nothing since, takes this one back although its image is older (see
+    /// [`crate::replication::backup`]).
+    pub fn next_replica_term(
+        &self,
+        at_least: u64,
+        instance: u64,
+    ) -> Result<(u64, Option<(u64, u64)>)> {
         let recorded = self
             .meta
             .get(REPLICA_TERM_KEY)
             .and_then(|v| <[u8; 8]>::try_from(v.as_slice()).ok())
             .map_or(0, u64::from_le_bytes);
+        let previous = self.meta.get(REPLICA_TAKEN_KEY).and_then(|v| {
+            let v = <[u8; 16]>::try_from(v.as_slice()).ok()?;
+            let word = |i: usize| u64::from_le_bytes(v[i..i + 8].try_into().unwrap());
+            Some((word(0), word(8)))
+        });
         let term = recorded.max(at_least) + 1;
-        self.meta
-            .update(&[(REPLICA_TERM_KEY, Some(&term.to_le_bytes()[..]))])?;
+        let mut taken = [0u8; 16];
+        taken[..8].copy_from_slice(&term.to_le_bytes());
+        taken[8..].copy_from_slice(&instance.to_le_bytes());
+        self.meta.update(&[
+            (REPLICA_TERM_KEY, Some(&term.to_le_bytes()[..])),
+            (REPLICA_TAKEN_KEY, Some(&taken[..])),
+        ])?;
         tracing::info!(term, "a new replica term started");
-        Ok(term)
+        Ok((term, previous))
     }
 
     /// The newest term under which this pool's image served as a primary's (see

@@ -105,6 +105,22 @@ fn copy_complete(pool: &Path) -> bool {
     }
 }
 
+/// Deletes the role a dpm-node recorded beside `pool` at run time (`<pool>.role`: promoted,
+/// or deposed): `up` decides each node's role by the file it runs on (the primary's pool is
+/// always the primary's), and a leftover record (`dinomo admin promote-backup` on an `up`
+/// cluster, a copied data directory) would start a backup at the primary's address.
+fn forget_role(pool: &Path) {
+    let role = dinomo_dpm_node::replication::backup::role_path(pool);
+    match std::fs::remove_file(&role) {
+        Ok(()) => eprintln!(
+            "removed {} (a role recorded at run time): `up` decides the dpm-nodes' roles",
+            role.display()
+        ),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => {}
+        Err(e) => eprintln!("removing {}: {e}", role.display()),
+    }
+}
+
 /// Swaps the names of two pools and of their term files, copy markers and role records (each
 /// describes the pool beside it, so it moves with it).
 fn swap_pools(a: &Path, b: &Path) -> anyhow::Result<()> {
@@ -152,6 +168,7 @@ impl ReplicaSet {
             ];
             args.extend(spec.node_args.iter().cloned());
             let log = spec.logs.join(format!("dpm-backup-{i}.log"));
+            forget_role(&pool);
             let (node, _) = spawn(&format!("dpm-node backup {i}"), &args, &log)?;
             backups.push(BackupSlot {
                 index: i,
@@ -167,6 +184,7 @@ impl ReplicaSet {
             args.extend(["--backup".into(), b.addr.clone()]);
         }
         let log = spec.logs.join("dpm-node.log");
+        forget_role(&spec.pool);
         let (primary, _) = spawn("dpm-node", &args, &log)?;
         let dpm_addr = port(spec.port_base, 0)?;
         let mut set = ReplicaSet {
@@ -261,6 +279,7 @@ impl ReplicaSet {
             let _ = b.node.child.kill();
         }
         let _ = b.node.child.wait();
+        forget_role(&b.pool);
         match spawn(&b.node.name, &b.args, &b.log) {
             Ok((node, _)) => b.node = node,
             Err(e) => {
@@ -297,6 +316,7 @@ impl ReplicaSet {
                 "dpm-node primary exited ({exit}) while no backup was in sync: restarting it \
                  on its own pool"
             );
+            forget_role(&self.pool);
             self.primary.restart()?;
             return Ok(());
         };
@@ -312,6 +332,8 @@ impl ReplicaSet {
         self.in_sync.clear();
         // From here the primary's pool is the promoted one: if its start fails, the next
         // round restarts it in place (no backup is in sync any more).
+        forget_role(&self.pool);
+        forget_role(&b.pool);
         let (fresh, _) = spawn(&self.primary.name, &self.primary.args, &self.primary.log)?;
         self.primary.child = fresh.child;
         // The promoted backup's place: a new backup on the dead primary's old file, which the

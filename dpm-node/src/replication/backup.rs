@@ -226,10 +226,9 @@ pub fn read_role(pool: &Path) -> Result<Option<RecordedRole>> {
     let mut lines = text.lines().map(str::trim).filter(|l| !l.is_empty());
     match (lines.next(), lines.next(), lines.next()) {
         (Some("backup"), None, None) => Ok(Some(RecordedRole::Backup)),
-        (Some("primary"), None, None) => Ok(Some(RecordedRole::Primary {
-            backups: Vec::new(),
-        })),
-        (Some("primary"), Some(list), None) if list.starts_with("backups") => {
+        (Some("primary"), Some(list), None)
+            if list.starts_with("backups") && list["backups".len()..].trim() != "" =>
+        {
             Ok(Some(RecordedRole::Primary {
                 backups: list["backups".len()..]
                     .split_whitespace()
@@ -238,21 +237,32 @@ pub fn read_role(pool: &Path) -> Result<Option<RecordedRole>> {
             }))
         }
         _ => Err(bad(format!(
-            "holds {text:?}, not \"backup\" or \"primary\" with a \"backups ADDRESS...\" line; \
-             delete it to let the command line decide the role"
+            "holds {text:?}, not \"backup\", or \"primary\" and a \"backups ADDRESS...\" line \
+             naming at least one; delete it to let the command line decide the role"
         ))),
     }
 }
 
-/// Records that the primary of `pool` was deposed by a primary of `term`: its role is backup
-/// from now on, and it refuses primaries older than `term` (its `.term`, written first), so
-/// that started again it waits for that primary (or a later one) to attach it.
-pub fn demote(pool: &Path, term: u64) -> Result<()> {
+/// Records that the primary of `pool`, whose image serves under term `own_image`, was deposed
+/// by a primary of `term`: its role is backup from now on, and its `.term` (written first)
+/// makes it refuse every primary of `term - 1` or older and, through the image check, every
+/// primary whose image is older than its own, so that an older image is never copied over
+/// what it acknowledged. A device-DAX pool is not demoted (a backup needs a pool file, and
+/// the files would be in /dev): the node just stops.
+pub fn demote(pool: &Path, term: u64, own_image: u64) -> Result<()> {
+    if dinomo_fabric::pm::DaxDevice::probe(pool)?.is_some() {
+        return Err(DpmError::Config(format!(
+            "{} is a device-DAX device: a backup needs a pool file, so this node is not \
+             recorded as a backup; it stops",
+            pool.display()
+        )));
+    }
     let (accepted, _) = read_term_instance(pool)?;
-    if term > accepted + 1 {
-        // `term - 1` with instance 0 (no primary's: instances are odd): every primary of
-        // `term - 1` or older is refused, the one of `term` (any instance) and later accepted.
-        write_term(pool, term - 1, 0)?;
+    // Instance 0 is no primary's (instances are odd): the primary of exactly `floor` is
+    // refused too, any instance; one of a later term with an image at least `floor` is not.
+    let floor = term.saturating_sub(1).max(own_image);
+    if floor > accepted {
+        write_term(pool, floor, 0)?;
     }
     write_role(pool, &RecordedRole::Backup)
 }
@@ -466,11 +476,15 @@ impl Backup {
 
     /// Becomes the backup of `primary` (instance `instance`) for `term` (see the module doc);
     /// with `incremental`, keeps a pool of `pool_bytes` it holds and answers its digests.
+    // The attaching primary's identity (term, instance, image term, previous start) and the
+    // copy it asks for: each is checked on its own.
+    #[allow(clippy::too_many_arguments)]
     pub async fn attach(
         &self,
         term: u64,
         instance: u64,
         image_term: Option<u64>,
+        previous: Option<(u64, u64)>,
         pool_bytes: u64,
         primary: &str,
         incremental: Option<Incremental>,
@@ -484,8 +498,11 @@ impl Backup {
             });
         }
         // The primary this backup accepted may attach it again whatever its image's term (it
-        // is older than its own term until a backup accepted that).
-        let current_primary = term == st.term && instance == st.instance;
+        // is older than its own term until a backup accepted that), and so may that primary's
+        // pool started again (its previous start is the one accepted here, and nothing since:
+        // nobody acknowledged anything under a later term here).
+        let accepted_here = (st.term, st.instance);
+        let current_primary = (term, instance) == accepted_here || previous == Some(accepted_here);
         if let Some(image) = image_term.filter(|&i| i < st.term && !current_primary) {
             return Err(DpmError::StaleImage {
                 image,
@@ -714,17 +731,21 @@ fn promote_locked(
     let term = st.term.max(min_term);
     // The term first: from then on no primary older than the promotion attaches it. Then the
     // role, so that a restart (of the process, of its pod) comes back as the primary even if
-    // it happens before the answer.
+    // it happens before the answer. A later failure takes the role back (the node stays a
+    // backup, of the newer term).
     write_term(pool, term, st.instance)?;
+    st.term = term;
     write_role(
         pool,
         &RecordedRole::Primary {
             backups: backups.clone(),
         },
     )?;
-    st.term = term;
     // The old primary's WRITEs end here (the revoke waits for posts in progress).
-    grants.revoke_all()?;
+    if let Err(e) = grants.revoke_all() {
+        let _ = std::fs::remove_file(role_path(pool));
+        return Err(e.into());
+    }
     st.promoted = true;
     let fabric = st.nic.take().map(|nic| nic.local_addr());
     st.region = None;
@@ -841,7 +862,10 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let b = backup(dir.path());
         assert_eq!(read_copy_marker(&dir.path().join("pool")).unwrap(), None);
-        let a = b.attach(3, 11, None, 1 << 20, "p:1", None).await.unwrap();
+        let a = b
+            .attach(3, 11, None, None, 1 << 20, "p:1", None)
+            .await
+            .unwrap();
         let m = marker(dir.path());
         assert_eq!(
             (m.state, m.term, m.instance, m.copy),
@@ -857,7 +881,10 @@ mod tests {
 
         // A new attach (even of the same primary) starts a new copy: incomplete again, and
         // the earlier copy's CopyComplete no longer counts.
-        let again = b.attach(3, 11, None, 1 << 20, "p:1", None).await.unwrap();
+        let again = b
+            .attach(3, 11, None, None, 1 << 20, "p:1", None)
+            .await
+            .unwrap();
         assert_ne!(again.copy, a.copy);
         assert_eq!(marker(dir.path()).state, CopyState::Incomplete);
         assert!(b.copy_complete(3, 11, a.copy).await.is_err());
@@ -878,10 +905,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let b = backup(dir.path());
         let len = 1 << 20;
-        b.attach(3, 11, Some(0), len, "p:1", None).await.unwrap();
+        b.attach(3, 11, Some(0), None, len, "p:1", None)
+            .await
+            .unwrap();
         for (term, instance, image) in [(4, 12, 2), (4, 12, 0)] {
             let e = b
-                .attach(term, instance, Some(image), len, "p:2", None)
+                .attach(term, instance, Some(image), None, len, "p:2", None)
                 .await
                 .unwrap_err();
             assert!(
@@ -891,22 +920,75 @@ mod tests {
         }
         assert_eq!(b.term().await, 3, "a refused attach changes nothing");
         // The accepted primary again, its image still older than its term.
-        b.attach(3, 11, Some(2), len, "p:1", None).await.unwrap();
+        b.attach(3, 11, Some(2), None, len, "p:1", None)
+            .await
+            .unwrap();
         // A primary promoted from a copy of term 3's image.
-        b.attach(4, 12, Some(3), len, "p:2", None).await.unwrap();
+        b.attach(4, 12, Some(3), None, len, "p:2", None)
+            .await
+            .unwrap();
         // Term 4's primary served: term 3's image is stale now, whatever term it takes.
         assert!(matches!(
-            b.attach(5, 13, Some(3), len, "p:1", None).await,
+            b.attach(5, 13, Some(3), None, len, "p:1", None).await,
             Err(DpmError::StaleImage {
                 image: 3,
                 current: 4
             })
         ));
-        assert!(b.attach(6, 14, None, len, "p:3", None).await.is_ok());
+        assert!(b.attach(6, 14, None, None, len, "p:3", None).await.is_ok());
         assert!(matches!(
-            b.attach(7, 15, Some(5), len, "p:4", None).await,
+            b.attach(7, 15, Some(5), None, len, "p:4", None).await,
             Err(DpmError::StaleImage { .. })
         ));
+        // The pool of term 6's primary started again before it recorded its image term: its
+        // previous start is the one accepted here, so it is taken back; once a later one was
+        // accepted, no longer.
+        b.attach(7, 15, Some(5), Some((6, 14)), len, "p:3", None)
+            .await
+            .unwrap();
+        assert!(matches!(
+            b.attach(8, 17, Some(5), Some((6, 14)), len, "p:3", None)
+                .await,
+            Err(DpmError::StaleImage { .. })
+        ));
+    }
+
+    /// A deposed primary recorded as a backup refuses every primary up to the term that
+    /// deposed it minus one, and every image older than its own: a rival of the same term
+    /// with an older image cannot overwrite what this pool acknowledged.
+    #[tokio::test]
+    async fn a_demoted_primary_refuses_older_images_than_its_own() {
+        let dir = tempfile::tempdir().unwrap();
+        let pool = dir.path().join("pool");
+        let len = 1 << 20;
+        // Its own image is term 5's; deposed by a replica of term 5 (a same-term rival).
+        demote(&pool, 5, 5).unwrap();
+        assert_eq!(read_role(&pool).unwrap(), Some(RecordedRole::Backup));
+        let b = backup(dir.path());
+        assert_eq!(b.term().await, 5);
+        assert!(matches!(
+            b.attach(5, 7, Some(4), None, len, "rival", None).await,
+            Err(DpmError::StaleTerm { .. })
+        ));
+        assert!(matches!(
+            b.attach(6, 9, Some(4), None, len, "rival", None).await,
+            Err(DpmError::StaleImage {
+                image: 4,
+                current: 5
+            })
+        ));
+        b.attach(6, 11, Some(5), None, len, "newer", None)
+            .await
+            .unwrap();
+        // Deposed by term 9 with an image of term 2: it accepts term 9's primary.
+        let dir = tempfile::tempdir().unwrap();
+        let pool = dir.path().join("pool");
+        demote(&pool, 9, 2).unwrap();
+        let b = backup(dir.path());
+        assert_eq!(b.term().await, 8);
+        b.attach(9, 13, Some(8), None, len, "newer", None)
+            .await
+            .unwrap();
     }
 
     /// An attach asking for an incremental copy keeps the pool it finds (of the asked size)
@@ -923,7 +1005,7 @@ mod tests {
             chunk_bytes: digest::chunk_bytes_for(len),
             key: [42; digest::KEY_BYTES],
         };
-        b.attach(3, 11, None, len, "p:1", None).await.unwrap();
+        b.attach(3, 11, None, None, len, "p:1", None).await.unwrap();
         // What the primary wrote through the NIC, as another mapping of the same file sees it.
         PmRegion::open(&pool, DurabilityRequest::ProcessCrash)
             .unwrap()
@@ -936,7 +1018,10 @@ mod tests {
             got
         };
 
-        let a = b.attach(4, 12, None, len, "p:2", Some(inc)).await.unwrap();
+        let a = b
+            .attach(4, 12, None, None, len, "p:2", Some(inc))
+            .await
+            .unwrap();
         assert_eq!(read_back((1 << 20) + 64), *b"held", "the pool was not kept");
         let want = {
             let f = std::fs::File::open(&pool).unwrap();
@@ -952,7 +1037,10 @@ mod tests {
             chunk_bytes: 3 << 20,
             ..inc
         };
-        assert!(b.attach(4, 12, None, len, "p:2", Some(bad)).await.is_err());
+        assert!(b
+            .attach(4, 12, None, None, len, "p:2", Some(bad))
+            .await
+            .is_err());
 
         let bigger = 4 << 20;
         let inc4 = Incremental {
@@ -960,7 +1048,7 @@ mod tests {
             key: inc.key,
         };
         let a = b
-            .attach(4, 12, None, bigger, "p:2", Some(inc4))
+            .attach(4, 12, None, None, bigger, "p:2", Some(inc4))
             .await
             .unwrap();
         assert_eq!(
@@ -973,7 +1061,10 @@ mod tests {
             .unwrap()
             .write_durable(64, b"gone")
             .unwrap();
-        let a = b.attach(4, 12, None, bigger, "p:2", None).await.unwrap();
+        let a = b
+            .attach(4, 12, None, None, bigger, "p:2", None)
+            .await
+            .unwrap();
         assert!(a.chunk_digests.is_empty());
         assert_eq!(
             read_back(64),

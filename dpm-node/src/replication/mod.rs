@@ -71,6 +71,9 @@ pub struct Primary {
     image_term: u64,
     /// Whether this primary's term was recorded as the image's (once a backup accepted it).
     image_term_recorded: std::sync::atomic::AtomicBool,
+    /// The term and instance the pool's previous start took (sent with Attach: a backup that
+    /// accepted that start and nothing since takes this one back, image older or not).
+    previous: Option<(u64, u64)>,
 }
 
 impl Primary {
@@ -84,14 +87,16 @@ impl Primary {
     ) -> Result<Arc<Self>> {
         let on_file = backup::read_term(&dpm.config.pool_path)?;
         let image_term = dpm.init_replica_image_term()?;
-        let term = dpm.next_replica_term(on_file)?;
+        let instance = rand::random::<u64>() | 1;
+        let (term, previous) = dpm.next_replica_term(on_file, instance)?;
         let region = dpm.pool().region().clone();
         let replicator = Replicator::new(region.clone(), opts);
         region.set_mirror(Some(replicator.clone()));
         let primary = Arc::new(Primary {
             dpm,
             term,
-            instance: rand::random::<u64>() | 1,
+            instance,
+            previous,
             deposed: tokio::sync::watch::channel(None).0,
             address,
             security,
@@ -118,19 +123,21 @@ impl Primary {
     }
 
     /// Stops acknowledging for good: another primary has taken over. With `newer_term` (a
-    /// replica showed another primary: see [`Primary::newer_primary`]), this
-    /// node also records that it is a backup now (see `backup::RecordedRole`) and the term it
-    /// saw, so that started again it serves as a backup that refuses anything older, for the
-    /// new primary to attach. Without (a refusal that proves no newer primary, such as a
-    /// `--backup` that names a primary by mistake), its role stays the command line's: its
-    /// pool may be the only up-to-date one.
+    /// replica accepted a term after this pool's image: see [`Primary::newer_primary`]), this
+    /// node also records that it is a backup now (see `backup::RecordedRole`), refusing from
+    /// then on every primary older than that term and every image older than its own
+    /// (`backup::demote`), so that started again it serves as a backup the new primary can
+    /// attach without anything this pool acknowledged being overwritten by an older image.
+    /// Without (no replica shows a later term: a `--backup` naming a primary by mistake, a
+    /// rival of the same term), its role stays the command line's: its pool may be the only
+    /// up-to-date one.
     fn depose(&self, why: String, newer_term: Option<u64>) {
         tracing::error!(reason = %why, "deposed: another primary has taken over; this dpm-node acknowledges nothing more and stops");
         self.replicator.end(&format!("deposed: {why}"));
         if let Some(term) = newer_term {
             let pool = &self.dpm.config.pool_path;
             let file = backup::role_path(pool);
-            match backup::demote(pool, term) {
+            match backup::demote(pool, term, self.own_image()) {
                 Ok(()) => {
                     tracing::warn!(file = %file.display(), term, "recorded this node's role as backup (of term {term} or later): started again, it serves as one");
                 }
@@ -183,6 +190,8 @@ impl Primary {
                 chunk_bytes,
                 digest_key: digest_key.to_vec(),
                 image_term: Some(self.image_term),
+                previous_term: self.previous.map(|(t, _)| t),
+                previous_instance: self.previous.map(|(_, i)| i),
             })
             .await;
         let r = match r {
@@ -194,8 +203,6 @@ impl Primary {
                     self.term,
                     s.message()
                 );
-                // Demoted only if the answer shows another primary: a newer term, or a
-                // primary of this term (two starts took the same term; that one serves).
                 let newer = self
                     .ask_status(address)
                     .await
@@ -329,10 +336,25 @@ impl Primary {
         })
     }
 
-    /// The term of the primary that `s` (a replica's status) shows exists beside this one, if
-    /// it shows one: a replica of a newer term, or a primary of this term.
+    /// The term a replica's status `s` shows was accepted after this pool's image last
+    /// served, if it shows one: a newer primary exists (or existed), and this pool is the
+    /// older image. (A primary of this same term, say, proves nothing once this primary's
+    /// term is the image's: both may have acknowledged.)
     fn newer_primary(&self, s: &pb::ReplicaStatusResponse) -> Option<u64> {
-        (s.term > self.term || (s.role == "primary" && s.term == self.term)).then_some(s.term)
+        (s.term > self.own_image()).then_some(s.term)
+    }
+
+    /// The term under which this pool's image serves now: this primary's once a backup
+    /// accepted it, else the one it started with.
+    fn own_image(&self) -> u64 {
+        if self
+            .image_term_recorded
+            .load(std::sync::atomic::Ordering::Acquire)
+        {
+            self.term
+        } else {
+            self.image_term
+        }
     }
 
     pub fn remove_backup(&self, address: &str) -> bool {

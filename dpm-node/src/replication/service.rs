@@ -128,6 +128,7 @@ impl ReplicaService for ReplicaGrpc {
                 r.term,
                 r.instance,
                 r.image_term,
+                r.previous_term.zip(r.previous_instance),
                 r.pool_bytes,
                 &r.primary,
                 incremental,

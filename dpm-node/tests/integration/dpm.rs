@@ -835,11 +835,11 @@ fn terms_taken_without_a_backup_do_not_advance_the_image_term() {
     let dpm = Dpm::open(config(dir.path(), |_| {})).unwrap();
     assert_eq!(dpm.init_replica_image_term().unwrap(), 0);
     for _ in 0..3 {
-        dpm.next_replica_term(0).unwrap();
+        dpm.next_replica_term(0, 1).unwrap();
         assert_eq!(dpm.init_replica_image_term().unwrap(), 0);
     }
     dpm.record_replica_image_term(4).unwrap();
-    dpm.next_replica_term(0).unwrap();
+    dpm.next_replica_term(0, 1).unwrap();
     assert_eq!(dpm.init_replica_image_term().unwrap(), 4);
     dpm.shutdown();
     drop(dpm);

@@ -448,16 +448,22 @@ async fn a_backup_promoted_in_place_serves_as_the_primary() {
     // starts as a primary, twice (each start takes a later term: the second one newer than
     // the promoted primary's). Its pool's image is term s.term's and b1 accepted ns.term
     // since: b1 refuses it, it stops, and b1 stays the promoted primary's backup.
-    // (Refused for a term no newer than its own, it is not demoted again: nothing shows a
-    // newer primary then.)
+    // Each refusal records it as a backup again (b1 accepted a term after its image).
     for round in 0..2 {
-        let _ = std::fs::remove_file(role_path(&old_pool));
+        std::fs::remove_file(role_path(&old_pool)).unwrap();
         let log = dir.path().join(format!("p-again-{round}.log"));
         let mut again = DpmProcess::start(&cp, &log);
         assert!(
             again.exits_within(Duration::from_secs(15)),
             "the old primary, restarted, still runs; log:\n{}",
             std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        assert_eq!(
+            std::fs::read_to_string(role_path(&old_pool))
+                .unwrap_or_default()
+                .trim(),
+            "backup",
+            "round {round}"
         );
     }
     let b1s = replica_status(b1.grpc).await;
