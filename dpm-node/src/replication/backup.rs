@@ -743,7 +743,10 @@ fn promote_locked(
     )?;
     // The old primary's WRITEs end here (the revoke waits for posts in progress).
     if let Err(e) = grants.revoke_all() {
-        let _ = std::fs::remove_file(role_path(pool));
+        // Durably a backup again (the raised term stays: it only refuses older primaries).
+        if let Err(undo) = write_role(pool, &RecordedRole::Backup) {
+            tracing::error!(error = %undo, file = %role_path(pool).display(), "cannot take the promotion back: delete the file before this node starts again, or it starts as the primary");
+        }
         return Err(e.into());
     }
     st.promoted = true;

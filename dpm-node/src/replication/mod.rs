@@ -336,12 +336,17 @@ impl Primary {
         })
     }
 
-    /// The term a replica's status `s` shows was accepted after this pool's image last
-    /// served, if it shows one: a newer primary exists (or existed), and this pool is the
-    /// older image. (A primary of this same term, say, proves nothing once this primary's
-    /// term is the image's: both may have acknowledged.)
+    /// The term of a newer image that a replica's status `s` shows, if it shows one: it is a
+    /// primary of a term after this pool's image, or a backup holding a complete copy made
+    /// under such a term. Then a newer primary served, and this pool is the older image. A
+    /// backup that merely accepted a later term proves nothing (this pool's own earlier start
+    /// may have taken it and died before anything was acknowledged), nor does a primary of
+    /// this same term (both may have acknowledged).
     fn newer_primary(&self, s: &pb::ReplicaStatusResponse) -> Option<u64> {
-        (s.term > self.own_image()).then_some(s.term)
+        let own = self.own_image();
+        let newer_primary = s.role == "primary" && s.term > own;
+        let newer_copy = s.copy_state == "complete" && s.copy_term > own;
+        (newer_primary || newer_copy).then_some(s.term)
     }
 
     /// The term under which this pool's image serves now: this primary's once a backup
