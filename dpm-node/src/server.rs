@@ -165,7 +165,9 @@ impl Nic {
 /// Serves until `shutdown` completes. `ready` is called once every listener is bound.
 ///
 /// A backup that is promoted (`ReplicaService.Promote`) stops serving as a backup and serves
-/// on as the primary, on the same pool and at the same addresses, in this same call.
+/// on as the primary, on the same pool and at the same addresses, in this same call. A role
+/// recorded beside the pool at run time (`<pool>.role`: promoted, or deposed) wins over
+/// `config.role`.
 pub async fn run(
     mut config: DpmConfig,
     shutdown: impl Future<Output = ()> + Send + 'static,

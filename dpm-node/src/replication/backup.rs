@@ -10,6 +10,14 @@
 //! - The term only grows, and is durable (`<pool>.term`, with the primary instance that took
 //!   it) before an attach is answered: a primary of an older term, or of the same term but
 //!   another instance, is refused, even after a restart of the backup.
+//! - A primary whose pool image (`image_term`: the term under which its pool last served,
+//!   recorded in the pool and copied with it) is older than the term accepted here is refused
+//!   (`StaleImage`), unless it is the primary accepted here or that pool started again
+//!   (`previous`): another primary served since its image, and copying it over this pool
+//!   would lose what that one acknowledged.
+//! - A promotion ([`Backup::promote`]) needs a complete copy; it records the term and the role
+//!   (`<pool>.role`, [`RecordedRole`]) durably before it revokes the old primary's key, all
+//!   under the state lock in one blocking task, and no primary attaches a promoted backup.
 //! - An attach revokes every key of the backup's grant table before anything else, so once it
 //!   returns, no WRITE of the previous primary lands any more (the revoke waits for posts in
 //!   progress, as for KNs).
