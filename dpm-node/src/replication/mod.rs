@@ -123,12 +123,12 @@ impl Primary {
     }
 
     /// Stops acknowledging for good: another primary has taken over. With `newer_term` (a
-    /// replica accepted a term after this pool's image: see [`Primary::newer_primary`]), this
+    /// replica showed a newer image than this pool's: see [`Primary::newer_primary`]), this
     /// node also records that it is a backup now (see `backup::RecordedRole`), refusing from
     /// then on every primary older than that term and every image older than its own
     /// (`backup::demote`), so that started again it serves as a backup the new primary can
     /// attach without anything this pool acknowledged being overwritten by an older image.
-    /// Without (no replica shows a later term: a `--backup` naming a primary by mistake, a
+    /// Without (no evidence of a newer image: a backup that only accepted a later term, a
     /// rival of the same term), its role stays the command line's: its pool may be the only
     /// up-to-date one.
     fn depose(&self, why: String, newer_term: Option<u64>) {
