@@ -61,10 +61,36 @@ pub(crate) async fn promote(
     timeout: Duration,
 ) -> anyhow::Result<ReplicaStatusResponse> {
     let mut min_term = 0;
+    let mut target = None;
+    let mut answered = Vec::new();
     for addr in std::iter::once(backup).chain(others.iter().map(String::as_str)) {
         match crate::status::replica_status(addr).await {
-            Ok(s) => min_term = min_term.max(s.term),
+            Ok(s) => {
+                min_term = min_term.max(s.term);
+                if addr == backup {
+                    target = Some(s);
+                } else {
+                    answered.push((addr, s));
+                }
+            }
             Err(e) => println!("  {addr}: no status ({e:#}); its term is not counted"),
+        }
+    }
+    // A backup removed from the set keeps a complete copy, older than the ones that stayed
+    // (a newer generation of the same term): the new primary would be refused by them. Said
+    // here, before anything changes.
+    if let Some(t) = target.filter(|t| t.copy_state == "complete") {
+        if let Some((addr, s)) = answered.iter().find(|(_, s)| {
+            s.copy_state == "complete" && s.copy_term == t.copy_term && s.generation > t.generation
+        }) {
+            anyhow::bail!(
+                "not promoting {backup}: its copy (term {}, replica-set generation {}) is older \
+                 than {addr}'s (generation {}): {backup} left the replica set before writes \
+                 {addr} holds were acknowledged. Promote {addr} instead",
+                t.copy_term,
+                t.generation,
+                s.generation
+            );
         }
     }
     let ch = dinomo_security::Security::of_process()

@@ -226,8 +226,8 @@ fn copy_note(own: &anyhow::Result<ReplicaStatusResponse>) -> String {
     match own {
         Ok(r) => match r.copy_state.as_str() {
             "complete" => format!(
-                "; copy complete (made under term {}): promotable",
-                r.copy_term
+                "; copy complete (made under term {}, replica-set generation {}): promotable",
+                r.copy_term, r.generation
             ),
             "incomplete" => format!(
                 "; copy INCOMPLETE (started under term {}): not promotable",

@@ -47,6 +47,7 @@ use crate::limits;
 use crate::merge::{MergeMode, MergeReport, Merger};
 use crate::metastore::MetaStore;
 use crate::pool::Pool;
+use crate::replication::image::ImageId;
 use crate::segments::{LogId, SegmentGrant, Segments, Tier, CLEANER_KN};
 
 /// The cluster map's name in the metadata (KNs, routing nodes and monitors read it there).
@@ -58,9 +59,12 @@ const REPLICA_TERM_KEY: &str = "dpm/replica-term";
 /// The term and primary instance taken at the last start (16 bytes, little-endian words).
 const REPLICA_TAKEN_KEY: &str = "dpm/replica-taken";
 
-/// The newest replica term under which this pool's image served as a primary's: written by
-/// [`Dpm::record_replica_image_term`] once a backup accepted the term (only from then on may
-/// the primary acknowledge anything), and copied to the backups with the rest of the pool.
+/// The identity of this pool's image ([`ImageId`]: the replica term under which it last served
+/// as a primary's, the start that took it, the replica set's generation): written by
+/// [`Dpm::record_replica_image`] once a backup accepted the term (only from then on may the
+/// primary acknowledge anything) and whenever a counted backup leaves the set, and copied to
+/// the backups with the rest of the pool. (The key's name is older than the instance and the
+/// generation: an 8-byte value is a term alone.)
 const REPLICA_IMAGE_TERM_KEY: &str = "dpm/replica-image-term";
 
 /// Where the map a KN was fenced under is kept (see [`Dpm::confirm_serving`]).
@@ -271,6 +275,14 @@ impl Dpm {
         index.for_each(|_, p| segments.add_live(p, 1))?;
         let merger = Arc::new(Merger::new(pool.clone(), index.clone(), segments.clone()));
         let meta = MetaStore::open(pool.clone())?;
+        // A backup's copy carries the start record of the primary it was copied from. That
+        // primary's own pool, started again, may be taken back by a backup whatever its image
+        // (see [`Dpm::next_replica_term`]); a copy must not be (a backup removed from the set
+        // would pass as that pool), so a copy opened as a primary's forgets it, before
+        // anything else runs and before its marker goes.
+        if marker.is_some() || overridden_unreadable_marker {
+            meta.update(&[(REPLICA_TAKEN_KEY, None)])?;
+        }
         let cells = Arc::new(Cells::new(IndexArea::of(pool.superblock())));
         for (name, v) in meta.scan("cell/") {
             let key = unhex(&name["cell/".len()..]);
@@ -1156,30 +1168,40 @@ impl Dpm {
         Ok((term, previous))
     }
 
-    /// The newest term under which this pool's image served as a primary's (see
-    /// [`REPLICA_IMAGE_TERM_KEY`]), recorded first if the pool has none: 0 for a pool that never
-    /// took a term, else (a pool written before the key existed) the newest term it took. Read
-    /// before [`Dpm::next_replica_term`], so that terms taken at starts no backup accepted never
-    /// count as the image's.
-    pub fn init_replica_image_term(&self) -> Result<u64> {
-        let read = |key| {
-            self.meta
-                .get(key)
-                .and_then(|v| <[u8; 8]>::try_from(v.as_slice()).ok())
-                .map(u64::from_le_bytes)
-        };
-        if let Some(image) = read(REPLICA_IMAGE_TERM_KEY) {
-            return Ok(image);
+    /// The identity of this pool's image (see [`REPLICA_IMAGE_TERM_KEY`] and
+    /// [`crate::replication::image`]), recorded first if the pool has none: term 0 for a pool
+    /// that never took a term, else (a pool written before the key existed) the newest term it
+    /// took. Read before [`Dpm::next_replica_term`], so that terms taken at starts no backup
+    /// accepted never count as the image's.
+    pub fn init_replica_image(&self) -> Result<ImageId> {
+        if let Some(v) = self.meta.get(REPLICA_IMAGE_TERM_KEY) {
+            return ImageId::from_bytes(&v).ok_or_else(|| DpmError::BadPool {
+                path: self.config.pool_path.display().to_string(),
+                detail: format!(
+                    "its {REPLICA_IMAGE_TERM_KEY} metadata holds {} bytes, not 8 or {}",
+                    v.len(),
+                    ImageId::BYTES
+                ),
+            });
         }
-        let image = read(REPLICA_TERM_KEY).unwrap_or(0);
-        self.record_replica_image_term(image)?;
+        let term = self
+            .meta
+            .get(REPLICA_TERM_KEY)
+            .and_then(|v| <[u8; 8]>::try_from(v.as_slice()).ok())
+            .map_or(0, u64::from_le_bytes);
+        let image = ImageId {
+            term,
+            ..ImageId::default()
+        };
+        self.record_replica_image(image)?;
         Ok(image)
     }
 
-    /// Records that this pool's image serves under replica term `term` (a backup accepted it).
-    pub fn record_replica_image_term(&self, term: u64) -> Result<()> {
+    /// Records the identity of this pool's image: the term a backup accepted (with the start
+    /// that took it), or the replica set's new generation.
+    pub fn record_replica_image(&self, image: ImageId) -> Result<()> {
         self.meta
-            .update(&[(REPLICA_IMAGE_TERM_KEY, Some(&term.to_le_bytes()[..]))])?;
+            .update(&[(REPLICA_IMAGE_TERM_KEY, Some(&image.to_bytes()[..]))])?;
         Ok(())
     }
 

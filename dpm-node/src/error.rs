@@ -120,6 +120,14 @@ pub enum DpmError {
          holds the newest copy instead)"
     )]
     StaleImage { image: u64, current: u64 },
+    /// An attaching primary's pool image is of the term this backup accepted but is not the
+    /// image it follows (another start of that term, or an older generation of its replica
+    /// set: see `replication::image`).
+    #[error(
+        "replication: this backup refuses the attaching primary's pool: {detail}; copying it \
+         over this backup could lose acknowledged writes, so this primary must stop"
+    )]
+    SupersededImage { detail: String },
     /// A CopyComplete call named another copy than the one in progress at the backup (a newer
     /// attach replaced it, or the backup restarted).
     #[error("replication: this backup refuses to mark the copy complete: {detail}")]

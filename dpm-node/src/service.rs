@@ -85,6 +85,7 @@ pub fn to_status(e: DpmError) -> Status {
         DpmError::StaleTerm { .. }
         | DpmError::StaleCopy { .. }
         | DpmError::StaleImage { .. }
+        | DpmError::SupersededImage { .. }
         | DpmError::NotPromotable { .. } => Status::failed_precondition(msg),
         DpmError::Replication(_) => Status::unavailable(msg),
         _ => Status::internal(msg),

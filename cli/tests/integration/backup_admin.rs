@@ -1,7 +1,8 @@
 //! `dinomo admin add-backup` / `remove-backup` / `promote-backup`: an operator changes a
 //! running primary's replica set (a failed backup holds every acknowledgement until it is
-//! removed or added again) and, the primary lost, makes a backup the primary in place; each
-//! prints the set after the change; a wrong address fails with the node's reason.
+//! removed or added again) and, the primary lost, makes a backup the primary in place (not a
+//! removed one: its copy is older); each prints the set after the change; a wrong address
+//! fails with the node's reason.
 
 use std::time::{Duration, Instant};
 
@@ -114,6 +115,14 @@ async fn an_operator_adds_and_removes_backups() {
     let old_term = primary_status(&primary.addr).await.term;
     let mut primary = primary;
     primary.kill9();
+    // b1, removed while in sync, holds a complete copy too, but of an older generation of the
+    // set: promoting it is refused before anything changes (b2 would refuse it anyway).
+    let (ok, out) = admin(&["promote-backup", &b1.addr, "--backup", &b2.addr]).await;
+    assert!(
+        !ok && out.contains(&format!("Promote {} instead", b2.addr)),
+        "{out}"
+    );
+    assert_eq!(primary_status(&b1.addr).await.role, "backup");
     let (ok, out) = admin(&["promote-backup", &b2.addr, "--backup", &b1.addr]).await;
     assert!(ok, "{out}");
     assert!(

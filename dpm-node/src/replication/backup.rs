@@ -8,13 +8,15 @@
 //!
 //! Invariants:
 //! - The term only grows, and is durable (`<pool>.term`, with the primary instance that took
-//!   it) before an attach is answered: a primary of an older term, or of the same term but
-//!   another instance, is refused, even after a restart of the backup.
-//! - A primary whose pool image (`image_term`: the term under which its pool last served,
-//!   recorded in the pool and copied with it) is older than the term accepted here is refused
-//!   (`StaleImage`), unless it is the primary accepted here or that pool started again
-//!   (`previous`): another primary served since its image, and copying it over this pool
-//!   would lose what that one acknowledged.
+//!   it and the replica-set generation it told) before an attach is answered: a primary of an
+//!   older term, or of the same term but another instance, is refused, even after a restart
+//!   of the backup. The generation never goes down for the start it belongs to.
+//! - A primary whose pool image ([`super::image`]: the term under which its pool last served,
+//!   the start that took it and the set's generation, recorded in the pool and copied with
+//!   it) is older than what was accepted here is refused (`StaleImage`, `SupersededImage`),
+//!   unless it is the primary accepted here or that pool started again (`previous`): another
+//!   primary served since its image, or its pool left the set before writes this backup holds
+//!   were acknowledged, and copying it over this pool would lose them.
 //! - A promotion ([`Backup::promote`]) needs a complete copy; it records the term and the role
 //!   (`<pool>.role`, [`RecordedRole`]) durably before it revokes the old primary's key, all
 //!   under the state lock in one blocking task, and no primary attaches a promoted backup.
@@ -54,6 +56,7 @@ use dinomo_fabric::tcp::TcpNic;
 use dinomo_fabric::{AccessKey, Durability, DurabilityRequest, PmRegion};
 
 use super::digest;
+use super::image::{refusal, Accepted, Claim, ImageId, Refusal};
 use crate::error::{DpmError, Result};
 
 /// The largest pool a primary may ask a backup to hold (1 TiB).
@@ -104,6 +107,8 @@ struct State {
     term: u64,
     /// The primary instance that attached with `term`.
     instance: u64,
+    /// The newest replica-set generation that primary told this backup (see [`super::image`]).
+    generation: u64,
     /// The number of the copy the current attach started (0: none since this process
     /// started; see [`CopyMarker::copy`]).
     copy: u64,
@@ -115,6 +120,16 @@ struct State {
     /// The process's lock of the pool ([`crate::pool_lock`]), when a server runs this backup:
     /// here so that an attach's blocking work, which owns this state, keeps it.
     pool_lock: Option<Arc<crate::pool_lock::PoolLock>>,
+}
+
+impl State {
+    fn accepted(&self) -> Accepted {
+        Accepted {
+            term: self.term,
+            instance: self.instance,
+            generation: self.generation,
+        }
+    }
 }
 
 /// What an attach answers: where the primary writes, and with which key.
@@ -143,31 +158,41 @@ fn term_path(pool: &Path) -> PathBuf {
 
 /// The term a backup of `pool` accepted last (0 if none).
 pub fn read_term(pool: &Path) -> Result<u64> {
-    read_term_instance(pool).map(|(t, _)| t)
+    read_accepted(pool).map(|a| a.term)
 }
 
-/// The term a backup of `pool` accepted last and the primary instance it came from.
-fn read_term_instance(pool: &Path) -> Result<(u64, u64)> {
+/// What a backup of `pool` accepted last (`<pool>.term`: "TERM INSTANCE GENERATION"; older
+/// builds wrote the first one or two).
+pub fn read_accepted(pool: &Path) -> Result<Accepted> {
     let bad = |s: &str| DpmError::BadPool {
         path: term_path(pool).display().to_string(),
-        detail: format!("holds {s:?}, not \"TERM INSTANCE\""),
+        detail: format!("holds {s:?}, not \"TERM INSTANCE GENERATION\""),
     };
     match std::fs::read_to_string(term_path(pool)) {
         Ok(s) => {
-            let mut it = s.split_whitespace().map(str::parse::<u64>);
-            match (it.next(), it.next()) {
-                (Some(Ok(t)), Some(Ok(i))) => Ok((t, i)),
-                (Some(Ok(t)), None) => Ok((t, 0)),
-                _ => Err(bad(&s)),
-            }
+            let words: Vec<_> = s.split_whitespace().map(str::parse::<u64>).collect();
+            let (term, instance, generation) = match words.as_slice() {
+                [Ok(t)] => (*t, 0, 0),
+                [Ok(t), Ok(i)] => (*t, *i, 0),
+                [Ok(t), Ok(i), Ok(g)] => (*t, *i, *g),
+                _ => return Err(bad(&s)),
+            };
+            Ok(Accepted {
+                term,
+                instance,
+                generation,
+            })
         }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok((0, 0)),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Accepted::default()),
         Err(e) => Err(e.into()),
     }
 }
 
-fn write_term(pool: &Path, term: u64, instance: u64) -> Result<()> {
-    write_durably(&term_path(pool), &format!("{term} {instance}\n"))
+fn write_accepted(pool: &Path, a: Accepted) -> Result<()> {
+    write_durably(
+        &term_path(pool),
+        &format!("{} {} {}\n", a.term, a.instance, a.generation),
+    )
 }
 
 /// Writes `text` to `path` so that, after a crash, `path` holds either its old contents or
@@ -251,13 +276,13 @@ pub fn read_role(pool: &Path) -> Result<Option<RecordedRole>> {
     }
 }
 
-/// Records that the primary of `pool`, whose image serves under term `own_image`, was deposed
-/// by a primary of `term`: its role is backup from now on, and its `.term` (written first)
-/// makes it refuse every primary of `term - 1` or older and, through the image check, every
-/// primary whose image is older than its own, so that an older image is never copied over
-/// what it acknowledged. A device-DAX pool is not demoted (a backup needs a pool file, and
-/// the files would be in /dev): the node just stops.
-pub fn demote(pool: &Path, term: u64, own_image: u64) -> Result<()> {
+/// Records that the primary of `pool`, whose image is `own_image`, was deposed by a primary of
+/// `term`: its role is backup from now on, and its `.term` (written first) makes it refuse
+/// every primary of `term - 1` or older and, through the image check, every primary whose
+/// image is older than its own (an older term, or its term with an older generation), so that
+/// an older image is never copied over what it acknowledged. A device-DAX pool is not demoted
+/// (a backup needs a pool file, and the files would be in /dev): the node just stops.
+pub fn demote(pool: &Path, term: u64, own_image: ImageId) -> Result<()> {
     if dinomo_fabric::pm::DaxDevice::probe(pool)?.is_some() {
         return Err(DpmError::Config(format!(
             "{} is a device-DAX device: a backup needs a pool file, so this node is not \
@@ -265,12 +290,25 @@ pub fn demote(pool: &Path, term: u64, own_image: u64) -> Result<()> {
             pool.display()
         )));
     }
-    let (accepted, _) = read_term_instance(pool)?;
+    let accepted = read_accepted(pool)?;
     // Instance 0 is no primary's (instances are odd): the primary of exactly `floor` is
-    // refused too, any instance; one of a later term with an image at least `floor` is not.
-    let floor = term.saturating_sub(1).max(own_image);
-    if floor > accepted {
-        write_term(pool, floor, 0)?;
+    // refused too, any instance; one of a later term with an image at least `floor` (and, of
+    // the image's own term, at least its generation) is not.
+    let floor = term.saturating_sub(1).max(own_image.term);
+    let generation = if floor == own_image.term {
+        own_image.generation
+    } else {
+        0
+    };
+    if floor > accepted.term || (floor == accepted.term && generation > accepted.generation) {
+        write_accepted(
+            pool,
+            Accepted {
+                term: floor,
+                instance: 0,
+                generation,
+            },
+        )?;
     }
     write_role(pool, &RecordedRole::Backup)
 }
@@ -447,9 +485,9 @@ impl Backup {
                 pool_path.display()
             )));
         }
-        let (term, instance) = read_term_instance(&pool_path)?;
+        let accepted = read_accepted(&pool_path)?;
         let grants = Arc::new(GrantTable::create(&GrantTable::path_for(&pool_path), 4)?);
-        tracing::info!(pool = %pool_path.display(), term, "backup ready: waiting for a primary to attach");
+        tracing::info!(pool = %pool_path.display(), term = accepted.term, generation = accepted.generation, "backup ready: waiting for a primary to attach");
         Ok(Backup {
             pool_path,
             durability,
@@ -457,8 +495,9 @@ impl Backup {
             fabric_advertise,
             grants,
             state: Arc::new(tokio::sync::Mutex::new(State {
-                term,
-                instance,
+                term: accepted.term,
+                instance: accepted.instance,
+                generation: accepted.generation,
                 ..State::default()
             })),
             promotion: Arc::new(tokio::sync::watch::channel(None).0),
@@ -467,6 +506,11 @@ impl Backup {
 
     pub async fn term(&self) -> u64 {
         self.state.lock().await.term
+    }
+
+    /// The primary start this backup follows and the newest generation it was told.
+    pub async fn accepted(&self) -> Accepted {
+        self.state.lock().await.accepted()
     }
 
     pub async fn primary(&self) -> String {
@@ -484,14 +528,14 @@ impl Backup {
 
     /// Becomes the backup of `primary` (instance `instance`) for `term` (see the module doc);
     /// with `incremental`, keeps a pool of `pool_bytes` it holds and answers its digests.
-    // The attaching primary's identity (term, instance, image term, previous start) and the
-    // copy it asks for: each is checked on its own.
+    // The attaching primary's identity (term, instance, image, previous start) and the copy
+    // it asks for: each is checked on its own.
     #[allow(clippy::too_many_arguments)]
     pub async fn attach(
         &self,
         term: u64,
         instance: u64,
-        image_term: Option<u64>,
+        image: Claim,
         previous: Option<(u64, u64)>,
         pool_bytes: u64,
         primary: &str,
@@ -510,11 +554,17 @@ impl Backup {
         // pool started again (its previous start is the one accepted here, and nothing since:
         // nobody acknowledged anything under a later term here).
         let accepted_here = (st.term, st.instance);
-        let current_primary = (term, instance) == accepted_here || previous == Some(accepted_here);
-        if let Some(image) = image_term.filter(|&i| i < st.term && !current_primary) {
-            return Err(DpmError::StaleImage {
-                image,
-                current: st.term,
+        let same_start = (term, instance) == accepted_here;
+        let current_primary = same_start || previous == Some(accepted_here);
+        if let Some(why) = refusal(st.accepted(), image).filter(|_| !current_primary) {
+            return Err(match why {
+                Refusal::OlderTerm { image, accepted } => DpmError::StaleImage {
+                    image,
+                    current: accepted,
+                },
+                why => DpmError::SupersededImage {
+                    detail: why.to_string(),
+                },
             });
         }
         if pool_bytes == 0 || pool_bytes > MAX_POOL_BYTES || !pool_bytes.is_multiple_of(4096) {
@@ -548,9 +598,25 @@ impl Backup {
         // Only now (the state lock is held throughout, so no CopyComplete comes between): a
         // failed marker write leaves the previous copy and its pending confirmation alone.
         st.copy = 0;
-        write_term(&self.pool_path, term, instance)?;
+        // The generation this primary's image has (a re-attach by the same start never lowers
+        // what it told before; a new start's history is the caller's image).
+        let generation = match image.generation {
+            Some(g) if same_start => g.max(st.generation),
+            Some(g) => g,
+            None if same_start => st.generation,
+            None => 0,
+        };
+        write_accepted(
+            &self.pool_path,
+            Accepted {
+                term,
+                instance,
+                generation,
+            },
+        )?;
         st.term = term;
         st.instance = instance;
+        st.generation = generation;
         // The previous primary's WRITEs end here (the revoke waits for posts in progress).
         self.grants.revoke_all()?;
         st.nic = None;
@@ -638,12 +704,52 @@ impl Backup {
         .map_err(|e| DpmError::Io(std::io::Error::other(e)))?
     }
 
+    /// Records durably that the replica set of the primary `term`/`instance`, which this
+    /// backup follows, reached `generation` (a counted backup left it: see [`super::image`]). Its
+    /// primary waits for this before the removal takes effect, so a write acknowledged after
+    /// the removal is on a backup that knows the generation. Refused
+    /// ([`DpmError::StaleTerm`]) from any other primary; never lowers what was recorded.
+    pub async fn record_generation(&self, term: u64, instance: u64, generation: u64) -> Result<()> {
+        let mut st = self.state.clone().lock_owned().await;
+        if st.promoted || (term, instance) != (st.term, st.instance) {
+            return Err(DpmError::StaleTerm {
+                given: term,
+                current: st.term,
+            });
+        }
+        if generation <= st.generation {
+            return Ok(());
+        }
+        let mut accepted = st.accepted();
+        accepted.generation = generation;
+        let pool = self.pool_path.clone();
+        // Off the runtime's threads (see `copy_complete`), the state lock going with the work.
+        let st = tokio::task::spawn_blocking(move || {
+            write_accepted(&pool, accepted).map(|()| {
+                st.generation = generation;
+                st
+            })
+        })
+        .await
+        .map_err(|e| DpmError::Io(std::io::Error::other(e)))??;
+        drop(st);
+        tracing::info!(term, generation, "the replica set's generation grew (a backup left it): images of an older generation of this term are refused from now on");
+        Ok(())
+    }
+
     /// Records durably that the copy `copy` of `term`/`instance` is complete (the primary saw
-    /// this backup catch up; see the module doc). Refused ([`DpmError::StaleCopy`]) unless all
-    /// three name the current attach: a deposed primary, or a late call about an earlier
-    /// copy, must not mark a newer copy complete.
-    pub async fn copy_complete(&self, term: u64, instance: u64, copy: u64) -> Result<()> {
-        let st = self.state.lock().await;
+    /// this backup catch up; see the module doc), and the replica set's `generation` then (the
+    /// `.term` first). Refused ([`DpmError::StaleCopy`]) unless all three name the current
+    /// attach: a deposed primary, or a late call about an earlier copy, must not mark a newer
+    /// copy complete.
+    pub async fn copy_complete(
+        &self,
+        term: u64,
+        instance: u64,
+        copy: u64,
+        generation: Option<u64>,
+    ) -> Result<()> {
+        let mut st = self.state.lock().await;
         if (term, instance, copy) != (st.term, st.instance, st.copy) || st.nic.is_none() {
             return Err(DpmError::StaleCopy {
                 detail: format!(
@@ -662,9 +768,23 @@ impl Backup {
             instance,
             copy,
         };
-        tokio::task::spawn_blocking(move || write_copy_marker(&pool, marker))
-            .await
-            .map_err(|e| DpmError::Io(std::io::Error::other(e)))??;
+        let raised = generation
+            .filter(|&g| g > st.generation)
+            .map(|generation| Accepted {
+                generation,
+                ..st.accepted()
+            });
+        tokio::task::spawn_blocking(move || {
+            if let Some(a) = raised {
+                write_accepted(&pool, a)?;
+            }
+            write_copy_marker(&pool, marker)
+        })
+        .await
+        .map_err(|e| DpmError::Io(std::io::Error::other(e)))??;
+        if let Some(a) = raised {
+            st.generation = a.generation;
+        }
         tracing::info!(term, copy, "the copy of the primary's pool is complete: this pool holds a consistent image from now on");
         Ok(())
     }
@@ -741,7 +861,13 @@ fn promote_locked(
     // role, so that a restart (of the process, of its pod) comes back as the primary even if
     // it happens before the answer. A later failure takes the role back (the node stays a
     // backup, of the newer term).
-    write_term(pool, term, st.instance)?;
+    write_accepted(
+        pool,
+        Accepted {
+            term,
+            ..st.accepted()
+        },
+    )?;
     st.term = term;
     write_role(
         pool,
@@ -861,6 +987,21 @@ mod tests {
         .unwrap()
     }
 
+    /// The image claim of a primary that sends only its image's term.
+    fn term_claim(term: u64) -> Claim {
+        Claim {
+            term: Some(term),
+            ..Claim::default()
+        }
+    }
+
+    fn term_image(term: u64) -> ImageId {
+        ImageId {
+            term,
+            ..ImageId::default()
+        }
+    }
+
     fn marker(dir: &Path) -> CopyMarker {
         read_copy_marker(&dir.join("pool")).unwrap().unwrap()
     }
@@ -874,7 +1015,7 @@ mod tests {
         let b = backup(dir.path());
         assert_eq!(read_copy_marker(&dir.path().join("pool")).unwrap(), None);
         let a = b
-            .attach(3, 11, None, None, 1 << 20, "p:1", None)
+            .attach(3, 11, Claim::default(), None, 1 << 20, "p:1", None)
             .await
             .unwrap();
         let m = marker(dir.path());
@@ -883,27 +1024,33 @@ mod tests {
             (CopyState::Incomplete, 3, 11, a.copy)
         );
         for (term, instance, copy) in [(2, 11, a.copy), (3, 12, a.copy), (3, 11, a.copy ^ 2)] {
-            let e = b.copy_complete(term, instance, copy).await.unwrap_err();
+            let e = b
+                .copy_complete(term, instance, copy, None)
+                .await
+                .unwrap_err();
             assert!(matches!(e, DpmError::StaleCopy { .. }), "{e}");
             assert_eq!(marker(dir.path()).state, CopyState::Incomplete);
         }
-        b.copy_complete(3, 11, a.copy).await.unwrap();
+        b.copy_complete(3, 11, a.copy, None).await.unwrap();
         assert_eq!(marker(dir.path()).state, CopyState::Complete);
 
         // A new attach (even of the same primary) starts a new copy: incomplete again, and
         // the earlier copy's CopyComplete no longer counts.
         let again = b
-            .attach(3, 11, None, None, 1 << 20, "p:1", None)
+            .attach(3, 11, Claim::default(), None, 1 << 20, "p:1", None)
             .await
             .unwrap();
         assert_ne!(again.copy, a.copy);
         assert_eq!(marker(dir.path()).state, CopyState::Incomplete);
-        assert!(b.copy_complete(3, 11, a.copy).await.is_err());
+        assert!(b.copy_complete(3, 11, a.copy, None).await.is_err());
         assert_eq!(marker(dir.path()).state, CopyState::Incomplete);
         drop(b);
 
         let restarted = backup(dir.path());
-        assert!(restarted.copy_complete(3, 11, again.copy).await.is_err());
+        assert!(restarted
+            .copy_complete(3, 11, again.copy, None)
+            .await
+            .is_err());
         assert_eq!(marker(dir.path()).state, CopyState::Incomplete);
     }
 
@@ -916,12 +1063,12 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let b = backup(dir.path());
         let len = 1 << 20;
-        b.attach(3, 11, Some(0), None, len, "p:1", None)
+        b.attach(3, 11, term_claim(0), None, len, "p:1", None)
             .await
             .unwrap();
         for (term, instance, image) in [(4, 12, 2), (4, 12, 0)] {
             let e = b
-                .attach(term, instance, Some(image), None, len, "p:2", None)
+                .attach(term, instance, term_claim(image), None, len, "p:2", None)
                 .await
                 .unwrap_err();
             assert!(
@@ -931,37 +1078,114 @@ mod tests {
         }
         assert_eq!(b.term().await, 3, "a refused attach changes nothing");
         // The accepted primary again, its image still older than its term.
-        b.attach(3, 11, Some(2), None, len, "p:1", None)
+        b.attach(3, 11, term_claim(2), None, len, "p:1", None)
             .await
             .unwrap();
         // A primary promoted from a copy of term 3's image.
-        b.attach(4, 12, Some(3), None, len, "p:2", None)
+        b.attach(4, 12, term_claim(3), None, len, "p:2", None)
             .await
             .unwrap();
         // Term 4's primary served: term 3's image is stale now, whatever term it takes.
         assert!(matches!(
-            b.attach(5, 13, Some(3), None, len, "p:1", None).await,
+            b.attach(5, 13, term_claim(3), None, len, "p:1", None).await,
             Err(DpmError::StaleImage {
                 image: 3,
                 current: 4
             })
         ));
-        assert!(b.attach(6, 14, None, None, len, "p:3", None).await.is_ok());
+        assert!(b
+            .attach(6, 14, Claim::default(), None, len, "p:3", None)
+            .await
+            .is_ok());
         assert!(matches!(
-            b.attach(7, 15, Some(5), None, len, "p:4", None).await,
+            b.attach(7, 15, term_claim(5), None, len, "p:4", None).await,
             Err(DpmError::StaleImage { .. })
         ));
         // The pool of term 6's primary started again before it recorded its image term: its
         // previous start is the one accepted here, so it is taken back; once a later one was
         // accepted, no longer.
-        b.attach(7, 15, Some(5), Some((6, 14)), len, "p:3", None)
+        b.attach(7, 15, term_claim(5), Some((6, 14)), len, "p:3", None)
             .await
             .unwrap();
         assert!(matches!(
-            b.attach(8, 17, Some(5), Some((6, 14)), len, "p:3", None)
+            b.attach(8, 17, term_claim(5), Some((6, 14)), len, "p:3", None)
                 .await,
             Err(DpmError::StaleImage { .. })
         ));
+    }
+
+    /// A backup told that a counted backup left the set (a new generation) refuses the image
+    /// of the removed one (same term and start, older generation), and that of another start
+    /// of the term it accepted; the generation is durable and never lowered; only the primary
+    /// it follows may raise it.
+    #[tokio::test]
+    async fn a_removed_backups_older_generation_is_refused() {
+        let dir = tempfile::tempdir().unwrap();
+        let b = backup(dir.path());
+        let len = 1 << 20;
+        let claim = |term, instance, generation| Claim {
+            term: Some(term),
+            instance: Some(instance),
+            generation: Some(generation),
+        };
+        let a = b
+            .attach(3, 11, claim(2, 9, 0), None, len, "p:1", None)
+            .await
+            .unwrap();
+        b.copy_complete(3, 11, a.copy, Some(1)).await.unwrap();
+        assert_eq!(b.accepted().await.generation, 1);
+        assert!(matches!(
+            b.record_generation(3, 13, 5).await,
+            Err(DpmError::StaleTerm { .. })
+        ));
+        b.record_generation(3, 11, 2).await.unwrap();
+        b.record_generation(3, 11, 1).await.unwrap();
+        let want = Accepted {
+            term: 3,
+            instance: 11,
+            generation: 2,
+        };
+        assert_eq!(b.accepted().await, want, "never lowered");
+        drop(b);
+        let b = backup(dir.path());
+        assert_eq!(b.accepted().await, want, "durable");
+
+        // A backup removed at generation 1, promoted: its image is term 3's, start 11's,
+        // generation 1.
+        let e = b
+            .attach(4, 15, claim(3, 11, 1), None, len, "removed", None)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&e, DpmError::SupersededImage { detail } if detail.contains("generation 1 of term 3")),
+            "{e}"
+        );
+        let e = b
+            .attach(4, 15, claim(3, 17, 2), None, len, "rival", None)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&e, DpmError::SupersededImage { detail } if detail.contains("another start of term 3")),
+            "{e}"
+        );
+        assert_eq!(b.accepted().await, want, "a refused attach changes nothing");
+        // The primary it follows, re-attaching with an older claim, lowers nothing.
+        b.attach(3, 11, claim(2, 9, 0), None, len, "p:1", None)
+            .await
+            .unwrap();
+        assert_eq!(b.accepted().await, want);
+        // A backup that stayed: accepted, and its generation carries on under the new term.
+        b.attach(4, 15, claim(3, 11, 2), None, len, "stayed", None)
+            .await
+            .unwrap();
+        assert_eq!(
+            b.accepted().await,
+            Accepted {
+                term: 4,
+                instance: 15,
+                generation: 2
+            }
+        );
     }
 
     /// A deposed primary recorded as a backup refuses every primary up to the term that
@@ -973,31 +1197,33 @@ mod tests {
         let pool = dir.path().join("pool");
         let len = 1 << 20;
         // Its own image is term 5's; deposed by a replica of term 5 (a same-term rival).
-        demote(&pool, 5, 5).unwrap();
+        demote(&pool, 5, term_image(5)).unwrap();
         assert_eq!(read_role(&pool).unwrap(), Some(RecordedRole::Backup));
         let b = backup(dir.path());
         assert_eq!(b.term().await, 5);
         assert!(matches!(
-            b.attach(5, 7, Some(4), None, len, "rival", None).await,
+            b.attach(5, 7, term_claim(4), None, len, "rival", None)
+                .await,
             Err(DpmError::StaleTerm { .. })
         ));
         assert!(matches!(
-            b.attach(6, 9, Some(4), None, len, "rival", None).await,
+            b.attach(6, 9, term_claim(4), None, len, "rival", None)
+                .await,
             Err(DpmError::StaleImage {
                 image: 4,
                 current: 5
             })
         ));
-        b.attach(6, 11, Some(5), None, len, "newer", None)
+        b.attach(6, 11, term_claim(5), None, len, "newer", None)
             .await
             .unwrap();
         // Deposed by term 9 with an image of term 2: it accepts term 9's primary.
         let dir = tempfile::tempdir().unwrap();
         let pool = dir.path().join("pool");
-        demote(&pool, 9, 2).unwrap();
+        demote(&pool, 9, term_image(2)).unwrap();
         let b = backup(dir.path());
         assert_eq!(b.term().await, 8);
-        b.attach(9, 13, Some(8), None, len, "newer", None)
+        b.attach(9, 13, term_claim(8), None, len, "newer", None)
             .await
             .unwrap();
     }
@@ -1016,7 +1242,9 @@ mod tests {
             chunk_bytes: digest::chunk_bytes_for(len),
             key: [42; digest::KEY_BYTES],
         };
-        b.attach(3, 11, None, None, len, "p:1", None).await.unwrap();
+        b.attach(3, 11, Claim::default(), None, len, "p:1", None)
+            .await
+            .unwrap();
         // What the primary wrote through the NIC, as another mapping of the same file sees it.
         PmRegion::open(&pool, DurabilityRequest::ProcessCrash)
             .unwrap()
@@ -1030,7 +1258,7 @@ mod tests {
         };
 
         let a = b
-            .attach(4, 12, None, None, len, "p:2", Some(inc))
+            .attach(4, 12, Claim::default(), None, len, "p:2", Some(inc))
             .await
             .unwrap();
         assert_eq!(read_back((1 << 20) + 64), *b"held", "the pool was not kept");
@@ -1049,7 +1277,7 @@ mod tests {
             ..inc
         };
         assert!(b
-            .attach(4, 12, None, None, len, "p:2", Some(bad))
+            .attach(4, 12, Claim::default(), None, len, "p:2", Some(bad))
             .await
             .is_err());
 
@@ -1059,7 +1287,7 @@ mod tests {
             key: inc.key,
         };
         let a = b
-            .attach(4, 12, None, None, bigger, "p:2", Some(inc4))
+            .attach(4, 12, Claim::default(), None, bigger, "p:2", Some(inc4))
             .await
             .unwrap();
         assert_eq!(
@@ -1073,7 +1301,7 @@ mod tests {
             .write_durable(64, b"gone")
             .unwrap();
         let a = b
-            .attach(4, 12, None, None, bigger, "p:2", None)
+            .attach(4, 12, Claim::default(), None, bigger, "p:2", None)
             .await
             .unwrap();
         assert!(a.chunk_digests.is_empty());

@@ -25,16 +25,23 @@
 //! writes to turns out to belong to a newer primary (its key revoked by that primary's
 //! attach): it cannot go on alone, even if asked to drop that backup.
 //!
+//! Images are named ([`image`]): a pool records the term and start it last served under and
+//! the replica set's generation, which grows whenever a backup that counted for
+//! acknowledgements is removed ([`Primary::remove_backup`]); a backup refuses to be
+//! overwritten by an image older than what it accepted.
+//!
 //! Replication needs the tcp fabric: on shm the KNs store into the pool file themselves and on
 //! verbs the RNIC does, so the primary never sees their WRITEs to ship them.
 
 pub mod backup;
 mod confirm;
 pub mod digest;
+pub mod image;
 pub mod replicator;
 mod service;
 
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -51,6 +58,7 @@ pub use service::ReplicaGrpc;
 
 use crate::dpm::Dpm;
 use crate::error::{DpmError, Result};
+use image::ImageId;
 
 /// A primary's replica set: its term and the replicator installed on its pool.
 #[derive(Debug)]
@@ -65,12 +73,17 @@ pub struct Primary {
     address: String,
     security: Security,
     replicator: Arc<Replicator>,
-    /// The newest term under which the pool's image served before this primary started
-    /// ([`Dpm::replica_image_term`]): a backup that accepted a newer one refuses this primary,
-    /// whose image may lack what that term's primary acknowledged.
-    image_term: u64,
+    /// The identity of the pool's image when this primary started ([`Dpm::init_replica_image`]):
+    /// a backup that accepted a newer one refuses this primary, whose image may lack what
+    /// that one's primary acknowledged ([`image`](super::image)).
+    started_image: ImageId,
     /// Whether this primary's term was recorded as the image's (once a backup accepted it).
     image_term_recorded: std::sync::atomic::AtomicBool,
+    /// The replica set's generation now (see [`image`]): shared with the CopyComplete calls,
+    /// which tell it to the backup they complete.
+    generation: Arc<AtomicU64>,
+    /// Held while a backup is removed: one generation at a time.
+    removing: tokio::sync::Mutex<()>,
     /// The term and instance the pool's previous start took (sent with Attach: a backup that
     /// accepted that start and nothing since takes this one back, image older or not).
     previous: Option<(u64, u64)>,
@@ -85,10 +98,16 @@ impl Primary {
         security: Security,
         opts: ReplicatorOptions,
     ) -> Result<Arc<Self>> {
-        let on_file = backup::read_term(&dpm.config.pool_path)?;
-        let image_term = dpm.init_replica_image_term()?;
+        let on_file = backup::read_accepted(&dpm.config.pool_path)?;
+        let mut started_image = dpm.init_replica_image()?;
+        // A promoted backup: its primary may have told it a newer generation than the copy of
+        // the image record its pool holds (the told one is durable when told; the record's
+        // copy arrives with the other WRITEs).
+        if on_file.instance != 0 && on_file.instance == started_image.instance {
+            started_image.generation = started_image.generation.max(on_file.generation);
+        }
         let instance = rand::random::<u64>() | 1;
-        let (term, previous) = dpm.next_replica_term(on_file, instance)?;
+        let (term, previous) = dpm.next_replica_term(on_file.term, instance)?;
         let region = dpm.pool().region().clone();
         let replicator = Replicator::new(region.clone(), opts);
         region.set_mirror(Some(replicator.clone()));
@@ -101,8 +120,10 @@ impl Primary {
             address,
             security,
             replicator,
-            image_term,
+            started_image,
             image_term_recorded: std::sync::atomic::AtomicBool::new(false),
+            generation: Arc::new(AtomicU64::new(started_image.generation)),
+            removing: tokio::sync::Mutex::new(()),
         });
         tokio::spawn(watch_failed_backups(Arc::downgrade(&primary)));
         Ok(primary)
@@ -137,7 +158,7 @@ impl Primary {
         if let Some(term) = newer_term {
             let pool = &self.dpm.config.pool_path;
             let file = backup::role_path(pool);
-            match backup::demote(pool, term, self.own_image()) {
+            match backup::demote(pool, term, self.image()) {
                 Ok(()) => {
                     tracing::warn!(file = %file.display(), term, "recorded this node's role as backup (of term {term} or later): started again, it serves as one");
                 }
@@ -181,6 +202,7 @@ impl Primary {
         // failover holds most of the pool). A fresh key each time (see `digest`).
         let chunk_bytes = digest::chunk_bytes_for(pool_bytes);
         let digest_key: digest::Key = rand::random();
+        let image = self.image();
         let r = client
             .attach(pb::AttachRequest {
                 term: self.term,
@@ -189,7 +211,9 @@ impl Primary {
                 primary: self.address.clone(),
                 chunk_bytes,
                 digest_key: digest_key.to_vec(),
-                image_term: Some(self.image_term),
+                image_term: Some(image.term),
+                image_instance: Some(image.instance),
+                image_generation: Some(image.generation),
                 previous_term: self.previous.map(|(t, _)| t),
                 previous_instance: self.previous.map(|(_, i)| i),
             })
@@ -261,19 +285,22 @@ impl Primary {
         // Once the backup caught up, it records this copy complete before it is reported in
         // sync (the copy marker, see `backup`); the call is tried until the backup answers
         // (`confirm`), and the replicator stops waiting once the backup is removed or failed.
-        let (security, backup, term, instance, copy) = (
+        let (security, backup, term, instance, copy, generation) = (
             self.security.clone(),
             address.to_string(),
             self.term,
             self.instance,
             r.copy,
+            self.generation.clone(),
         );
         let confirm: replicator::ConfirmCopy = Box::new(move || {
             Box::pin(async move {
+                // Read at the call: a removal while this backup was being copied raised it.
                 let request = pb::CopyCompleteRequest {
                     term,
                     instance,
                     copy,
+                    generation: Some(generation.load(Ordering::Acquire)),
                 };
                 confirm::until_heard(&backup, || async {
                     let mut c = connect(&security, &backup, Duration::from_secs(30))
@@ -288,16 +315,17 @@ impl Primary {
         // pool's image is this term's from now on, recorded before (a restart after an
         // acknowledgement must find it) and copied to the backup with the pool. Without the
         // record, no add: nothing is acknowledged, and the next attach tries again.
-        if !self
-            .image_term_recorded
-            .load(std::sync::atomic::Ordering::Acquire)
-        {
-            let (dpm, term) = (self.dpm.clone(), self.term);
-            tokio::task::spawn_blocking(move || dpm.record_replica_image_term(term))
+        if !self.image_term_recorded.load(Ordering::Acquire) {
+            let dpm = self.dpm.clone();
+            let image = ImageId {
+                term: self.term,
+                instance: self.instance,
+                generation: self.generation.load(Ordering::Acquire),
+            };
+            tokio::task::spawn_blocking(move || dpm.record_replica_image(image))
                 .await
                 .map_err(|e| DpmError::Io(std::io::Error::other(e)))??;
-            self.image_term_recorded
-                .store(true, std::sync::atomic::Ordering::Release);
+            self.image_term_recorded.store(true, Ordering::Release);
             tracing::info!(term, "the pool's image serves under this term from now on");
         }
         self.replicator.add(address, nic, key, held, Some(confirm));
@@ -343,27 +371,111 @@ impl Primary {
     /// may have taken it and died before anything was acknowledged), nor does a primary of
     /// this same term (both may have acknowledged).
     fn newer_primary(&self, s: &pb::ReplicaStatusResponse) -> Option<u64> {
-        let own = self.own_image();
+        let own = self.image().term;
         let newer_primary = s.role == "primary" && s.term > own;
         let newer_copy = s.copy_state == "complete" && s.copy_term > own;
         (newer_primary || newer_copy).then_some(s.term)
     }
 
-    /// The term under which this pool's image serves now: this primary's once a backup
-    /// accepted it, else the one it started with.
-    fn own_image(&self) -> u64 {
-        if self
-            .image_term_recorded
-            .load(std::sync::atomic::Ordering::Acquire)
-        {
-            self.term
+    /// The identity of this pool's image now: of this primary's term once a backup accepted
+    /// it, else the one it started with; with the set's current generation.
+    pub fn image(&self) -> ImageId {
+        let generation = self.generation.load(Ordering::Acquire);
+        if self.image_term_recorded.load(Ordering::Acquire) {
+            ImageId {
+                term: self.term,
+                instance: self.instance,
+                generation,
+            }
         } else {
-            self.image_term
+            ImageId {
+                generation,
+                ..self.started_image
+            }
         }
     }
 
-    pub fn remove_backup(&self, address: &str) -> bool {
-        self.replicator.remove(address)
+    /// Removes the backup at `address` from the replica set (false: it is not in it). A
+    /// backup that counted for acknowledgements holds a consistent image, maybe marked
+    /// complete, that lacks every write acknowledged after its removal; promoted, it must
+    /// not be copied over the backups that stayed. So, while barriers wait
+    /// ([`Replicator::leave`]), the set's generation grows: recorded in this pool (and so in
+    /// the copies), then durably at every other backup (RecordGeneration), which refuse the
+    /// removed one's image from then on ([`image`](super::image)). A backup that does not record it is
+    /// failed (it holds acknowledgements until removed or added again); only then is the
+    /// backup removed and barriers go on without it.
+    pub async fn remove_backup(&self, address: &str) -> Result<bool> {
+        let _one_at_a_time = self.removing.lock().await;
+        let Some(counted) = self.replicator.leave(address) else {
+            return Ok(false);
+        };
+        // Nothing was acknowledged under this term without it unless a backup accepted the
+        // term (and the image is this term's): before that, the generation has nothing to
+        // tell apart.
+        if counted && self.image_term_recorded.load(Ordering::Acquire) {
+            if let Err(e) = self.next_generation(address).await {
+                let why = format!("removing it failed: {e}");
+                self.replicator.fail(address, why);
+                return Err(e);
+            }
+        }
+        Ok(self.replicator.remove(address))
+    }
+
+    /// [`Primary::remove_backup`]'s new generation, made durable here and at every backup but
+    /// `leaving`.
+    async fn next_generation(&self, leaving: &str) -> Result<()> {
+        let generation = self.generation.load(Ordering::Acquire) + 1;
+        let image = ImageId {
+            term: self.term,
+            instance: self.instance,
+            generation,
+        };
+        let dpm = self.dpm.clone();
+        tokio::task::spawn_blocking(move || dpm.record_replica_image(image))
+            .await
+            .map_err(|e| DpmError::Io(std::io::Error::other(e)))??;
+        // From here a CopyComplete tells the new one (a copy completing meanwhile may tell the
+        // old one first, then is told the new one below: the backup keeps the newer).
+        self.generation.store(generation, Ordering::Release);
+        let others: Vec<String> = self
+            .replicator
+            .status()
+            .into_iter()
+            .filter(|b| b.address != leaving && !matches!(b.phase, Phase::Failed { .. }))
+            .map(|b| b.address)
+            .collect();
+        let mut tells = tokio::task::JoinSet::new();
+        for address in others {
+            let (security, term, instance) = (self.security.clone(), self.term, self.instance);
+            tells.spawn(async move {
+                let told = async {
+                    connect(&security, &address, Duration::from_secs(5))
+                        .await?
+                        .record_generation(pb::RecordGenerationRequest {
+                            term,
+                            instance,
+                            generation,
+                        })
+                        .await
+                        .map_err(|s| DpmError::Replication(s.message().to_string()))
+                };
+                let told = told.await;
+                (address, told)
+            });
+        }
+        while let Some(told) = tells.join_next().await {
+            let (address, told) = told.map_err(|e| DpmError::Io(std::io::Error::other(e)))?;
+            if let Err(e) = told {
+                tracing::error!(backup = %address, generation, error = %e, "a backup did not record the replica set's new generation: failing it");
+                self.replicator.fail(
+                    &address,
+                    format!("it did not record the replica set's generation {generation}: {e}"),
+                );
+            }
+        }
+        tracing::warn!(backup = %leaving, generation, "a backup leaves the replica set: the set's generation is {generation}, recorded at the other backups (they refuse its image from now on)");
+        Ok(())
     }
 
     pub fn backups(&self) -> Vec<BackupStatus> {

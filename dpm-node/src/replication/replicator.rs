@@ -33,6 +33,9 @@
 //!   (nothing more is acknowledged as durable) until someone with the authority to shrink the
 //!   replica set removes it ([`Replicator::remove`]) or adds it again. The primary never drops
 //!   a backup by itself: a primary cut off from its backups must stop, not go on alone.
+//! - A backup being removed leaves first ([`Replicator::leave`]): no record is queued for it
+//!   from then on, and every barrier waits until it is removed (or fails), so nothing is
+//!   acknowledged without it before its primary told the others the set's new generation.
 
 use std::collections::VecDeque;
 use std::net::SocketAddr;
@@ -161,6 +164,8 @@ pub struct BackupStatus {
     /// Caught up, and the primary is telling it that its copy is complete (CopyComplete, tried
     /// until it gets through): not in sync until the backup recorded that.
     pub awaiting_copy_complete: bool,
+    /// Being removed ([`Replicator::leave`]).
+    pub leaving: bool,
 }
 
 struct Record {
@@ -198,6 +203,9 @@ struct Backup {
     fails_counted: bool,
     /// Telling the backup its copy is complete, which comes before `InSync`.
     confirm: Mutex<Confirm>,
+    /// Leaving the set ([`Replicator::leave`]): gets no more records, and barriers wait
+    /// until it is removed.
+    leaving: AtomicBool,
 }
 
 impl Backup {
@@ -321,6 +329,7 @@ impl Replicator {
             held,
             fails_counted: replaces_counted,
             confirm: Mutex::new(confirm),
+            leaving: AtomicBool::new(false),
         });
         if let Some(i) = st.backups.iter().position(|b| b.address == address) {
             let old = st.backups.remove(i);
@@ -336,6 +345,33 @@ impl Replicator {
             .spawn(move || me.run_sender(backup, nic, key))
             .expect("spawning a replication thread");
         tracing::info!(backup = %address, %nic, "backup added: copying the pool to it (the chunks it does not hold)");
+    }
+
+    /// Starts removing `address`: from now on it gets no record, and every barrier waits
+    /// (neither passes nor fails because of it) until [`Replicator::remove`] removes it, or it
+    /// fails. Between the two, its primary makes the set's new generation durable at the
+    /// other backups (see `super::image`), so that nothing acknowledged without this backup
+    /// is acknowledged before they know it. Returns whether barriers counted it (`None`: not
+    /// in the set).
+    pub fn leave(&self, address: &str) -> Option<bool> {
+        let st = self.state.lock();
+        let b = st.backups.iter().find(|b| b.address == address)?;
+        let counted = b.phase.lock().counted();
+        b.leaving.store(true, Ordering::Release);
+        drop(st);
+        self.changes.send_modify(|v| *v += 1);
+        Some(counted)
+    }
+
+    /// Marks `address` failed with `why` (see [`Phase::Failed`]); false if it is not in the set.
+    pub fn fail(&self, address: &str, why: String) -> bool {
+        let b = {
+            let st = self.state.lock();
+            st.backups.iter().find(|b| b.address == address).cloned()
+        };
+        let Some(b) = b else { return false };
+        b.fail(why, &self.changes);
+        true
     }
 
     /// Stops replicating to `address` (it failed, or is being replaced). True if it was there.
@@ -389,6 +425,7 @@ impl Replicator {
                     resync_ms: *b.resync_ms.lock(),
                     resync_skipped_bytes: b.resync_skipped_bytes.load(Ordering::Relaxed),
                     awaiting_copy_complete,
+                    leaving: b.leaving.load(Ordering::Acquire),
                 }
             })
             .collect()
@@ -415,7 +452,7 @@ impl Replicator {
     fn live(st: &State) -> Vec<Arc<Backup>> {
         st.backups
             .iter()
-            .filter(|b| !b.phase.lock().failed())
+            .filter(|b| !b.phase.lock().failed() && !b.leaving.load(Ordering::Acquire))
             .cloned()
             .collect()
     }
@@ -742,7 +779,9 @@ impl PersistMirror for Replicator {
                                 b.address
                             )));
                         }
-                        if b.acked.load(Ordering::Acquire) < *target {
+                        if b.acked.load(Ordering::Acquire) < *target
+                            || b.leaving.load(Ordering::Acquire)
+                        {
                             done = false;
                         }
                     }

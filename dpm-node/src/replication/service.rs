@@ -9,6 +9,7 @@ use tonic::{Request, Response, Status};
 
 use super::backup::Incremental;
 use super::digest;
+use super::image::Claim;
 use super::{Backup, Phase, Primary};
 use crate::service::to_status;
 
@@ -64,6 +65,7 @@ impl ReplicaGrpc {
                     })
                     .collect(),
                 pid,
+                generation: p.image().generation,
                 ..Default::default()
             },
             ReplicaGrpc::Backup(b) => {
@@ -72,14 +74,16 @@ impl ReplicaGrpc {
                     Ok(None) => ("none".to_string(), 0),
                     Err(e) => (format!("unreadable: {e}"), 0),
                 };
+                let accepted = b.accepted().await;
                 pb::ReplicaStatusResponse {
                     role: "backup".into(),
-                    term: b.term().await,
+                    term: accepted.term,
                     primary: b.primary().await,
                     backups: Vec::new(),
                     pid,
                     copy_state,
                     copy_term,
+                    generation: accepted.generation,
                 }
             }
         }
@@ -127,7 +131,11 @@ impl ReplicaService for ReplicaGrpc {
             .attach(
                 r.term,
                 r.instance,
-                r.image_term,
+                Claim {
+                    term: r.image_term,
+                    instance: r.image_instance,
+                    generation: r.image_generation,
+                },
                 r.previous_term.zip(r.previous_instance),
                 r.pool_bytes,
                 &r.primary,
@@ -153,10 +161,24 @@ impl ReplicaService for ReplicaGrpc {
             return Err(not_a_backup());
         };
         let r = req.into_inner();
-        b.copy_complete(r.term, r.instance, r.copy)
+        b.copy_complete(r.term, r.instance, r.copy, r.generation)
             .await
             .map_err(to_status)?;
         Ok(Response::new(pb::CopyCompleteResponse {}))
+    }
+
+    async fn record_generation(
+        &self,
+        req: Request<pb::RecordGenerationRequest>,
+    ) -> Result<Response<pb::RecordGenerationResponse>, Status> {
+        let ReplicaGrpc::Backup(b) = self else {
+            return Err(not_a_backup());
+        };
+        let r = req.into_inner();
+        b.record_generation(r.term, r.instance, r.generation)
+            .await
+            .map_err(to_status)?;
+        Ok(Response::new(pb::RecordGenerationResponse {}))
     }
 
     async fn status(
@@ -200,7 +222,7 @@ impl ReplicaService for ReplicaGrpc {
     ) -> Result<Response<pb::ReplicaStatusResponse>, Status> {
         let p = self.primary()?;
         let address = req.into_inner().address;
-        if !p.remove_backup(&address) {
+        if !p.remove_backup(&address).await.map_err(to_status)? {
             return Err(Status::not_found(format!(
                 "{address} is not a backup of this primary"
             )));

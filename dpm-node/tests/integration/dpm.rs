@@ -5,6 +5,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dinomo_dpm_node::config::DpmConfigFile;
+use dinomo_dpm_node::replication::image::ImageId;
 use dinomo_dpm_node::testkit::{LocalSource, LogRecord, LogWriter};
 use dinomo_dpm_node::{Dpm, DpmError};
 use dinomo_fabric::fault::{FaultPlan, Faulty};
@@ -824,26 +825,35 @@ async fn metadata_listing_stops_at_its_bound() {
     assert_eq!(dpm.list_metadata("list/").len(), 5);
 }
 
-/// The term under which a pool's image served is recorded before the first term is taken and
-/// advanced only by [`Dpm::record_replica_image_term`] (a backup accepted a primary): starts
-/// that no backup accepted, however many, leave it where it was, and it survives a reopen.
-/// (Read from the newest term taken, an empty primary restarted N+1 times out-termed backups of
-/// term N and was attached, copying its empty pool over them.)
+/// The identity of a pool's image is recorded before the first term is taken and advanced
+/// only by [`Dpm::record_replica_image`] (a backup accepted a primary, or the replica set's
+/// generation grew): starts that no backup accepted, however many, leave it where it was, and
+/// it survives a reopen. (Read from the newest term taken, an empty primary restarted N+1 times
+/// out-termed backups of term N and was attached, copying its empty pool over them.)
 #[test]
-fn terms_taken_without_a_backup_do_not_advance_the_image_term() {
+fn terms_taken_without_a_backup_do_not_advance_the_image() {
     let dir = tempfile::tempdir().unwrap();
     let dpm = Dpm::open(config(dir.path(), |_| {})).unwrap();
-    assert_eq!(dpm.init_replica_image_term().unwrap(), 0);
+    let term = |t| ImageId {
+        term: t,
+        ..ImageId::default()
+    };
+    assert_eq!(dpm.init_replica_image().unwrap(), term(0));
     for _ in 0..3 {
         dpm.next_replica_term(0, 1).unwrap();
-        assert_eq!(dpm.init_replica_image_term().unwrap(), 0);
+        assert_eq!(dpm.init_replica_image().unwrap(), term(0));
     }
-    dpm.record_replica_image_term(4).unwrap();
+    let recorded = ImageId {
+        term: 4,
+        instance: 5,
+        generation: 2,
+    };
+    dpm.record_replica_image(recorded).unwrap();
     dpm.next_replica_term(0, 1).unwrap();
-    assert_eq!(dpm.init_replica_image_term().unwrap(), 4);
+    assert_eq!(dpm.init_replica_image().unwrap(), recorded);
     dpm.shutdown();
     drop(dpm);
     let dpm = Dpm::open(config(dir.path(), |c| c.create = false)).unwrap();
-    assert_eq!(dpm.init_replica_image_term().unwrap(), 4);
+    assert_eq!(dpm.init_replica_image().unwrap(), recorded);
     dpm.shutdown();
 }

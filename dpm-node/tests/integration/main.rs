@@ -10,6 +10,7 @@ mod process;
 mod publication;
 mod replication;
 mod replication_fencing;
+mod replication_generation;
 mod replication_pipelining;
 mod replication_resync;
 mod service;

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use dinomo_dpm_node::config::{DpmConfigFile, FabricKind};
+use dinomo_dpm_node::replication::image::Claim;
 use dinomo_dpm_node::replication::{Backup, ConfirmCopy, Phase, Replicator, ReplicatorOptions};
 use dinomo_dpm_node::service::DpmGrpc;
 use dinomo_dpm_node::Dpm;
@@ -140,25 +141,25 @@ async fn a_backup_refuses_a_second_primary_of_the_same_term() {
         String::new(),
     )
     .unwrap();
-    b.attach(5, 11, None, None, LEN, "10.0.0.1:7000", None)
+    b.attach(5, 11, Claim::default(), None, LEN, "10.0.0.1:7000", None)
         .await
         .unwrap();
     let second = b
-        .attach(5, 22, None, None, LEN, "10.0.0.2:7000", None)
+        .attach(5, 22, Claim::default(), None, LEN, "10.0.0.2:7000", None)
         .await;
     assert!(
         second.is_err(),
         "a second primary of term 5 was accepted (and the pool wiped for it)"
     );
     // The same instance again (it added the backup back) and a newer term are accepted.
-    b.attach(5, 11, None, None, LEN, "10.0.0.1:7000", None)
+    b.attach(5, 11, Claim::default(), None, LEN, "10.0.0.1:7000", None)
         .await
         .unwrap();
-    b.attach(6, 22, None, None, LEN, "10.0.0.2:7000", None)
+    b.attach(6, 22, Claim::default(), None, LEN, "10.0.0.2:7000", None)
         .await
         .unwrap();
     assert!(b
-        .attach(5, 11, None, None, LEN, "10.0.0.1:7000", None)
+        .attach(5, 11, Claim::default(), None, LEN, "10.0.0.1:7000", None)
         .await
         .is_err());
 }
