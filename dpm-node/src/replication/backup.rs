@@ -276,13 +276,15 @@ pub fn read_role(pool: &Path) -> Result<Option<RecordedRole>> {
     }
 }
 
-/// Records that the primary of `pool`, whose image is `own_image`, was deposed by a primary of
-/// `term`: its role is backup from now on, and its `.term` (written first) makes it refuse
-/// every primary of `term - 1` or older and, through the image check, every primary whose
-/// image is older than its own (an older term, or its term with an older generation), so that
-/// an older image is never copied over what it acknowledged. A device-DAX pool is not demoted
-/// (a backup needs a pool file, and the files would be in /dev): the node just stops.
-pub fn demote(pool: &Path, term: u64, own_image: ImageId) -> Result<()> {
+/// Records that the primary of `pool`, whose image is `own_image`, was deposed (a replica
+/// showed a newer image): its role is backup from now on, and its `.term` (written first) is
+/// its own image, so that, started again, it refuses every primary whose image is older than
+/// its own (an older term, another start of its term, an older generation of it: see
+/// [`super::image`]) and no older image is ever copied over what it acknowledged. A primary
+/// with an image at least as new (the one that deposed it, promoted from a copy of this very
+/// image or a later one) attaches it. A device-DAX pool is not demoted (a backup needs a pool
+/// file, and the files would be in /dev): the node just stops.
+pub fn demote(pool: &Path, own_image: ImageId) -> Result<()> {
     if dinomo_fabric::pm::DaxDevice::probe(pool)?.is_some() {
         return Err(DpmError::Config(format!(
             "{} is a device-DAX device: a backup needs a pool file, so this node is not \
@@ -291,22 +293,15 @@ pub fn demote(pool: &Path, term: u64, own_image: ImageId) -> Result<()> {
         )));
     }
     let accepted = read_accepted(pool)?;
-    // Instance 0 is no primary's (instances are odd): the primary of exactly `floor` is
-    // refused too, any instance; one of a later term with an image at least `floor` (and, of
-    // the image's own term, at least its generation) is not.
-    let floor = term.saturating_sub(1).max(own_image.term);
-    let generation = if floor == own_image.term {
-        own_image.generation
-    } else {
-        0
-    };
-    if floor > accepted.term || (floor == accepted.term && generation > accepted.generation) {
+    // Its own start's term as the accepted one: a primary of that same term but another
+    // start (a rival) is refused by the term, any later one by the image check.
+    if (own_image.term, own_image.generation) > (accepted.term, accepted.generation) {
         write_accepted(
             pool,
             Accepted {
-                term: floor,
-                instance: 0,
-                generation,
+                term: own_image.term,
+                instance: own_image.instance,
+                generation: own_image.generation,
             },
         )?;
     }
@@ -681,7 +676,8 @@ impl Backup {
 
     /// Makes this backup the primary (a failover its caller decided; see `Promote` in
     /// proto/dpm.proto): refused unless its copy marker says `complete` (a consistent image).
-    /// Records a term of at least `min_term` durably (a primary of an older term is refused
+    /// Records a term after both the accepted one and `min_term` durably (a primary of an
+    /// older term, such as the old primary restarted meanwhile, is refused
     /// from now on, here and, once the new primary attached them, at the other backups),
     /// revokes the old primary's key (the revoke waits for its posts in progress) and stops
     /// the NIC; then publishes the [`Promotion`], on which the process stops serving as a
@@ -856,7 +852,10 @@ fn promote_locked(
                 .into(),
         });
     }
-    let term = st.term.max(min_term);
+    // Strictly after the old primary's: that one, restarted meanwhile on its pool, takes the
+    // next term after its own and is then older than this promotion's primary, so the two
+    // never tie (a tie deposed both; see `Primary::add_backup`).
+    let term = st.term.max(min_term) + 1;
     // The term first: from then on no primary older than the promotion attaches it. Then the
     // role, so that a restart (of the process, of its pod) comes back as the primary even if
     // it happens before the answer. A later failure takes the role back (the node stays a
@@ -1188,41 +1187,66 @@ mod tests {
         );
     }
 
-    /// A deposed primary recorded as a backup refuses every primary up to the term that
-    /// deposed it minus one, and every image older than its own: a rival of the same term
-    /// with an older image cannot overwrite what this pool acknowledged.
+    /// A deposed primary recorded as a backup refuses every image older than its own (an
+    /// older term, another start of its term, an older generation), so nothing it
+    /// acknowledged is overwritten; a primary whose image is at least its own attaches it,
+    /// whatever that primary's term.
     #[tokio::test]
     async fn a_demoted_primary_refuses_older_images_than_its_own() {
         let dir = tempfile::tempdir().unwrap();
         let pool = dir.path().join("pool");
         let len = 1 << 20;
-        // Its own image is term 5's; deposed by a replica of term 5 (a same-term rival).
-        demote(&pool, 5, term_image(5)).unwrap();
+        let own = ImageId {
+            term: 5,
+            instance: 7,
+            generation: 1,
+        };
+        let claim = |term, instance, generation| Claim {
+            term: Some(term),
+            instance: Some(instance),
+            generation: Some(generation),
+        };
+        demote(&pool, own).unwrap();
         assert_eq!(read_role(&pool).unwrap(), Some(RecordedRole::Backup));
         let b = backup(dir.path());
         assert_eq!(b.term().await, 5);
         assert!(matches!(
-            b.attach(5, 7, term_claim(4), None, len, "rival", None)
+            b.attach(5, 9, claim(5, 7, 1), None, len, "rival", None)
                 .await,
             Err(DpmError::StaleTerm { .. })
         ));
         assert!(matches!(
-            b.attach(6, 9, term_claim(4), None, len, "rival", None)
+            b.attach(8, 9, claim(4, 3, 5), None, len, "older", None)
                 .await,
             Err(DpmError::StaleImage {
                 image: 4,
                 current: 5
             })
         ));
-        b.attach(6, 11, term_claim(5), None, len, "newer", None)
+        for (instance, generation) in [(11, 1), (7, 0)] {
+            assert!(matches!(
+                b.attach(
+                    8,
+                    9,
+                    claim(5, instance, generation),
+                    None,
+                    len,
+                    "older",
+                    None
+                )
+                .await,
+                Err(DpmError::SupersededImage { .. })
+            ));
+        }
+        // Promoted from a copy of its own image, or of a later one.
+        b.attach(8, 11, claim(5, 7, 1), None, len, "promoted", None)
             .await
             .unwrap();
-        // Deposed by term 9 with an image of term 2: it accepts term 9's primary.
         let dir = tempfile::tempdir().unwrap();
         let pool = dir.path().join("pool");
-        demote(&pool, 9, term_image(2)).unwrap();
+        demote(&pool, term_image(2)).unwrap();
         let b = backup(dir.path());
-        assert_eq!(b.term().await, 8);
+        assert_eq!(b.term().await, 2);
         b.attach(9, 13, term_claim(8), None, len, "newer", None)
             .await
             .unwrap();

@@ -141,8 +141,9 @@ impl std::fmt::Display for Refusal {
                 f,
                 "the attaching primary's pool served under another start of term {term} than \
                  the one this backup follows: two primaries took that term, and each may hold \
-                 acknowledged writes the other lacks; an operator must choose (promote the \
-                 backup whose pool is to be kept)"
+                 acknowledged writes the other lacks, so neither overwrites the other by \
+                 itself; an operator must choose: to let this primary's image replace this \
+                 backup's pool, stop this backup and delete its <pool>.term file"
             ),
             Refusal::OlderGeneration {
                 term,

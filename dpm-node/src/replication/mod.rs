@@ -41,7 +41,7 @@ pub mod replicator;
 mod service;
 
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -79,11 +79,10 @@ pub struct Primary {
     started_image: ImageId,
     /// Whether this primary's term was recorded as the image's (once a backup accepted it).
     image_term_recorded: std::sync::atomic::AtomicBool,
-    /// The replica set's generation now (see [`image`]): shared with the CopyComplete calls,
-    /// which tell it to the backup they complete.
-    generation: Arc<AtomicU64>,
-    /// Held while a backup is removed: one generation at a time.
-    removing: tokio::sync::Mutex<()>,
+    /// Held while the set changes (a backup added, or removed with the generation it takes):
+    /// one change at a time, so a re-attach cannot bring back a backup being removed. (The
+    /// set's generation is the replicator's: [`Replicator::generation`].)
+    membership: tokio::sync::Mutex<()>,
     /// The term and instance the pool's previous start took (sent with Attach: a backup that
     /// accepted that start and nothing since takes this one back, image older or not).
     previous: Option<(u64, u64)>,
@@ -110,6 +109,7 @@ impl Primary {
         let (term, previous) = dpm.next_replica_term(on_file.term, instance)?;
         let region = dpm.pool().region().clone();
         let replicator = Replicator::new(region.clone(), opts);
+        replicator.set_generation(started_image.generation);
         region.set_mirror(Some(replicator.clone()));
         let primary = Arc::new(Primary {
             dpm,
@@ -122,8 +122,7 @@ impl Primary {
             replicator,
             started_image,
             image_term_recorded: std::sync::atomic::AtomicBool::new(false),
-            generation: Arc::new(AtomicU64::new(started_image.generation)),
-            removing: tokio::sync::Mutex::new(()),
+            membership: tokio::sync::Mutex::new(()),
         });
         tokio::spawn(watch_failed_backups(Arc::downgrade(&primary)));
         Ok(primary)
@@ -146,9 +145,9 @@ impl Primary {
     /// Stops acknowledging for good: another primary has taken over. With `newer_term` (a
     /// replica showed a newer image than this pool's: see [`Primary::newer_primary`]), this
     /// node also records that it is a backup now (see `backup::RecordedRole`), refusing from
-    /// then on every primary older than that term and every image older than its own
-    /// (`backup::demote`), so that started again it serves as a backup the new primary can
-    /// attach without anything this pool acknowledged being overwritten by an older image.
+    /// then on every image older than its own (`backup::demote`), so that started again it
+    /// serves as a backup the new primary can attach without anything this pool acknowledged
+    /// being overwritten by an older image.
     /// Without (no evidence of a newer image: a backup that only accepted a later term, a
     /// rival of the same term), its role stays the command line's: its pool may be the only
     /// up-to-date one.
@@ -158,9 +157,9 @@ impl Primary {
         if let Some(term) = newer_term {
             let pool = &self.dpm.config.pool_path;
             let file = backup::role_path(pool);
-            match backup::demote(pool, term, self.image()) {
+            match backup::demote(pool, self.image()) {
                 Ok(()) => {
-                    tracing::warn!(file = %file.display(), term, "recorded this node's role as backup (of term {term} or later): started again, it serves as one");
+                    tracing::warn!(file = %file.display(), term, "recorded this node's role as backup (a replica showed an image of term {term}): started again, it serves as one");
                 }
                 Err(e) => {
                     tracing::error!(file = %file.display(), error = %e, "cannot record this node's role as backup: started again as a primary, it will be refused and stop");
@@ -189,6 +188,25 @@ impl Primary {
     /// copying the pool to it. Refused (FAILED_PRECONDITION from the backup) when a newer
     /// primary attached it.
     pub async fn add_backup(&self, address: &str) -> Result<()> {
+        let _one_change_at_a_time = self.membership.lock().await;
+        self.add_backup_now(address).await
+    }
+
+    /// Attaches `address` anew if it is still a failed backup of the set, not being removed
+    /// (what [`watch_failed_backups`] saw may have changed while it asked).
+    async fn reattach(&self, address: &str) -> Result<()> {
+        let _one_change_at_a_time = self.membership.lock().await;
+        let still_failed =
+            self.replicator.status().into_iter().any(|b| {
+                b.address == address && !b.leaving && matches!(b.phase, Phase::Failed { .. })
+            });
+        if !still_failed {
+            return Ok(());
+        }
+        self.add_backup_now(address).await
+    }
+
+    async fn add_backup_now(&self, address: &str) -> Result<()> {
         if let Some(why) = self.replicator.ended() {
             return Err(DpmError::Replication(why));
         }
@@ -227,10 +245,16 @@ impl Primary {
                     self.term,
                     s.message()
                 );
-                let newer = self
-                    .ask_status(address)
-                    .await
-                    .and_then(|st| self.newer_primary(&st));
+                let status = self.ask_status(address).await;
+                if let Some(older) = status.as_ref().filter(|st| self.older_primary(st)) {
+                    return Err(DpmError::Replication(format!(
+                        "the backup at {address} answers as a primary of term {}, older than \
+                         this one's ({}): a replaced primary started again there, which stops \
+                         once this primary's backups refuse it",
+                        older.term, self.term
+                    )));
+                }
+                let newer = status.and_then(|st| self.newer_primary(&st));
                 self.depose(why.clone(), newer);
                 return Err(DpmError::StaleTerm {
                     given: self.term,
@@ -285,22 +309,22 @@ impl Primary {
         // Once the backup caught up, it records this copy complete before it is reported in
         // sync (the copy marker, see `backup`); the call is tried until the backup answers
         // (`confirm`), and the replicator stops waiting once the backup is removed or failed.
-        let (security, backup, term, instance, copy, generation) = (
+        let (security, backup, term, instance, copy) = (
             self.security.clone(),
             address.to_string(),
             self.term,
             self.instance,
             r.copy,
-            self.generation.clone(),
         );
-        let confirm: replicator::ConfirmCopy = Box::new(move || {
+        // The generation is the replicator's when it asks (a removal while this backup was
+        // being copied raised it; one that removes this backup means it is never asked).
+        let confirm: replicator::ConfirmCopy = Box::new(move |generation| {
             Box::pin(async move {
-                // Read at the call: a removal while this backup was being copied raised it.
                 let request = pb::CopyCompleteRequest {
                     term,
                     instance,
                     copy,
-                    generation: Some(generation.load(Ordering::Acquire)),
+                    generation: Some(generation),
                 };
                 confirm::until_heard(&backup, || async {
                     let mut c = connect(&security, &backup, Duration::from_secs(30))
@@ -320,7 +344,7 @@ impl Primary {
             let image = ImageId {
                 term: self.term,
                 instance: self.instance,
-                generation: self.generation.load(Ordering::Acquire),
+                generation: self.replicator.generation(),
             };
             tokio::task::spawn_blocking(move || dpm.record_replica_image(image))
                 .await
@@ -353,10 +377,23 @@ impl Primary {
         )
     }
 
+    /// Whether `s` is the status of a primary of an older term than this one: a replaced
+    /// primary started again at a backup's address (a pod restarted before it learned it
+    /// was replaced). Its backups refuse it and it stops: no reason to stop here. (Two
+    /// primaries of one term both stop: neither can tell which is the newer.)
+    fn older_primary(&self, s: &pb::ReplicaStatusResponse) -> bool {
+        s.role == "primary" && s.term < self.term
+    }
+
     /// Why `s` (the status of the backup at `address`) shows another primary took it over (a
     /// newer term, or it was promoted), if it does.
     fn taken_over(&self, address: &str, s: &pb::ReplicaStatusResponse) -> Option<String> {
-        (s.role != "backup" || s.term > self.term).then(|| {
+        let took_over = if s.role == "backup" {
+            s.term > self.term
+        } else {
+            !self.older_primary(s)
+        };
+        took_over.then(|| {
             format!(
                 "the backup at {address} is now a {} of term {} (this primary's term is {})",
                 s.role, s.term, self.term
@@ -380,7 +417,7 @@ impl Primary {
     /// The identity of this pool's image now: of this primary's term once a backup accepted
     /// it, else the one it started with; with the set's current generation.
     pub fn image(&self) -> ImageId {
-        let generation = self.generation.load(Ordering::Acquire);
+        let generation = self.replicator.generation();
         if self.image_term_recorded.load(Ordering::Acquire) {
             ImageId {
                 term: self.term,
@@ -399,13 +436,23 @@ impl Primary {
     /// backup that counted for acknowledgements holds a consistent image, maybe marked
     /// complete, that lacks every write acknowledged after its removal; promoted, it must
     /// not be copied over the backups that stayed. So, while barriers wait
-    /// ([`Replicator::leave`]), the set's generation grows: recorded in this pool (and so in
-    /// the copies), then durably at every other backup (RecordGeneration), which refuse the
-    /// removed one's image from then on ([`image`](super::image)). A backup that does not record it is
-    /// failed (it holds acknowledgements until removed or added again); only then is the
+    /// ([`Replicator::leave`]), the set's generation grows: first durably at every other
+    /// backup (RecordGeneration), which refuse the removed one's image from then on
+    /// ([`image`]), then in this pool (and so in the copies). A backup that does not record it
+    /// is failed (it holds acknowledgements until removed or added again); only then is the
     /// backup removed and barriers go on without it.
-    pub async fn remove_backup(&self, address: &str) -> Result<bool> {
-        let _one_at_a_time = self.removing.lock().await;
+    ///
+    /// Runs as a task of its own: a caller that gives up (its deadline passed) cannot leave
+    /// the backup leaving, with every barrier waiting for it.
+    pub async fn remove_backup(self: &Arc<Self>, address: &str) -> Result<bool> {
+        let (me, address) = (self.clone(), address.to_string());
+        tokio::spawn(async move { me.remove_backup_now(&address).await })
+            .await
+            .map_err(|e| DpmError::Io(std::io::Error::other(e)))?
+    }
+
+    async fn remove_backup_now(&self, address: &str) -> Result<bool> {
+        let _one_change_at_a_time = self.membership.lock().await;
         let Some(counted) = self.replicator.leave(address) else {
             return Ok(false);
         };
@@ -414,30 +461,21 @@ impl Primary {
         // tell apart.
         if counted && self.image_term_recorded.load(Ordering::Acquire) {
             if let Err(e) = self.next_generation(address).await {
-                let why = format!("removing it failed: {e}");
-                self.replicator.fail(address, why);
+                self.replicator
+                    .fail(address, format!("removing it failed: {e}"));
                 return Err(e);
             }
         }
         Ok(self.replicator.remove(address))
     }
 
-    /// [`Primary::remove_backup`]'s new generation, made durable here and at every backup but
-    /// `leaving`.
+    /// [`Primary::remove_backup`]'s new generation, made durable at every backup but
+    /// `leaving`, then here. When every other backup failed to record it, nothing changes:
+    /// they are failed, so nothing is acknowledged without `leaving` anyway, and a pool that
+    /// recorded a generation no backup knows would, deposed, refuse the promotion of one of
+    /// them forever.
     async fn next_generation(&self, leaving: &str) -> Result<()> {
-        let generation = self.generation.load(Ordering::Acquire) + 1;
-        let image = ImageId {
-            term: self.term,
-            instance: self.instance,
-            generation,
-        };
-        let dpm = self.dpm.clone();
-        tokio::task::spawn_blocking(move || dpm.record_replica_image(image))
-            .await
-            .map_err(|e| DpmError::Io(std::io::Error::other(e)))??;
-        // From here a CopyComplete tells the new one (a copy completing meanwhile may tell the
-        // old one first, then is told the new one below: the backup keeps the newer).
-        self.generation.store(generation, Ordering::Release);
+        let generation = self.replicator.generation() + 1;
         let others: Vec<String> = self
             .replicator
             .status()
@@ -445,12 +483,15 @@ impl Primary {
             .filter(|b| b.address != leaving && !matches!(b.phase, Phase::Failed { .. }))
             .map(|b| b.address)
             .collect();
+        // Well within a barrier's wait (which times out after `replica_ack_timeout`): KN posts
+        // during a removal wait rather than fail.
+        let deadline = (self.dpm.config.replica_ack_timeout / 2).max(Duration::from_millis(500));
         let mut tells = tokio::task::JoinSet::new();
-        for address in others {
+        for address in others.clone() {
             let (security, term, instance) = (self.security.clone(), self.term, self.instance);
             tells.spawn(async move {
                 let told = async {
-                    connect(&security, &address, Duration::from_secs(5))
+                    connect(&security, &address, deadline)
                         .await?
                         .record_generation(pb::RecordGenerationRequest {
                             term,
@@ -460,20 +501,48 @@ impl Primary {
                         .await
                         .map_err(|s| DpmError::Replication(s.message().to_string()))
                 };
-                let told = told.await;
+                let told = tokio::time::timeout(deadline, told)
+                    .await
+                    .unwrap_or_else(|_| {
+                        Err(DpmError::Replication(format!(
+                            "no answer within {deadline:?}"
+                        )))
+                    });
                 (address, told)
             });
         }
+        let mut recorded = std::collections::HashSet::new();
         while let Some(told) = tells.join_next().await {
-            let (address, told) = told.map_err(|e| DpmError::Io(std::io::Error::other(e)))?;
-            if let Err(e) = told {
-                tracing::error!(backup = %address, generation, error = %e, "a backup did not record the replica set's new generation: failing it");
-                self.replicator.fail(
-                    &address,
-                    format!("it did not record the replica set's generation {generation}: {e}"),
-                );
+            match told {
+                Ok((address, Ok(_))) => {
+                    recorded.insert(address);
+                }
+                Ok((address, Err(e))) => {
+                    tracing::error!(backup = %address, generation, error = %e, "a backup did not record the replica set's new generation: failing it");
+                }
+                Err(e) => tracing::error!(error = %e, "telling a backup the set's generation"),
             }
         }
+        for address in others.iter().filter(|a| !recorded.contains(*a)) {
+            self.replicator.fail(
+                address,
+                format!("it did not record the replica set's generation {generation}"),
+            );
+        }
+        if recorded.is_empty() && !others.is_empty() {
+            tracing::error!(backup = %leaving, "a backup leaves the replica set, but no other backup recorded the set's new generation: they are failed, and nothing is acknowledged until they are removed or added again");
+            return Ok(());
+        }
+        let image = ImageId {
+            term: self.term,
+            instance: self.instance,
+            generation,
+        };
+        let dpm = self.dpm.clone();
+        tokio::task::spawn_blocking(move || dpm.record_replica_image(image))
+            .await
+            .map_err(|e| DpmError::Io(std::io::Error::other(e)))??;
+        self.replicator.set_generation(generation);
         tracing::warn!(backup = %leaving, generation, "a backup leaves the replica set: the set's generation is {generation}, recorded at the other backups (they refuse its image from now on)");
         Ok(())
     }
@@ -577,7 +646,7 @@ async fn watch_failed_backups(primary: std::sync::Weak<Primary>) {
             }
             last_attach.insert(b.address.clone(), std::time::Instant::now());
             tracing::warn!(backup = %b.address, "a failed backup answers again: attaching it anew (reattach_failed_backups); until its copy is in sync, acknowledgements do not wait for it");
-            if let Err(e) = p.add_backup(&b.address).await {
+            if let Err(e) = p.reattach(&b.address).await {
                 tracing::warn!(backup = %b.address, error = %e, "attaching the failed backup anew");
             }
         }

@@ -72,10 +72,14 @@ fn read_words(region: &PmRegion, offset: u64, out: &mut [u8]) -> dinomo_fabric::
     Ok(())
 }
 
-/// Has a backup record, durably, that its copy is complete (the CopyComplete call of
+/// Has a backup record, durably, that its copy is complete and the replica set's generation
+/// (the argument: see [`Replicator::generation`]) then (the CopyComplete call of
 /// [`super::Primary`]); `Err` says why it did not.
 pub type ConfirmCopy = Box<
-    dyn FnOnce() -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), String>> + Send>>
+    dyn FnOnce(
+            u64,
+        )
+            -> std::pin::Pin<Box<dyn std::future::Future<Output = Result<(), String>> + Send>>
         + Send,
 >;
 
@@ -245,6 +249,10 @@ pub struct Replicator {
     /// Whether a backup has accepted this primary's term: until then nothing is acknowledged
     /// (a primary that serves before it fenced the others could be an old one).
     term_confirmed: AtomicBool,
+    /// The replica set's generation (see `super::image`), changed only under the state lock
+    /// ([`Replicator::set_generation`]) and read there when a backup is told its copy is
+    /// complete: a backup leaving the set is never told a generation that counts without it.
+    generation: AtomicU64,
 }
 
 struct State {
@@ -272,7 +280,20 @@ impl Replicator {
             changes: watch::channel(0).0,
             ended: Arc::new(Mutex::new(None)),
             term_confirmed: AtomicBool::new(false),
+            generation: AtomicU64::new(0),
         })
+    }
+
+    /// The replica set's generation (0 until [`Replicator::set_generation`]).
+    pub fn generation(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
+    /// Sets the replica set's generation: what a backup whose copy completes from now on is
+    /// told. Under the state lock, so that it is ordered with [`Replicator::leave`].
+    pub fn set_generation(&self, generation: u64) {
+        let _st = self.state.lock();
+        self.generation.store(generation, Ordering::Release);
     }
 
     /// From now on every barrier fails with `why` (the node stops, or was deposed); senders
@@ -414,6 +435,7 @@ impl Replicator {
                     && matches!(*b.confirm.lock(), Confirm::Pending);
                 let q = b.queue.lock();
                 BackupStatus {
+                    leaving: b.leaving.load(Ordering::Acquire),
                     address: b.address.clone(),
                     phase,
                     behind_records: q
@@ -425,7 +447,6 @@ impl Replicator {
                     resync_ms: *b.resync_ms.lock(),
                     resync_skipped_bytes: b.resync_skipped_bytes.load(Ordering::Relaxed),
                     awaiting_copy_complete,
-                    leaving: b.leaving.load(Ordering::Acquire),
                 }
             })
             .collect()
@@ -586,9 +607,15 @@ impl Replicator {
                     };
                     true
                 }
-                Phase::CatchingUp { until } if acked >= until => {
+                // A backup leaving the set is not told its copy is complete: it would be told a
+                // generation that counts without it, and promoted, pass for a backup that
+                // stayed.
+                Phase::CatchingUp { until }
+                    if acked >= until && !b.leaving.load(Ordering::Acquire) =>
+                {
                     // It holds a consistent image now (and goes on holding one: later records
                     // arrive in order). It must say so durably before anyone sees it in sync.
+                    let generation = self.generation.load(Ordering::Acquire);
                     let mut c = b.confirm.lock();
                     match std::mem::replace(&mut *c, Confirm::Pending) {
                         Confirm::Done => {
@@ -601,7 +628,7 @@ impl Replicator {
                             rt.spawn(async move {
                                 // The call retries until it gets an answer; stop waiting once
                                 // the backup is stopped or failed (nothing then needs it).
-                                let call = f();
+                                let call = f(generation);
                                 tokio::pin!(call);
                                 let r = loop {
                                     tokio::select! {

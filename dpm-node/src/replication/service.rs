@@ -47,7 +47,11 @@ impl ReplicaGrpc {
                     .into_iter()
                     .map(|b| pb::BackupState {
                         address: b.address,
-                        state: b.phase.name().into(),
+                        state: if b.leaving {
+                            "leaving".into()
+                        } else {
+                            b.phase.name().into()
+                        },
                         detail: match &b.phase {
                             Phase::Failed { why, .. } => why.clone(),
                             _ if b.awaiting_copy_complete => "caught up; waiting for the backup \

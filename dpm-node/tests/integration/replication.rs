@@ -378,7 +378,11 @@ async fn a_backup_promoted_in_place_serves_as_the_primary() {
     let r = promote(b2.grpc, vec![b1.grpc.to_string()], s.term)
         .await
         .unwrap();
-    assert_eq!((r.accepted_term, r.copy_term), (s.term, s.term), "{r:?}");
+    assert_eq!(
+        (r.accepted_term, r.copy_term),
+        (s.term + 1, s.term),
+        "{r:?}"
+    );
     // Refused, or nothing listens any more (the backup's server stopped).
     let e = promote(b2.grpc, vec![], s.term).await;
     assert!(e.is_err(), "promoted twice: {e:?}");

@@ -22,12 +22,12 @@ use dinomo_proto::dpm::{AllocateSegmentRequest, RegisterKnRequest, SealSegmentRe
 
 const LEN: u64 = 2 << 20;
 
-fn region(path: &Path) -> Arc<PmRegion> {
+pub(super) fn region(path: &Path) -> Arc<PmRegion> {
     Arc::new(PmRegion::create(path, LEN, DurabilityRequest::ProcessCrash).unwrap())
 }
 
 /// A backup NIC serving `region` in process, each post applied `delay` late.
-async fn backup_nic(
+pub(super) async fn backup_nic(
     dir: &Path,
     region: Arc<PmRegion>,
     delay: Duration,
@@ -456,7 +456,7 @@ async fn a_backup_is_in_sync_only_after_it_recorded_its_copy_complete() {
         primary.set_mirror(Some(rep.clone()));
         let (asked_tx, asked_rx) = std::sync::mpsc::channel::<()>();
         let (answer_tx, answer_rx) = tokio::sync::oneshot::channel::<Result<(), String>>();
-        let confirm: ConfirmCopy = Box::new(move || {
+        let confirm: ConfirmCopy = Box::new(move |_generation| {
             Box::pin(async move {
                 asked_tx.send(()).unwrap();
                 answer_rx.await.unwrap()

@@ -1,9 +1,11 @@
-//! The replica set's generation (dpm-node/src/replication/image.rs), with real processes: a
-//! backup removed from the set keeps a copy marked complete, but older than what the backups
-//! that stayed hold; promoted, it must not be copied over them.
+//! The replica set's generation (dpm-node/src/replication/image.rs): a backup removed from the
+//! set keeps a copy marked complete, but older than what the backups that stayed hold;
+//! promoted, it must not be copied over them (real processes); and how the replicator holds
+//! acknowledgements while a backup leaves (in process).
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use dinomo_dpm_node::replication::{ConfirmCopy, Phase, Replicator, ReplicatorOptions};
 use dinomo_dpm_node::testkit::LogRecord;
 use dinomo_proto::dpm::replica_service_client::ReplicaServiceClient;
 use dinomo_proto::dpm::BackupRequest;
@@ -12,6 +14,7 @@ use super::process::DpmProcess;
 use super::replication::{
     check_pool, kn_writer, promote, record, replica_status, two_backups, wait_in_sync,
 };
+use super::replication_fencing::{backup_nic, region};
 
 /// b1 is removed from the set while in sync (its copy marked complete, made under the
 /// primary's term); the primary acknowledges more writes with b2 alone, then dies. b1,
@@ -87,4 +90,76 @@ async fn a_removed_backup_promoted_cannot_overwrite_one_that_stayed() {
         "{} acknowledged records missing in b2's pool: {bad:?}",
         bad.len()
     );
+}
+
+/// A backup leaving the set ([`Replicator::leave`]) holds every barrier, neither passing nor
+/// failing it, until it is removed (its primary tells the others the new generation
+/// meanwhile); and a leaving backup that catches up is not told its copy is complete: it would
+/// be told a generation that counts without it, and pass, promoted, for a backup that stayed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_leaving_backup_holds_barriers_and_is_not_told_its_copy_complete() {
+    let dir = tempfile::tempdir().unwrap();
+    let primary = region(&dir.path().join("p"));
+    primary.write_durable(0, &[1u8; 64]).unwrap();
+    let mut nics = Vec::new();
+    for name in ["b1", "b2"] {
+        let sub = dir.path().join(name);
+        std::fs::create_dir_all(&sub).unwrap();
+        let delay = if name == "b2" {
+            Duration::from_millis(100)
+        } else {
+            Duration::ZERO
+        };
+        nics.push(backup_nic(&sub, region(&sub.join("pool")), delay).await);
+    }
+    let rep = Replicator::new(
+        primary.clone(),
+        ReplicatorOptions {
+            ack_timeout: Duration::from_secs(10),
+        },
+    );
+    primary.set_mirror(Some(rep.clone()));
+    rep.set_generation(3);
+    rep.add("b1", nics[0].0.local_addr(), nics[0].1, None, None);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while rep.status()[0].phase != Phase::InSync {
+        assert!(Instant::now() < deadline, "{:?}", rep.status());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    // b2's posts are slow: it is still copying when it is asked to leave.
+    let (asked_tx, asked_rx) = std::sync::mpsc::channel::<u64>();
+    let confirm: ConfirmCopy = Box::new(move |generation| {
+        Box::pin(async move {
+            asked_tx.send(generation).unwrap();
+            Ok(())
+        })
+    });
+    rep.add("b2", nics[1].0.local_addr(), nics[1].1, None, Some(confirm));
+    assert_eq!(rep.leave("b2"), Some(false), "not counted while syncing");
+    assert_eq!(rep.leave("b1"), Some(true));
+    assert!(rep.status().iter().all(|b| b.leaving));
+
+    primary.write_durable(64, &[2u8; 64]).unwrap();
+    let barrier = primary.mirror_barrier();
+    tokio::pin!(barrier);
+    assert!(
+        tokio::time::timeout(Duration::from_millis(500), &mut barrier)
+            .await
+            .is_err(),
+        "a barrier passed or failed while a counted backup was leaving"
+    );
+    rep.set_generation(4);
+    assert!(rep.remove("b1"));
+    tokio::time::timeout(Duration::from_secs(5), &mut barrier)
+        .await
+        .expect("the barrier goes on once the backup is removed")
+        .expect("and passes: no counted backup is left");
+
+    // b2 caught up long ago (64 KiB... in slow posts) but, leaving, was never asked.
+    std::thread::sleep(Duration::from_millis(1500));
+    assert!(
+        asked_rx.try_recv().is_err(),
+        "a leaving backup was told its copy is complete"
+    );
+    assert!(rep.remove("b2"));
 }
