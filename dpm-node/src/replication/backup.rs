@@ -109,6 +109,8 @@ struct State {
     instance: u64,
     /// The newest replica-set generation that primary told this backup (see [`super::image`]).
     generation: u64,
+    /// The oldest image it takes, when not that start's ([`Accepted::floor`]).
+    floor: Option<ImageId>,
     /// The number of the copy the current attach started (0: none since this process
     /// started; see [`CopyMarker::copy`]).
     copy: u64,
@@ -128,6 +130,7 @@ impl State {
             term: self.term,
             instance: self.instance,
             generation: self.generation,
+            floor: self.floor,
         }
     }
 }
@@ -161,26 +164,41 @@ pub fn read_term(pool: &Path) -> Result<u64> {
     read_accepted(pool).map(|a| a.term)
 }
 
-/// What a backup of `pool` accepted last (`<pool>.term`: "TERM INSTANCE GENERATION"; older
-/// builds wrote the first one or two).
+/// What a backup of `pool` accepted last (`<pool>.term`: "TERM INSTANCE GENERATION", then
+/// the floor's "TERM INSTANCE GENERATION" when it has one; older builds wrote the first one or
+/// two words).
 pub fn read_accepted(pool: &Path) -> Result<Accepted> {
     let bad = |s: &str| DpmError::BadPool {
         path: term_path(pool).display().to_string(),
-        detail: format!("holds {s:?}, not \"TERM INSTANCE GENERATION\""),
+        detail: format!(
+            "holds {s:?}, not \"TERM INSTANCE GENERATION [FLOOR_TERM FLOOR_INSTANCE \
+             FLOOR_GENERATION]\""
+        ),
     };
     match std::fs::read_to_string(term_path(pool)) {
         Ok(s) => {
-            let words: Vec<_> = s.split_whitespace().map(str::parse::<u64>).collect();
-            let (term, instance, generation) = match words.as_slice() {
-                [Ok(t)] => (*t, 0, 0),
-                [Ok(t), Ok(i)] => (*t, *i, 0),
-                [Ok(t), Ok(i), Ok(g)] => (*t, *i, *g),
+            let words: Vec<u64> = s
+                .split_whitespace()
+                .map(str::parse::<u64>)
+                .collect::<std::result::Result<_, _>>()
+                .map_err(|_| bad(&s))?;
+            let floor = |w: &[u64]| ImageId {
+                term: w[0],
+                instance: w[1],
+                generation: w[2],
+            };
+            let (term, instance, generation, floor) = match words.as_slice() {
+                [t] => (*t, 0, 0, None),
+                [t, i] => (*t, *i, 0, None),
+                [t, i, g] => (*t, *i, *g, None),
+                [t, i, g, f @ ..] if f.len() == 3 => (*t, *i, *g, Some(floor(f))),
                 _ => return Err(bad(&s)),
             };
             Ok(Accepted {
                 term,
                 instance,
                 generation,
+                floor,
             })
         }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Accepted::default()),
@@ -189,9 +207,12 @@ pub fn read_accepted(pool: &Path) -> Result<Accepted> {
 }
 
 fn write_accepted(pool: &Path, a: Accepted) -> Result<()> {
+    let floor = a.floor.map_or(String::new(), |f| {
+        format!(" {} {} {}", f.term, f.instance, f.generation)
+    });
     write_durably(
         &term_path(pool),
-        &format!("{} {} {}\n", a.term, a.instance, a.generation),
+        &format!("{} {} {}{floor}\n", a.term, a.instance, a.generation),
     )
 }
 
@@ -276,15 +297,15 @@ pub fn read_role(pool: &Path) -> Result<Option<RecordedRole>> {
     }
 }
 
-/// Records that the primary of `pool`, whose image is `own_image`, was deposed (a replica
-/// showed a newer image): its role is backup from now on, and its `.term` (written first) is
-/// its own image, so that, started again, it refuses every primary whose image is older than
-/// its own (an older term, another start of its term, an older generation of it: see
-/// [`super::image`]) and no older image is ever copied over what it acknowledged. A primary
-/// with an image at least as new (the one that deposed it, promoted from a copy of this very
-/// image or a later one) attaches it. A device-DAX pool is not demoted (a backup needs a pool
-/// file, and the files would be in /dev): the node just stops.
-pub fn demote(pool: &Path, own_image: ImageId) -> Result<()> {
+/// Records that the primary of `pool`, whose image is `own_image`, was deposed by a replica
+/// showing a newer image under `term`: its role is backup from now on, and its `.term`
+/// (written first) refuses every primary of `term - 1` or older and, with its own image as the
+/// floor, every primary whose image is older than its own (an older term, another start of
+/// its term, an older generation of it: see [`super::image`]), so no older image is ever
+/// copied over what it acknowledged. The primary that deposed it (its image at least this
+/// one) attaches it. A device-DAX pool is not demoted (a backup needs a pool file, and the
+/// files would be in /dev): the node just stops.
+pub fn demote(pool: &Path, term: u64, own_image: ImageId) -> Result<()> {
     if dinomo_fabric::pm::DaxDevice::probe(pool)?.is_some() {
         return Err(DpmError::Config(format!(
             "{} is a device-DAX device: a backup needs a pool file, so this node is not \
@@ -293,18 +314,23 @@ pub fn demote(pool: &Path, own_image: ImageId) -> Result<()> {
         )));
     }
     let accepted = read_accepted(pool)?;
-    // Its own start's term as the accepted one: a primary of that same term but another
-    // start (a rival) is refused by the term, any later one by the image check.
-    if (own_image.term, own_image.generation) > (accepted.term, accepted.generation) {
-        write_accepted(
-            pool,
-            Accepted {
-                term: own_image.term,
-                instance: own_image.instance,
-                generation: own_image.generation,
-            },
-        )?;
-    }
+    // Instance 0 is no primary's (instances are odd): every primary of the fence's term is
+    // refused too.
+    let fence = term.saturating_sub(1).max(own_image.term);
+    let (term, instance) = if fence > accepted.term {
+        (fence, 0)
+    } else {
+        (accepted.term, accepted.instance)
+    };
+    write_accepted(
+        pool,
+        Accepted {
+            term,
+            instance,
+            generation: accepted.generation,
+            floor: Some(own_image),
+        },
+    )?;
     write_role(pool, &RecordedRole::Backup)
 }
 
@@ -493,6 +519,7 @@ impl Backup {
                 term: accepted.term,
                 instance: accepted.instance,
                 generation: accepted.generation,
+                floor: accepted.floor,
                 ..State::default()
             })),
             promotion: Arc::new(tokio::sync::watch::channel(None).0),
@@ -506,6 +533,11 @@ impl Backup {
     /// The primary start this backup follows and the newest generation it was told.
     pub async fn accepted(&self) -> Accepted {
         self.state.lock().await.accepted()
+    }
+
+    /// Whether this backup was promoted (the process is becoming, or is, the primary).
+    pub async fn promoted(&self) -> bool {
+        self.state.lock().await.promoted
     }
 
     pub async fn primary(&self) -> String {
@@ -601,17 +633,20 @@ impl Backup {
             None if same_start => st.generation,
             None => 0,
         };
+        // Following this primary from now on: the oldest image taken is its start's.
         write_accepted(
             &self.pool_path,
             Accepted {
                 term,
                 instance,
                 generation,
+                floor: None,
             },
         )?;
         st.term = term;
         st.instance = instance;
         st.generation = generation;
+        st.floor = None;
         // The previous primary's WRITEs end here (the revoke waits for posts in progress).
         self.grants.revoke_all()?;
         st.nic = None;
@@ -860,13 +895,19 @@ fn promote_locked(
     // role, so that a restart (of the process, of its pod) comes back as the primary even if
     // it happens before the answer. A later failure takes the role back (the node stays a
     // backup, of the newer term).
+    // The image it takes as a floor stays its copy's (should the promotion fail, or this node
+    // be deposed before a backup accepts its primary, a backup promoted from a copy of the same
+    // image still attaches it).
+    let floor = Some(st.accepted().image_floor());
     write_accepted(
         pool,
         Accepted {
             term,
+            floor,
             ..st.accepted()
         },
     )?;
+    st.floor = floor;
     st.term = term;
     write_role(
         pool,
@@ -1143,6 +1184,7 @@ mod tests {
             term: 3,
             instance: 11,
             generation: 2,
+            floor: None,
         };
         assert_eq!(b.accepted().await, want, "never lowered");
         drop(b);
@@ -1182,15 +1224,64 @@ mod tests {
             Accepted {
                 term: 4,
                 instance: 15,
-                generation: 2
+                generation: 2,
+                floor: None,
             }
         );
     }
 
-    /// A deposed primary recorded as a backup refuses every image older than its own (an
-    /// older term, another start of its term, an older generation), so nothing it
-    /// acknowledged is overwritten; a primary whose image is at least its own attaches it,
-    /// whatever that primary's term.
+    /// A promotion records a term after the old primary's, but keeps the image of its copy as
+    /// the oldest it takes: started again as a backup (the promotion failed, or the node was
+    /// deposed before a backup accepted its primary), a backup promoted from a copy of the same
+    /// image attaches it; an older image is still refused.
+    #[tokio::test]
+    async fn a_promoted_backup_keeps_its_copys_image_as_its_floor() {
+        let dir = tempfile::tempdir().unwrap();
+        let len = 1 << 20;
+        let image = |term, instance, generation| Claim {
+            term: Some(term),
+            instance: Some(instance),
+            generation: Some(generation),
+        };
+        let b = backup(dir.path());
+        let a = b
+            .attach(3, 11, image(2, 9, 0), None, len, "p:1", None)
+            .await
+            .unwrap();
+        b.copy_complete(3, 11, a.copy, Some(1)).await.unwrap();
+        let (term, copy_term) = b.promote(vec!["b:2".into()], 3).await.unwrap();
+        assert_eq!((term, copy_term), (4, 3));
+        drop(b);
+        let floor = ImageId {
+            term: 3,
+            instance: 11,
+            generation: 1,
+        };
+        assert_eq!(
+            read_accepted(&dir.path().join("pool")).unwrap().floor,
+            Some(floor)
+        );
+        let b = backup(dir.path());
+        assert!(matches!(
+            b.attach(4, 13, image(3, 11, 1), None, len, "rival", None)
+                .await,
+            Err(DpmError::StaleTerm { .. })
+        ));
+        assert!(matches!(
+            b.attach(6, 13, image(3, 11, 0), None, len, "removed", None)
+                .await,
+            Err(DpmError::SupersededImage { .. })
+        ));
+        b.attach(6, 13, image(3, 11, 1), None, len, "promoted", None)
+            .await
+            .unwrap();
+        assert_eq!(b.accepted().await.floor, None, "following the new primary");
+    }
+
+    /// A deposed primary recorded as a backup refuses every primary up to the deposing term
+    /// minus one, and every image older than its own (an older term, another start of its
+    /// term, an older generation), so nothing it acknowledged is overwritten; a later primary
+    /// whose image is at least its own (one promoted from a copy of it) attaches it.
     #[tokio::test]
     async fn a_demoted_primary_refuses_older_images_than_its_own() {
         let dir = tempfile::tempdir().unwrap();
@@ -1206,7 +1297,7 @@ mod tests {
             instance: Some(instance),
             generation: Some(generation),
         };
-        demote(&pool, own).unwrap();
+        demote(&pool, 5, own).unwrap();
         assert_eq!(read_role(&pool).unwrap(), Some(RecordedRole::Backup));
         let b = backup(dir.path());
         assert_eq!(b.term().await, 5);
@@ -1244,9 +1335,15 @@ mod tests {
             .unwrap();
         let dir = tempfile::tempdir().unwrap();
         let pool = dir.path().join("pool");
-        demote(&pool, term_image(2)).unwrap();
+        // Deposed by term 9: primaries up to term 8 are refused, whatever their image.
+        demote(&pool, 9, term_image(2)).unwrap();
         let b = backup(dir.path());
-        assert_eq!(b.term().await, 2);
+        assert_eq!(b.term().await, 8);
+        assert!(matches!(
+            b.attach(8, 13, term_claim(8), None, len, "older", None)
+                .await,
+            Err(DpmError::StaleTerm { .. })
+        ));
         b.attach(9, 13, term_claim(8), None, len, "newer", None)
             .await
             .unwrap();

@@ -20,7 +20,10 @@
 //! - Generations only grow along a pool's history: a new term keeps the generation of the
 //!   image it started from, so comparing generations of one term is meaningful.
 //! - Instance 0 is no primary start's (instances are odd): it stands for "unknown" (a pool or
-//!   a primary of an older build, a demoted primary's floor) and is not compared.
+//!   a primary of an older build) and is not compared.
+//! - What a backup accepted fences primaries by term ([`Accepted`]); the oldest image it takes
+//!   is, by default, that of the start it follows, and a demoted primary or a promoted backup
+//!   keeps its own image as the floor while its fence is a later term.
 
 /// The identity of a pool image (see the module doc).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -65,14 +68,31 @@ impl ImageId {
     }
 }
 
-/// What a backup accepted: the primary start it follows and the newest generation that
-/// primary told it (at the attach, with its copy complete, or when a backup left the set).
+/// What a backup accepted: the primary start it follows (which fences primaries of older
+/// terms, and other starts of its term) and the newest generation that primary told it (at
+/// the attach, with its copy complete, or when a backup left the set).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct Accepted {
     pub term: u64,
-    /// 0: unknown (a demoted primary's floor, or a file of an older build).
+    /// 0: none in particular (a demoted primary's fence, or a file of an older build): every
+    /// primary of `term` is refused.
     pub instance: u64,
     pub generation: u64,
+    /// The oldest image it takes, when that is not the one of the start it follows: a demoted
+    /// primary's own image, or a promoted backup's copy (whose fence is a later term).
+    pub floor: Option<ImageId>,
+}
+
+impl Accepted {
+    /// The oldest image this backup lets a primary copy over it: its floor, else the image of
+    /// the start it follows (that start may have acknowledged writes under its term).
+    pub fn image_floor(&self) -> ImageId {
+        self.floor.unwrap_or(ImageId {
+            term: self.term,
+            instance: self.instance,
+            generation: self.generation,
+        })
+    }
 }
 
 /// An attaching primary's image as it claims it: an older primary sends only the term, or
@@ -88,6 +108,7 @@ pub struct Claim {
 /// (see the module doc), if it must. The caller exempts the primary it accepted and that
 /// pool started again.
 pub fn refusal(accepted: Accepted, image: Claim) -> Option<Refusal> {
+    let accepted = accepted.image_floor();
     let term = image.term?;
     if term < accepted.term {
         return Some(Refusal::OlderTerm {
@@ -169,6 +190,7 @@ mod tests {
             term,
             instance,
             generation,
+            floor: None,
         }
     }
 
@@ -218,8 +240,26 @@ mod tests {
             ..Claim::default()
         };
         assert_eq!(refusal(accepted(5, 7, 2), term_only), None);
-        // A pool of an older build (instance 0), a demoted primary's floor (instance 0).
+        // A pool of an older build (instance 0), an older build's file (instance 0).
         assert_eq!(refusal(accepted(5, 7, 0), claim(5, 0, 0)), None);
+        // A floor replaces the followed start's image: a demoted primary's own.
+        let demoted = Accepted {
+            floor: Some(ImageId {
+                term: 3,
+                instance: 9,
+                generation: 1,
+            }),
+            ..accepted(6, 0, 0)
+        };
+        assert_eq!(refusal(demoted, claim(3, 9, 1)), None);
+        assert_eq!(
+            refusal(demoted, claim(3, 9, 0)),
+            Some(Refusal::OlderGeneration {
+                term: 3,
+                image: 0,
+                accepted: 1
+            })
+        );
         assert_eq!(refusal(accepted(5, 0, 1), claim(5, 11, 1)), None);
         assert_eq!(
             refusal(accepted(5, 0, 1), claim(5, 11, 0)),

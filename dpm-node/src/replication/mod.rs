@@ -157,7 +157,7 @@ impl Primary {
         if let Some(term) = newer_term {
             let pool = &self.dpm.config.pool_path;
             let file = backup::role_path(pool);
-            match backup::demote(pool, self.image()) {
+            match backup::demote(pool, term, self.image()) {
                 Ok(()) => {
                     tracing::warn!(file = %file.display(), term, "recorded this node's role as backup (a replica showed an image of term {term}): started again, it serves as one");
                 }
@@ -382,7 +382,8 @@ impl Primary {
     /// was replaced). Its backups refuse it and it stops: no reason to stop here. (Two
     /// primaries of one term both stop: neither can tell which is the newer.)
     fn older_primary(&self, s: &pb::ReplicaStatusResponse) -> bool {
-        s.role == "primary" && s.term < self.term
+        // Term 0: a primary without replication (a pool started alone), not an older one.
+        s.role == "primary" && s.term > 0 && s.term < self.term
     }
 
     /// Why `s` (the status of the backup at `address`) shows another primary took it over (a
@@ -461,8 +462,11 @@ impl Primary {
         // tell apart.
         if counted && self.image_term_recorded.load(Ordering::Acquire) {
             if let Err(e) = self.next_generation(address).await {
+                // It missed records while leaving: failed (barriers fail, `up` and operators
+                // see it so and try again), no longer leaving.
                 self.replicator
                     .fail(address, format!("removing it failed: {e}"));
+                self.replicator.stay(address);
                 return Err(e);
             }
         }
@@ -470,10 +474,10 @@ impl Primary {
     }
 
     /// [`Primary::remove_backup`]'s new generation, made durable at every backup but
-    /// `leaving`, then here. When every other backup failed to record it, nothing changes:
-    /// they are failed, so nothing is acknowledged without `leaving` anyway, and a pool that
-    /// recorded a generation no backup knows would, deposed, refuse the promotion of one of
-    /// them forever.
+    /// `leaving`, then here. Those that do not record it are failed. When none of them
+    /// recorded it, the removal fails and nothing changes (a generation that only this pool
+    /// knows would, deposed, refuse the promotion of every backup; one that nobody knows
+    /// would let a backup re-attached later start from the old one).
     async fn next_generation(&self, leaving: &str) -> Result<()> {
         let generation = self.replicator.generation() + 1;
         let others: Vec<String> = self
@@ -483,8 +487,8 @@ impl Primary {
             .filter(|b| b.address != leaving && !matches!(b.phase, Phase::Failed { .. }))
             .map(|b| b.address)
             .collect();
-        // Well within a barrier's wait (which times out after `replica_ack_timeout`): KN posts
-        // during a removal wait rather than fail.
+        // Half a barrier's wait (which times out after `replica_ack_timeout`; at least 500 ms):
+        // KN posts during a removal mostly wait rather than fail.
         let deadline = (self.dpm.config.replica_ack_timeout / 2).max(Duration::from_millis(500));
         let mut tells = tokio::task::JoinSet::new();
         for address in others.clone() {
@@ -530,8 +534,11 @@ impl Primary {
             );
         }
         if recorded.is_empty() && !others.is_empty() {
-            tracing::error!(backup = %leaving, "a backup leaves the replica set, but no other backup recorded the set's new generation: they are failed, and nothing is acknowledged until they are removed or added again");
-            return Ok(());
+            return Err(DpmError::Replication(format!(
+                "no other backup recorded the replica set's generation {generation} (they \
+                 are failed now): {leaving} stays in the set, failed; remove or add again \
+                 the others first"
+            )));
         }
         let image = ImageId {
             term: self.term,

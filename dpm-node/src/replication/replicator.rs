@@ -384,6 +384,17 @@ impl Replicator {
         Some(counted)
     }
 
+    /// Takes back [`Replicator::leave`]: the backup is in the set again (its removal failed).
+    /// It got no records meanwhile: fail it first.
+    pub fn stay(&self, address: &str) {
+        let st = self.state.lock();
+        if let Some(b) = st.backups.iter().find(|b| b.address == address) {
+            b.leaving.store(false, Ordering::Release);
+        }
+        drop(st);
+        self.changes.send_modify(|v| *v += 1);
+    }
+
     /// Marks `address` failed with `why` (see [`Phase::Failed`]); false if it is not in the set.
     pub fn fail(&self, address: &str, why: String) -> bool {
         let b = {

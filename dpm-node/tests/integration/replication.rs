@@ -542,7 +542,7 @@ async fn a_backup_promoted_in_place_serves_as_the_primary() {
 /// Sends SIGSTOP to `pid` and waits until each of its threads is stopped: kill() returns
 /// before they are (a thread running on another CPU stops at its next interrupt; in a VM
 /// under load that took milliseconds, during which the backup answered a post, once).
-fn stop_process(pid: u32) {
+pub(super) fn stop_process(pid: u32) {
     // SAFETY: a signal to our own child.
     unsafe { libc::kill(pid as i32, libc::SIGSTOP) };
     let deadline = Instant::now() + Duration::from_secs(5);

@@ -12,7 +12,7 @@ use dinomo_proto::dpm::BackupRequest;
 
 use super::process::DpmProcess;
 use super::replication::{
-    check_pool, kn_writer, promote, record, replica_status, two_backups, wait_in_sync,
+    check_pool, kn_writer, promote, record, replica_status, stop_process, two_backups, wait_in_sync,
 };
 use super::replication_fencing::{backup_nic, region};
 
@@ -162,4 +162,41 @@ async fn a_leaving_backup_holds_barriers_and_is_not_told_its_copy_complete() {
         "a leaving backup was told its copy is complete"
     );
     assert!(rep.remove("b2"));
+}
+
+/// A removal that no other backup could be told of fails and changes nothing: the generation
+/// stays (neither the pool nor a backup re-attached later starts from a generation nobody
+/// else knows), the backup stays in the set, failed rather than leaving (so whoever tends the
+/// set sees it and tries again), and the silent backup is failed too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_removal_no_other_backup_records_fails_and_changes_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let (b1, b2, cp, _) = two_backups(dir.path(), "replica_ack_timeout_ms = 1000");
+    let primary = DpmProcess::start(&cp, &dir.path().join("p.log"));
+    wait_in_sync(primary.grpc, 2).await;
+    stop_process(b2.pid());
+    let e = ReplicaServiceClient::connect(format!("http://{}", primary.grpc))
+        .await
+        .unwrap()
+        .remove_backup(BackupRequest {
+            address: b1.grpc.to_string(),
+        })
+        .await
+        .unwrap_err();
+    // SAFETY: a signal to our own child.
+    unsafe { libc::kill(b2.pid() as i32, libc::SIGCONT) };
+    assert!(e.message().contains("no other backup recorded"), "{e:?}");
+    let s = replica_status(primary.grpc).await;
+    assert_eq!(s.generation, 0, "{s:?}");
+    let states: Vec<(&str, &str)> = s
+        .backups
+        .iter()
+        .map(|b| (b.address.as_str(), b.state.as_str()))
+        .collect();
+    let (a1, a2) = (b1.grpc.to_string(), b2.grpc.to_string());
+    assert_eq!(
+        states,
+        [(a1.as_str(), "failed"), (a2.as_str(), "failed")],
+        "{s:?}"
+    );
 }
