@@ -334,6 +334,32 @@ pub fn demote(pool: &Path, term: u64, own_image: ImageId) -> Result<()> {
     write_role(pool, &RecordedRole::Backup)
 }
 
+/// Records, in a promoted primary's `<pool>.term`, the image it serves now (`image`: its own
+/// term and start, once a backup accepted it, and the set's generation), as the start it
+/// follows with no floor: started again as a backup (its recorded role deleted), it refuses
+/// the images of the older primary its copy came from, as it did before its promotion. A
+/// pool without the file (never a backup's) is left without one.
+pub fn note_own_image(pool: &Path, image: ImageId) -> Result<()> {
+    if !term_path(pool).exists() {
+        return Ok(());
+    }
+    let accepted = read_accepted(pool)?;
+    if (accepted.term, accepted.floor) == (image.term, None)
+        && (accepted.instance, accepted.generation) == (image.instance, image.generation)
+    {
+        return Ok(());
+    }
+    write_accepted(
+        pool,
+        Accepted {
+            term: image.term.max(accepted.term),
+            instance: image.instance,
+            generation: image.generation,
+            floor: None,
+        },
+    )
+}
+
 /// Records `role` beside `pool`, durably (see [`RecordedRole`]).
 pub fn write_role(pool: &Path, role: &RecordedRole) -> Result<()> {
     let text = match role {
@@ -533,11 +559,6 @@ impl Backup {
     /// The primary start this backup follows and the newest generation it was told.
     pub async fn accepted(&self) -> Accepted {
         self.state.lock().await.accepted()
-    }
-
-    /// Whether this backup was promoted (the process is becoming, or is, the primary).
-    pub async fn promoted(&self) -> bool {
-        self.state.lock().await.promoted
     }
 
     pub async fn primary(&self) -> String {
@@ -1233,7 +1254,8 @@ mod tests {
     /// A promotion records a term after the old primary's, but keeps the image of its copy as
     /// the oldest it takes: started again as a backup (the promotion failed, or the node was
     /// deposed before a backup accepted its primary), a backup promoted from a copy of the same
-    /// image attaches it; an older image is still refused.
+    /// image attaches it; an older image is still refused. Once it served, its own image is
+    /// the floor.
     #[tokio::test]
     async fn a_promoted_backup_keeps_its_copys_image_as_its_floor() {
         let dir = tempfile::tempdir().unwrap();
@@ -1276,6 +1298,28 @@ mod tests {
             .await
             .unwrap();
         assert_eq!(b.accepted().await.floor, None, "following the new primary");
+        drop(b);
+
+        // Once the promoted node serves as the primary (a backup accepted its term 5), its own
+        // image is what it follows: run as a backup again, it refuses the term-3 images.
+        let pool = dir.path().join("pool");
+        let own = ImageId {
+            term: 7,
+            instance: 21,
+            generation: 1,
+        };
+        note_own_image(&pool, own).unwrap();
+        let b = backup(dir.path());
+        assert_eq!(b.accepted().await.image_floor(), own);
+        assert!(matches!(
+            b.attach(8, 23, image(3, 11, 1), None, len, "old", None)
+                .await,
+            Err(DpmError::StaleImage { .. })
+        ));
+        // A pool that never was a backup's gets no file.
+        let other = tempfile::tempdir().unwrap();
+        note_own_image(&other.path().join("pool"), own).unwrap();
+        assert!(!term_path(&other.path().join("pool")).exists());
     }
 
     /// A deposed primary recorded as a backup refuses every primary up to the deposing term

@@ -346,9 +346,12 @@ impl Primary {
                 instance: self.instance,
                 generation: self.replicator.generation(),
             };
-            tokio::task::spawn_blocking(move || dpm.record_replica_image(image))
-                .await
-                .map_err(|e| DpmError::Io(std::io::Error::other(e)))??;
+            tokio::task::spawn_blocking(move || {
+                dpm.record_replica_image(image)?;
+                backup::note_own_image(&dpm.config.pool_path, image)
+            })
+            .await
+            .map_err(|e| DpmError::Io(std::io::Error::other(e)))??;
             self.image_term_recorded.store(true, Ordering::Release);
             tracing::info!(term, "the pool's image serves under this term from now on");
         }
@@ -546,9 +549,12 @@ impl Primary {
             generation,
         };
         let dpm = self.dpm.clone();
-        tokio::task::spawn_blocking(move || dpm.record_replica_image(image))
-            .await
-            .map_err(|e| DpmError::Io(std::io::Error::other(e)))??;
+        tokio::task::spawn_blocking(move || {
+            dpm.record_replica_image(image)?;
+            backup::note_own_image(&dpm.config.pool_path, image)
+        })
+        .await
+        .map_err(|e| DpmError::Io(std::io::Error::other(e)))??;
         self.replicator.set_generation(generation);
         tracing::warn!(backup = %leaving, generation, "a backup leaves the replica set: the set's generation is {generation}, recorded at the other backups (they refuse its image from now on)");
         Ok(())

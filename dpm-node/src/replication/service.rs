@@ -79,16 +79,8 @@ impl ReplicaGrpc {
                     Err(e) => (format!("unreadable: {e}"), 0),
                 };
                 let accepted = b.accepted().await;
-                // Promoted, it answers as the primary of the term it recorded while it turns
-                // into one: an old primary restarting meanwhile sees a newer primary (and
-                // stands down as a backup) rather than a backup of its own term.
-                let role = if b.promoted().await {
-                    "primary"
-                } else {
-                    "backup"
-                };
                 pb::ReplicaStatusResponse {
-                    role: role.into(),
+                    role: "backup".into(),
                     term: accepted.term,
                     primary: b.primary().await,
                     backups: Vec::new(),
