@@ -324,10 +324,12 @@ mod tests {
                 term: 3,
                 copy_state: state.into(),
                 copy_term: 2,
+                generation: 1,
                 ..Default::default()
             })
         };
-        assert!(copy_note(&own("complete")).contains("complete (made under term 2): promotable"));
+        assert!(copy_note(&own("complete"))
+            .contains("complete (made under term 2, replica-set generation 1): promotable"));
         assert!(copy_note(&own("incomplete")).contains("not promotable"));
         assert!(copy_note(&own("none")).contains("no copy marker"));
         assert_eq!(copy_note(&own("")), "");
