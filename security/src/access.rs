@@ -70,7 +70,7 @@ pub static TABLE: &[Rule] = rules! {
     }
     "dinomo.dpm.v1.ReplicaService" {
         // The primary dpm-node attaches its backups with its node identity.
-        "Attach": NODE, "CopyComplete": NODE,
+        "Attach": NODE, "CopyComplete": NODE, "RecordGeneration": NODE,
         "Status": NODE_MONITOR_ADMIN,
         "AddBackup": MONITOR_ADMIN, "RemoveBackup": MONITOR_ADMIN, "Promote": MONITOR_ADMIN,
     }
