@@ -455,8 +455,31 @@ for path in sorted(glob.glob(os.path.join(out, "*.yaml"))):
             dsvc = one(docs, "Service", dpm["spec"]["serviceName"], where)
             check(dsvc and dsvc["spec"].get("clusterIP") == "None", f"{where}: the dpm-node Service is not headless")
             check(dpm["spec"]["replicas"] == 1, f"{where}: dpm-node replicas != 1")
-            check(cfg["server"]["dpm"] == f"{host}:{dport}", f"{where}: monitor server.dpm {cfg['server']['dpm']!r} != {host}:{dport}")
-            check(arg(c, "--dpm") == f"{host}:{dport}", f"{where}: KV --dpm {arg(c, '--dpm')!r} != {host}:{dport}")
+            # Where clients reach the primary: its pod, or (automatic failover) the Service
+            # that selects the pod the monitor labels.
+            members = cfg["dpm_replicas"]["members"]
+            daddr = f"{host}:{dport}"
+            if members:
+                label = cfg["dpm_replicas"]["primary_label"]
+                psvc = [d for d in docs if d["kind"] == "Service" and d["metadata"]["labels"].get("app.kubernetes.io/component") == "dpm-primary"]
+                if check(len(psvc) == 1, f"{where}: automatic failover without one primary Service"):
+                    ps_ = psvc[0]
+                    daddr = f"{ps_['metadata']['name']}.{namespace}.svc:{ps_['spec']['ports'][0]['port']}"
+                    sel = ps_["spec"]["selector"]
+                    check(sel.get(label) == "true" and ps_["spec"].get("clusterIP") != "None"
+                          and sel.get("app.kubernetes.io/instance") == dpm["spec"]["template"]["metadata"]["labels"].get("app.kubernetes.io/instance"),
+                          f"{where}: the primary Service selects {sel}, not the release's pods labelled {label}=true")
+                    check(ps_["spec"]["ports"][0]["port"] == dport, f"{where}: the primary Service's port is not the dpm-node's")
+                for d in docs:
+                    tl = d.get("spec", {}).get("template", {}).get("metadata", {}).get("labels", {})
+                    check(label not in tl, f"{where}: {d['kind']} {d['metadata']['name']}: its pod template sets {label} (only the monitor may)")
+                check(members[0] == {"address": f"{host}:{dport}", "pod": f"{dpm['metadata']['name']}-0"},
+                      f"{where}: the first dpm_replicas member {members[0]} is not the primary's pod")
+                roles = [d for d in docs if d["kind"] == "Role" and d["metadata"]["labels"].get("app.kubernetes.io/component") == "monitor"]
+                patched = [n for r in roles for rule in r["rules"] if "patch" in rule["verbs"] and rule["resources"] == ["pods"] for n in rule.get("resourceNames", [])]
+                check(sorted(patched) == sorted(m["pod"] for m in members), f"{where}: the monitor may patch pods {patched}, the members are {[m['pod'] for m in members]}")
+            check(cfg["server"]["dpm"] == daddr, f"{where}: monitor server.dpm {cfg['server']['dpm']!r} != {daddr}")
+            check(arg(c, "--dpm") == daddr, f"{where}: KV --dpm {arg(c, '--dpm')!r} != {daddr}")
             check(arg(dc, "--fabric") in ("tcp", "verbs"), f"{where}: dpm-node fabric {arg(dc, '--fabric')!r} is neither tcp nor verbs")
             fport = arg(dc, "--fabric-listen").rsplit(":", 1)[1]
             check(arg(dc, "--fabric-advertise") == f"{host}:{fport}", f"{where}: fabric advertised as {arg(dc, '--fabric-advertise')!r}, not {host}:{fport}")
@@ -479,9 +502,12 @@ for path in sorted(glob.glob(os.path.join(out, "*.yaml"))):
                       f"{where}: {bname}: POD_NAME is not the pod's name")
                 bs = one(docs, "Service", bsvc, where)
                 check(bs and bs["spec"].get("clusterIP") == "None", f"{where}: the backups' Service is not headless")
+                if members:
+                    want_members = [{"address": a, "pod": f"{bname}-{i}"} for i, a in enumerate(want)]
+                    check(members[1:] == want_members, f"{where}: dpm_replicas members {members[1:]} are not the backup pods {want_members}")
             for r in [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["labels"].get("app.kubernetes.io/component") == "routing"]:
                 rc = r["spec"]["template"]["spec"]["containers"][0]
-                check(arg(rc, "--dpm") == f"{host}:{dport}", f"{where}: routing --dpm {arg(rc, '--dpm')!r} != {host}:{dport}")
+                check(arg(rc, "--dpm") == daddr, f"{where}: routing --dpm {arg(rc, '--dpm')!r} != {daddr}")
     # The monitor Deployment: mounts this ConfigMap, runs as the bound ServiceAccount.
     mons = [d for d in docs if d["kind"] == "Deployment" and d["metadata"]["labels"].get("app.kubernetes.io/component") == "monitor"]
     if check(len(mons) == 1, f"{where}: expected one monitor Deployment"):
@@ -508,7 +534,8 @@ for path in sorted(glob.glob(os.path.join(out, "*.yaml"))):
                 (("",), ("pods",), ("delete", "get", "list"), ()),
                 (("coordination.k8s.io",), ("leases",), ("get", "update"), (k["lease_name"],)),
                 (("coordination.k8s.io",), ("leases",), ("create",), ()),
-            ])
+            ] + ([(("",), ("pods",), ("patch",), tuple(m["pod"] for m in cfg["dpm_replicas"]["members"]))]
+                 if cfg["dpm_replicas"]["members"] else []))
             check(got == want, f"{where}: Role rules {got} != {want}")
             rbs = [d for d in docs if d["kind"] == "RoleBinding" and d["roleRef"]["name"] == roles[0]["metadata"]["name"]]
             check(len(rbs) == 1 and any(s["kind"] == "ServiceAccount" and s["name"] == sa and s["namespace"] == namespace for s in rbs[0]["subjects"]),

@@ -273,6 +273,11 @@ pub(crate) fn backup_line(b: &BackupState) -> String {
             " copying the pool: {:.1} MiB so far; not counted for acknowledgements yet",
             b.bytes_sent as f64 / 1048576.0
         )),
+        "attaching" => line.push_str(&format!(
+            " named, not reached yet (retried every second; not counted for \
+             acknowledgements): {}",
+            b.detail
+        )),
         _ => line.push_str(&format!(" {}", b.detail)),
     }
     line

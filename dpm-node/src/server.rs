@@ -341,8 +341,8 @@ async fn run_primary(
 }
 
 /// Starts replication when the config names backups: takes the next replica term, then
-/// attaches each backup in the background (retrying every second while it cannot be reached;
-/// nothing is acknowledged before one has accepted the term).
+/// attaches each backup in the background ([`Primary::attach_named`]: retrying every second
+/// while it cannot be reached; nothing is acknowledged before one has accepted the term).
 async fn start_replication(dpm: &Arc<Dpm>, grpc: SocketAddr) -> Result<ReplicaGrpc> {
     if dpm.config.backups.is_empty() {
         return Ok(ReplicaGrpc::Standalone);
@@ -358,24 +358,7 @@ async fn start_replication(dpm: &Arc<Dpm>, grpc: SocketAddr) -> Result<ReplicaGr
         .map_err(|e| DpmError::Config(format!("starting replication panicked: {e}")))??;
     tracing::info!(term = primary.term(), backups = ?dpm.config.backups, "replication on: attaching the backups");
     for backup in dpm.config.backups.clone() {
-        let primary = primary.clone();
-        tokio::spawn(async move {
-            loop {
-                match primary.add_backup(&backup).await {
-                    Ok(()) => return,
-                    // Deposed (the primary stops) or stopping.
-                    Err(DpmError::StaleTerm { .. }) => return,
-                    Err(e) if primary.ended() => {
-                        tracing::debug!(%backup, error = %e, "not attaching: replication ended");
-                        return;
-                    }
-                    Err(e) => {
-                        tracing::warn!(%backup, error = %e, "cannot attach the backup yet; retrying in 1 s");
-                        tokio::time::sleep(Duration::from_secs(1)).await;
-                    }
-                }
-            }
-        });
+        primary.attach_named(backup);
     }
     Ok(ReplicaGrpc::Primary(primary))
 }

@@ -143,6 +143,18 @@ pub fn load_config(args: &Args) -> anyhow::Result<MonitorConfig> {
     Ok(cfg)
 }
 
+/// Starts watching the dpm-node replica set (`[dpm_replicas]`) for the life of the process.
+/// Before the bootstrap: on Kubernetes the DPM is reached through the primary Service, which
+/// selects nothing until the watcher labels the first primary.
+fn watch_dpm_replicas(
+    cfg: &MonitorConfig,
+    leadership: Box<dyn crate::dpm_replicas::Leadership>,
+    pointer: Box<dyn crate::dpm_replicas::PrimaryPointer>,
+) {
+    let watcher = crate::dpm_replicas::Watcher::new(cfg.dpm_replicas.clone(), leadership, pointer);
+    tokio::spawn(watcher.run());
+}
+
 /// Runs the monitor until SIGINT or SIGTERM.
 pub async fn run(args: Args) -> anyhow::Result<()> {
     let cfg = load_config(&args)?;
@@ -194,6 +206,13 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 ready_timeout: Duration::from_secs(60),
                 stop_timeout: Duration::from_secs(15),
             })?);
+            if cfg.dpm_replicas.enabled() {
+                watch_dpm_replicas(
+                    &cfg,
+                    Box::new(crate::dpm_replicas::Alone),
+                    Box::new(crate::dpm_replicas::Unpointed),
+                );
+            }
             crate::server::bootstrap_local(&local, &cfg.server.dpm, args.kns, args.vnodes)
                 .await
                 .context("starting the KV nodes")?;
@@ -211,13 +230,29 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
             )
             .await?;
             let replicas = orch.replicas().await?;
+            let orch: Arc<dyn Orchestrator> = Arc::new(orch);
+            if cfg.dpm_replicas.enabled() {
+                let client = kube::Client::try_default()
+                    .await
+                    .context("connecting to the Kubernetes API server")?;
+                let pointer = crate::dpm_replicas::pod_labels::PodLabels::new(
+                    client,
+                    &cfg.orchestrator.kubernetes.namespace,
+                    &cfg.dpm_replicas.primary_label,
+                );
+                watch_dpm_replicas(
+                    &cfg,
+                    Box::new(crate::dpm_replicas::ByOrchestrator(orch.clone())),
+                    Box::new(pointer),
+                );
+            }
             crate::server::bootstrap_registered(
                 &cfg.server.dpm,
                 FirstMap::Ids((1..=replicas).collect()),
                 args.vnodes,
             )
             .await?;
-            let monitor = Monitor::new(cfg, opts, Arc::new(orch));
+            let monitor = Monitor::new(cfg, opts, orch);
             if args.print_ready {
                 println!("READY addr={}", listener.local_addr()?);
             }
@@ -228,6 +263,13 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 cfg.server.dpm.clone(),
                 Duration::from_millis(args.adopt_timeout_ms),
             );
+            if cfg.dpm_replicas.enabled() {
+                watch_dpm_replicas(
+                    &cfg,
+                    Box::new(crate::dpm_replicas::Alone),
+                    Box::new(crate::dpm_replicas::Unpointed),
+                );
+            }
             crate::server::bootstrap_registered(
                 &cfg.server.dpm,
                 FirstMap::Count(args.kns.max(1) as usize),

@@ -3,8 +3,9 @@
 //!
 //! Sections: `[server]` (addresses), `[stats]` (how statistics are gathered each epoch),
 //! `[failure]` (failure detection), `[orchestrator]` (which platform runs the KNs, with
-//! `[orchestrator.kubernetes]`) and `[policy]` ([`PolicyConfig`], the parameters of the SLO
-//! policy engine, DINOMO Table 4). The `[policy]` table can also be read alone
+//! `[orchestrator.kubernetes]`), `[policy]` ([`PolicyConfig`], the parameters of the SLO
+//! policy engine, DINOMO Table 4) and `[dpm_replicas]` (the dpm-node replica set the monitor
+//! fails over, [`DpmReplicasConfig`]). The `[policy]` table can also be read alone
 //! ([`PolicyConfig::from_toml_str`], for the SetPolicy RPC).
 //!
 //! Invariants:
@@ -23,6 +24,7 @@ use std::time::Duration;
 use dinomo_node_common::config::invalid;
 use serde::{Deserialize, Serialize};
 
+use crate::dpm_replicas::DpmReplicasConfig;
 use crate::orchestrator::kubernetes::KubernetesConfig;
 
 /// Why a monitor config was refused (the convention every node shares:
@@ -38,6 +40,8 @@ pub struct MonitorConfig {
     pub failure: FailureConfig,
     pub orchestrator: OrchestratorConfig,
     pub policy: PolicyConfig,
+    /// `[dpm_replicas]`: the dpm-node replica set this monitor fails over (off by default).
+    pub dpm_replicas: DpmReplicasConfig,
 }
 
 /// `[server]`: where the monitor listens and what it talks to.
@@ -371,6 +375,8 @@ impl MonitorConfig {
             ));
         }
         self.validate_kubernetes()?;
+        self.dpm_replicas
+            .validate(self.orchestrator.kind == OrchestratorKind::Kubernetes)?;
         self.policy.validate()
     }
 

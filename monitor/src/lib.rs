@@ -4,11 +4,13 @@
 //! a failed KN) through the DPM, the KNs and an [`orchestrator`].
 //!
 //! Modules: [`config`] (the documented config file), [`policy`] (the pure decision function),
+//! [`dpm_replicas`] (failover of the dpm-node replica set),
 //! [`monitor`] (statistics, failure detection, actions), [`orchestrator`] (local processes or
 //! Kubernetes), [`service`] (gRPC), [`server`] (runs it all), [`cli`].
 
 pub mod cli;
 pub mod config;
+pub mod dpm_replicas;
 pub mod monitor;
 pub mod orchestrator;
 pub mod policy;

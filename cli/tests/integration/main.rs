@@ -6,6 +6,7 @@
 mod backup_admin;
 mod cluster;
 mod deploy;
+mod dpm_auto_failover;
 mod dpm_failover;
 mod e2e;
 mod external;

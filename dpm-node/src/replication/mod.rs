@@ -86,6 +86,10 @@ pub struct Primary {
     /// The term and instance the pool's previous start took (sent with Attach: a backup that
     /// accepted that start and nothing since takes this one back, image older or not).
     previous: Option<(u64, u64)>,
+    /// Backups named at start that have not been attached yet, with why the last try failed:
+    /// reported by Status (state "attaching"), so that whoever watches the set (an operator,
+    /// the monitor) does not add them a second time, which would start their copy again.
+    attaching: parking_lot::Mutex<std::collections::BTreeMap<String, String>>,
 }
 
 impl Primary {
@@ -123,6 +127,7 @@ impl Primary {
             started_image,
             image_term_recorded: std::sync::atomic::AtomicBool::new(false),
             membership: tokio::sync::Mutex::new(()),
+            attaching: parking_lot::Mutex::new(std::collections::BTreeMap::new()),
         });
         tokio::spawn(watch_failed_backups(Arc::downgrade(&primary)));
         Ok(primary)
@@ -562,6 +567,51 @@ impl Primary {
 
     pub fn backups(&self) -> Vec<BackupStatus> {
         self.replicator.status()
+    }
+
+    /// Backups named at start and not attached yet, with why the last try failed (see
+    /// [`Primary::attach_named`]); none of them is in [`Primary::backups`].
+    pub fn attaching(&self) -> Vec<(String, String)> {
+        let members: Vec<String> = self.backups().into_iter().map(|b| b.address).collect();
+        self.attaching
+            .lock()
+            .iter()
+            .filter(|(a, _)| !members.contains(a))
+            .map(|(a, why)| (a.clone(), why.clone()))
+            .collect()
+    }
+
+    /// Attaches a backup named at start in the background, retrying every second while it
+    /// cannot be reached, until it is attached (by this task or by an AddBackup meanwhile), or
+    /// replication ends. Reported as "attaching" from this call on.
+    pub fn attach_named(self: &Arc<Self>, backup: String) {
+        self.attaching
+            .lock()
+            .insert(backup.clone(), "not tried yet".into());
+        tokio::spawn(self.clone().keep_attaching(backup));
+    }
+
+    async fn keep_attaching(self: Arc<Self>, backup: String) {
+        loop {
+            if self.backups().iter().any(|b| b.address == backup) {
+                break; // added by an AddBackup meanwhile: attaching again would copy again
+            }
+            match self.add_backup(&backup).await {
+                Ok(()) => break,
+                // Deposed (the primary stops) or stopping.
+                Err(DpmError::StaleTerm { .. }) => break,
+                Err(e) if self.ended() => {
+                    tracing::debug!(%backup, error = %e, "not attaching: replication ended");
+                    break;
+                }
+                Err(e) => {
+                    tracing::warn!(%backup, error = %e, "cannot attach the backup yet; retrying in 1 s");
+                    self.attaching.lock().insert(backup.clone(), e.to_string());
+                    tokio::time::sleep(Duration::from_secs(1)).await;
+                }
+            }
+        }
+        self.attaching.lock().remove(&backup);
     }
 
     /// Stops for good (the node is stopping): barriers fail from now on, so nothing more is

@@ -67,6 +67,16 @@ impl ReplicaGrpc {
                         resync_ms: b.resync_ms.unwrap_or(0),
                         resync_skipped_bytes: b.resync_skipped_bytes,
                     })
+                    .chain(
+                        p.attaching()
+                            .into_iter()
+                            .map(|(address, why)| pb::BackupState {
+                                address,
+                                state: "attaching".into(),
+                                detail: why,
+                                ..Default::default()
+                            }),
+                    )
                     .collect(),
                 pid,
                 generation: p.image().generation,

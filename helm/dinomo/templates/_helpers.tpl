@@ -38,11 +38,31 @@ controller-revision-hash label that appends 11 characters). */}}
 {{- printf "%s-0.%s.%s.svc" (include "dinomo.dpm.name" .) (include "dinomo.dpm.name" .) .Release.Namespace -}}
 {{- end -}}
 
+{{/* Whether the monitor fails the dpm-node replica set over (backups, automaticFailover). */}}
+{{- define "dinomo.dpm.autoFailover" -}}
+{{- if and (gt (int64 .Values.dpm.replication.backups) 0) .Values.dpm.replication.automaticFailover -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* The Service that selects the primary's pod by the label the monitor sets. */}}
+{{- define "dinomo.dpmPrimary.name" -}}
+{{- printf "%s-dpm-primary" (include "dinomo.fullname" .) -}}
+{{- end -}}
+
+{{/* The pod label the monitor sets on the serving primary (monitor dpm_replicas.primary_label). */}}
+{{- define "dinomo.dpmPrimary.label" -}}
+dinomo.io/dpm-primary
+{{- end -}}
+
 {{/* The dpm-node's gRPC address, given to the KV nodes, routing nodes and monitor:
-dpm.address (a promoted backup's, after a manual failover) or the dpm StatefulSet's pod. */}}
+dpm.address (a promoted backup's, after a manual failover), the primary Service when the
+monitor fails over, or the dpm StatefulSet's pod. */}}
 {{- define "dinomo.dpm.address" -}}
 {{- if .Values.dpm.address -}}
 {{- .Values.dpm.address -}}
+{{- else if include "dinomo.dpm.autoFailover" . -}}
+{{- printf "%s.%s.svc:%d" (include "dinomo.dpmPrimary.name" .) .Release.Namespace (int64 .Values.dpm.port) -}}
 {{- else -}}
 {{- printf "%s:%d" (include "dinomo.dpm.host" .) (int64 .Values.dpm.port) -}}
 {{- end -}}

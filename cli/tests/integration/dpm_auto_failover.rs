@@ -1,0 +1,470 @@
+//! The monitor's automatic failover of the dpm-node replica set (monitor/src/dpm_replicas), on
+//! real processes run the way Kubernetes runs the chart's pods: fixed addresses, and a
+//! "kubelet" that starts a node again whenever it exits (a node whose machine is lost is held
+//! down instead). The watcher runs in this process with a pointer that records where it points
+//! the clients (on Kubernetes, the primary Service's label).
+//!
+//! A primary lost for good is replaced by a backup that was in sync, every acknowledged write
+//! is read back from it, it acknowledges new ones; the old primary, back, demotes itself and is
+//! attached as a backup; then the new primary is lost too and the set fails over again. A
+//! primary restarted in place is kept.
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use dinomo_monitor::dpm_replicas::{
+    Alone, DpmReplicasConfig, MemberConfig, Outcome, PrimaryPointer, Watcher,
+};
+use dinomo_proto::dpm::dpm_service_client::DpmServiceClient;
+use dinomo_proto::dpm::replica_service_client::ReplicaServiceClient;
+use dinomo_proto::dpm::{
+    GetMetadataRequest, PutMetadataRequest, ReplicaStatusRequest, ReplicaStatusResponse,
+};
+
+use super::cluster::{free_port_base, INSECURE};
+
+/// A node run as a pod: started again after it exits unless held.
+struct Pod {
+    name: String,
+    grpc: String,
+    held: Arc<AtomicBool>,
+    stop: Arc<AtomicBool>,
+    pid: Arc<AtomicU32>,
+    starts: Arc<AtomicU32>,
+    kubelet: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Pod {
+    fn start(name: &str, dir: &Path, grpc: u16, fabric: u16, extra: &[String]) -> Pod {
+        let pool = dir.join(format!("{name}.pool"));
+        let log = dir.join(format!("{name}.log"));
+        let mut args: Vec<String> = [
+            "dpm-node",
+            "--config",
+            dir.join("dpm-node.toml").to_str().unwrap(),
+            "--pool",
+            pool.to_str().unwrap(),
+            "--pool-size",
+            "128MiB",
+            "--fabric",
+            "tcp",
+            "--metrics-listen",
+            "",
+        ]
+        .map(String::from)
+        .to_vec();
+        args.extend([
+            "--listen".into(),
+            format!("127.0.0.1:{grpc}"),
+            "--fabric-listen".into(),
+            format!("127.0.0.1:{fabric}"),
+        ]);
+        args.extend_from_slice(extra);
+        let (held, stop) = (
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicBool::new(false)),
+        );
+        let (pid, starts) = (Arc::new(AtomicU32::new(0)), Arc::new(AtomicU32::new(0)));
+        let kubelet = {
+            let (held, stop, pid, starts) =
+                (held.clone(), stop.clone(), pid.clone(), starts.clone());
+            std::thread::spawn(move || kubelet(args, log, held, stop, pid, starts))
+        };
+        Pod {
+            name: name.into(),
+            grpc: format!("127.0.0.1:{grpc}"),
+            held,
+            stop,
+            pid,
+            starts,
+            kubelet: Some(kubelet),
+        }
+    }
+
+    /// SIGKILL; with `hold`, not started again until [`Pod::release`] (its machine is lost).
+    fn kill(&self, hold: bool) {
+        self.held.store(hold, Ordering::SeqCst);
+        let pid = self.pid.load(Ordering::SeqCst);
+        if pid != 0 {
+            // SAFETY: signalling a child this test started.
+            unsafe { libc::kill(pid as i32, libc::SIGKILL) };
+        }
+    }
+
+    fn release(&self) {
+        self.held.store(false, Ordering::SeqCst);
+    }
+
+    fn log(&self, dir: &Path) -> String {
+        std::fs::read_to_string(dir.join(format!("{}.log", self.name))).unwrap_or_default()
+    }
+}
+
+impl Drop for Pod {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        self.kill(true);
+        if let Some(k) = self.kubelet.take() {
+            let _ = k.join();
+        }
+    }
+}
+
+fn kubelet(
+    args: Vec<String>,
+    log: PathBuf,
+    held: Arc<AtomicBool>,
+    stop: Arc<AtomicBool>,
+    pid: Arc<AtomicU32>,
+    starts: Arc<AtomicU32>,
+) {
+    while !stop.load(Ordering::SeqCst) {
+        if held.load(Ordering::SeqCst) {
+            std::thread::sleep(Duration::from_millis(20));
+            continue;
+        }
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .unwrap();
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_dinomo"))
+            .args(&args)
+            .env(INSECURE.0, INSECURE.1)
+            .env("DINOMO_LOG", "info")
+            .env("DINOMO_DPM_PREFAULT", "false")
+            .stdout(out.try_clone().unwrap())
+            .stderr(out)
+            .spawn()
+            .expect("starting dinomo dpm-node");
+        pid.store(child.id(), Ordering::SeqCst);
+        starts.fetch_add(1, Ordering::SeqCst);
+        // Poll, so that stop is seen while the node runs.
+        loop {
+            if let Ok(Some(_)) = child.try_wait() {
+                break;
+            }
+            if stop.load(Ordering::SeqCst) {
+                let _ = child.kill();
+                let _ = child.wait();
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        pid.store(0, Ordering::SeqCst);
+        // CrashLoopBackOff's first delays are longer; short here to keep the test short.
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}
+
+/// Records where the watcher points the clients.
+#[derive(Clone, Default)]
+struct Recorder(Arc<Mutex<Vec<usize>>>);
+
+#[async_trait]
+impl PrimaryPointer for Recorder {
+    async fn point_at(&self, _: &[MemberConfig], to: usize) -> anyhow::Result<()> {
+        self.0.lock().unwrap().push(to);
+        Ok(())
+    }
+}
+
+impl Recorder {
+    fn last(&self) -> Option<usize> {
+        self.0.lock().unwrap().last().copied()
+    }
+}
+
+async fn status(addr: &str) -> Option<ReplicaStatusResponse> {
+    let mut c = ReplicaServiceClient::connect(format!("http://{addr}"))
+        .await
+        .ok()?;
+    Some(c.status(ReplicaStatusRequest {}).await.ok()?.into_inner())
+}
+
+async fn put(addr: &str, name: &str) -> Result<(), String> {
+    let mut c = DpmServiceClient::connect(format!("http://{addr}"))
+        .await
+        .map_err(|e| e.to_string())?;
+    tokio::time::timeout(
+        Duration::from_secs(5),
+        c.put_metadata(PutMetadataRequest {
+            name: name.into(),
+            value: Some(name.as_bytes().to_vec()),
+        }),
+    )
+    .await
+    .map_err(|_| "no answer within 5 s".to_string())?
+    .map(|_| ())
+    .map_err(|s| s.message().to_string())
+}
+
+async fn get(addr: &str, name: &str) -> Option<Vec<u8>> {
+    let mut c = DpmServiceClient::connect(format!("http://{addr}"))
+        .await
+        .ok()?;
+    c.get_metadata(GetMetadataRequest { name: name.into() })
+        .await
+        .ok()?
+        .into_inner()
+        .value
+}
+
+/// Runs watcher rounds until `done` says so (or panics after `limit`, with the pods' logs).
+async fn rounds_until(
+    watcher: &mut Watcher,
+    pods: &[&Pod],
+    dir: &Path,
+    limit: Duration,
+    what: &str,
+    mut done: impl FnMut(&Outcome) -> bool,
+) -> Outcome {
+    let started = Instant::now();
+    loop {
+        let o = watcher.round().await;
+        if done(&o) {
+            return o;
+        }
+        if started.elapsed() > limit {
+            fail(
+                pods,
+                dir,
+                &format!("{what}: not within {limit:?}; last round {o:?}"),
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// Writes `n` keys named `prefix-i` through `primary`, each acknowledged (retrying while the
+/// primary is not ready to acknowledge yet: no backup in sync).
+async fn write_keys(primary: &str, prefix: &str, n: u32) -> Vec<String> {
+    let mut keys = Vec::new();
+    for i in 0..n {
+        let key = format!("dinomo-test/{prefix}-{i}");
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while let Err(e) = put(primary, &key).await {
+            assert!(Instant::now() < deadline, "writing {key} to {primary}: {e}");
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        keys.push(key);
+    }
+    keys
+}
+
+async fn assert_all_read(primary: &str, keys: &[String]) {
+    for k in keys {
+        assert_eq!(
+            get(primary, k).await.as_deref(),
+            Some(k.as_bytes()),
+            "{k}, acknowledged before the failover, is missing at {primary}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_monitor_fails_the_dpm_primary_over_twice_and_keeps_every_write() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    std::fs::write(
+        d.join("dpm-node.toml"),
+        "replica_ack_timeout_ms = 2000\nreattach_failed_backups = true\n",
+    )
+    .unwrap();
+    let base = free_port_base(&[0, 1, 2, 3, 4, 5]);
+    let addr = |i: u16| format!("127.0.0.1:{}", base + 2 * i);
+    let backup = ["--role".to_string(), "backup".to_string()];
+    let b1 = Pod::start("b1", d, base + 2, base + 3, &backup);
+    let b2 = Pod::start("b2", d, base + 4, base + 5, &backup);
+    let p = Pod::start(
+        "p",
+        d,
+        base,
+        base + 1,
+        &["--backup".into(), addr(1), "--backup".into(), addr(2)],
+    );
+    let pods = [&p, &b1, &b2];
+    let cfg = DpmReplicasConfig {
+        members: pods
+            .iter()
+            .map(|p| MemberConfig {
+                address: p.grpc.clone(),
+                pod: p.name.clone(),
+            })
+            .collect(),
+        check_every_ms: 100,
+        failover_after_ms: 1500,
+        ..DpmReplicasConfig::default()
+    };
+    cfg.validate(true).unwrap();
+    let pointer = Recorder::default();
+    let mut watcher = Watcher::new(cfg, Box::new(Alone), Box::new(pointer.clone()));
+
+    // The primary serves with its backups in sync: the clients are pointed at it.
+    rounds_until(
+        &mut watcher,
+        &pods,
+        d,
+        Duration::from_secs(60),
+        "p serving",
+        |o| *o == Outcome::Serving { primary: 0 },
+    )
+    .await;
+    assert_eq!(pointer.last(), Some(0));
+    let mut keys = write_keys(&p.grpc, "before", 20).await;
+
+    // Restarted in place (its pool intact): kept, not failed over.
+    p.kill(false);
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let o = watcher.round().await;
+        let in_sync = status(&p.grpc).await.map_or(0, |s| {
+            s.backups.iter().filter(|b| b.state == "in-sync").count()
+        });
+        if p.starts.load(Ordering::SeqCst) == 2 && in_sync == 2 {
+            assert_eq!(o, Outcome::Serving { primary: 0 });
+            break;
+        }
+        assert!(
+            !matches!(o, Outcome::Promoted { .. }),
+            "p restarted in place was failed over"
+        );
+        if Instant::now() > deadline {
+            fail(&pods, d, "p restarted in place with its backups in sync");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        pointer.0.lock().unwrap().clone(),
+        vec![0],
+        "p restarted in place was failed over"
+    );
+    keys.extend(write_keys(&p.grpc, "after-restart", 10).await);
+
+    // Its machine is lost: a backup that was in sync is promoted and pointed at.
+    let killed = Instant::now();
+    p.kill(true);
+    let o = rounds_until(
+        &mut watcher,
+        &pods,
+        d,
+        Duration::from_secs(30),
+        "a promotion",
+        |o| matches!(o, Outcome::Promoted { .. }),
+    )
+    .await;
+    let Outcome::Promoted { member: first } = o else {
+        unreachable!()
+    };
+    assert!(first == 1 || first == 2, "{o:?}");
+    let new_primary = pods[first].grpc.clone();
+    rounds_until(
+        &mut watcher,
+        &pods,
+        d,
+        Duration::from_secs(60),
+        "the promoted one serving",
+        |o| *o == Outcome::Serving { primary: first },
+    )
+    .await;
+    let promoted_serving = killed.elapsed();
+    assert_eq!(pointer.last(), Some(first));
+    assert_all_read(&new_primary, &keys).await;
+    keys.extend(write_keys(&new_primary, "after-failover-1-first", 1).await);
+    let first_write = killed.elapsed();
+    keys.extend(write_keys(&new_primary, "after-failover-1", 10).await);
+    println!(
+        "failover 1: {} promoted and serving {} ms after the kill; first write acknowledged \
+         {} ms after the kill",
+        pods[first].name,
+        promoted_serving.as_millis(),
+        first_write.as_millis()
+    );
+
+    // The old primary comes back: it demotes itself (a newer primary holds its backups) and
+    // is attached as a backup of the new one.
+    p.release();
+    let deadline = Instant::now() + Duration::from_secs(90);
+    loop {
+        watcher.round().await;
+        let in_sync = status(&new_primary).await.map_or(0, |s| {
+            s.backups.iter().filter(|b| b.state == "in-sync").count()
+        });
+        let p_role = status(&p.grpc).await.map(|s| s.role);
+        if in_sync == 2 && p_role.as_deref() == Some("backup") {
+            break;
+        }
+        if Instant::now() > deadline {
+            fail(
+                &pods,
+                d,
+                &format!("p a backup of {new_primary} in sync (in sync: {in_sync}, p: {p_role:?})"),
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    println!(
+        "the old primary was started {} times",
+        p.starts.load(Ordering::SeqCst)
+    );
+    // Attached once: the promoted primary reports a named backup it has not reached yet as
+    // "attaching", so the watcher does not add it a second time (which copied it again).
+    let attaches = pods[first]
+        .log(d)
+        .lines()
+        .filter(|l| l.contains("backup added") && l.contains(&format!("backup={}", p.grpc)))
+        .count();
+    assert_eq!(
+        attaches, 1,
+        "{} attached the old primary {attaches} times",
+        pods[first].name
+    );
+
+    // The new primary's machine is lost too: the set fails over again.
+    let killed = Instant::now();
+    pods[first].kill(true);
+    let o = rounds_until(
+        &mut watcher,
+        &pods,
+        d,
+        Duration::from_secs(30),
+        "a second promotion",
+        |o| matches!(o, Outcome::Promoted { .. }),
+    )
+    .await;
+    let Outcome::Promoted { member: second } = o else {
+        unreachable!()
+    };
+    assert_ne!(second, first, "{o:?}");
+    let newest = pods[second].grpc.clone();
+    rounds_until(
+        &mut watcher,
+        &pods,
+        d,
+        Duration::from_secs(60),
+        "the second promoted one serving",
+        |o| *o == Outcome::Serving { primary: second },
+    )
+    .await;
+    assert_eq!(pointer.last(), Some(second));
+    assert_all_read(&newest, &keys).await;
+    keys.extend(write_keys(&newest, "after-failover-2", 10).await);
+    println!(
+        "failover 2: {} serving {} ms after the kill; {} keys read back, pointed at {:?}",
+        pods[second].name,
+        killed.elapsed().as_millis(),
+        keys.len(),
+        pointer.0.lock().unwrap()
+    );
+}
+
+fn fail(pods: &[&Pod], dir: &Path, what: &str) -> ! {
+    let logs: Vec<String> = pods
+        .iter()
+        .map(|p| format!("--- {}:\n{}", p.name, p.log(dir)))
+        .collect();
+    panic!("{what}\n{}", logs.join("\n"));
+}

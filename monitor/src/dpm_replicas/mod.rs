@@ -1,0 +1,517 @@
+//! Automatic failover of the dpm-node replica set (docs/decisions/0007, "Automatic failover"):
+//! the monitor watches every member (primary and backups) with ReplicaService.Status, points
+//! the clients at the serving primary, promotes a backup in place when the primary dies, and
+//! adds members that answer as backups but are missing from the primary's set (the old primary
+//! comes back that way once it has demoted itself).
+//!
+//! - What it decides is [`plan::plan`], a pure function; this module asks the members and does
+//!   what the plan says. A round asks every member at once, each call bounded by
+//!   `status_timeout_ms`.
+//! - Only the leading monitor acts ([`Leadership`]: the Kubernetes Lease); standbys watch too,
+//!   so one that takes over a dead leader's Lease already holds the observation a failover
+//!   needs. Leadership comes from the platform, not from the DPM (the DPM is what failed).
+//! - How clients follow the primary is the platform's ([`PrimaryPointer`]): on Kubernetes the
+//!   chart's primary Service selects the pod this watcher labels
+//!   ([`pod_labels::PodLabels`]); elsewhere the clients must reach the primary by a name that
+//!   follows it ([`Unpointed`] only logs).
+//! - It starts before the monitor's bootstrap: on Kubernetes the KNs and the monitor reach the
+//!   DPM through that Service, which selects nothing until the first primary is labelled.
+
+pub mod plan;
+pub mod pod_labels;
+
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use dinomo_proto::dpm::replica_service_client::ReplicaServiceClient;
+use dinomo_proto::dpm::{BackupRequest, PromoteRequest, ReplicaStatusRequest};
+use serde::Deserialize;
+
+use dinomo_node_common::config::{invalid, ConfigError};
+use plan::{MemberStatus, Memory, Plan, Role, Seen};
+
+/// `[dpm_replicas]`: the dpm-node replica set this monitor fails over. Off when `members` is
+/// empty (the default: `dinomo up` fails over its local set itself).
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct DpmReplicasConfig {
+    /// Every member, primary and backups, in any order: its ReplicaService address, exactly as
+    /// the primary names its backups (`--backup`), and on Kubernetes its pod.
+    pub members: Vec<MemberConfig>,
+    /// How often every member is asked for its status.
+    pub check_every_ms: u64,
+    /// How long the serving primary may fail to answer as a primary before a backup is
+    /// promoted. A primary restarted in place on its pool within this time is kept.
+    pub failover_after_ms: u64,
+    /// Deadline of one Status call.
+    pub status_timeout_ms: u64,
+    /// Kubernetes: the pod label (value "true") the primary Service selects.
+    pub primary_label: String,
+}
+
+/// One member of `[dpm_replicas]`.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MemberConfig {
+    /// gRPC address (host:port).
+    pub address: String,
+    /// Kubernetes pod name (needed with the kubernetes orchestrator).
+    #[serde(default)]
+    pub pod: String,
+}
+
+impl Default for DpmReplicasConfig {
+    fn default() -> Self {
+        Self {
+            members: Vec::new(),
+            check_every_ms: 500,
+            failover_after_ms: 3000,
+            status_timeout_ms: 1000,
+            primary_label: "dinomo.io/dpm-primary".into(),
+        }
+    }
+}
+
+impl DpmReplicasConfig {
+    pub fn enabled(&self) -> bool {
+        !self.members.is_empty()
+    }
+
+    pub fn check_every(&self) -> Duration {
+        Duration::from_millis(self.check_every_ms)
+    }
+
+    pub fn failover_after(&self) -> Duration {
+        Duration::from_millis(self.failover_after_ms)
+    }
+
+    pub fn status_timeout(&self) -> Duration {
+        Duration::from_millis(self.status_timeout_ms)
+    }
+
+    /// Checks the section; `pods` says whether every member must name its pod.
+    pub fn validate(&self, pods: bool) -> Result<(), ConfigError> {
+        if !self.enabled() {
+            return Ok(());
+        }
+        if self.members.len() < 2 {
+            return Err(invalid(
+                "dpm_replicas.members",
+                "a replica set has a primary and at least one backup: name them all, or none \
+                 (off)"
+                    .to_string(),
+            ));
+        }
+        for (i, m) in self.members.iter().enumerate() {
+            if m.address.trim().is_empty() {
+                return Err(invalid(
+                    "dpm_replicas.members",
+                    format!("member {i} has no address"),
+                ));
+            }
+            if self.members[..i].iter().any(|o| o.address == m.address) {
+                return Err(invalid(
+                    "dpm_replicas.members",
+                    format!("{} is named twice", m.address),
+                ));
+            }
+            if pods && m.pod.trim().is_empty() {
+                return Err(invalid(
+                    "dpm_replicas.members",
+                    format!(
+                        "{} names no pod: with the kubernetes orchestrator the primary \
+                         Service follows the pod the monitor labels",
+                        m.address
+                    ),
+                ));
+            }
+        }
+        for (field, v) in [
+            ("dpm_replicas.check_every_ms", self.check_every_ms),
+            ("dpm_replicas.status_timeout_ms", self.status_timeout_ms),
+        ] {
+            if v == 0 {
+                return Err(invalid(field, "must be above 0".to_string()));
+            }
+        }
+        if self.failover_after_ms <= self.check_every_ms {
+            return Err(invalid(
+                "dpm_replicas.failover_after_ms",
+                format!(
+                    "{} must be above dpm_replicas.check_every_ms ({}): a primary must miss \
+                     more than one check before a backup replaces it",
+                    self.failover_after_ms, self.check_every_ms
+                ),
+            ));
+        }
+        if self.primary_label.trim().is_empty() {
+            return Err(invalid(
+                "dpm_replicas.primary_label",
+                "must not be empty".to_string(),
+            ));
+        }
+        Ok(())
+    }
+}
+
+/// Whether this monitor may act now.
+#[async_trait]
+pub trait Leadership: Send + Sync {
+    async fn leads(&self) -> bool;
+}
+
+/// A monitor that always leads (the only one).
+#[derive(Debug)]
+pub struct Alone;
+
+#[async_trait]
+impl Leadership for Alone {
+    async fn leads(&self) -> bool {
+        true
+    }
+}
+
+/// Leadership as the orchestrator tells it (the Lease on Kubernetes).
+#[derive(Debug)]
+pub struct ByOrchestrator(pub std::sync::Arc<dyn crate::orchestrator::Orchestrator>);
+
+#[async_trait]
+impl Leadership for ByOrchestrator {
+    async fn leads(&self) -> bool {
+        match self.0.is_leader().await {
+            Ok(leads) => leads,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot tell whether this monitor leads; not acting on the dpm replica set");
+                false
+            }
+        }
+    }
+}
+
+/// How clients are pointed at the primary.
+#[async_trait]
+pub trait PrimaryPointer: Send + Sync {
+    /// Makes clients reach `members[to]` as the primary (and no other member).
+    async fn point_at(&self, members: &[MemberConfig], to: usize) -> anyhow::Result<()>;
+}
+
+/// No pointer: the clients reach the primary by a name that follows it (a virtual IP, DNS
+/// an operator changes). Says which member to reach.
+#[derive(Debug)]
+pub struct Unpointed;
+
+#[async_trait]
+impl PrimaryPointer for Unpointed {
+    async fn point_at(&self, members: &[MemberConfig], to: usize) -> anyhow::Result<()> {
+        tracing::warn!(
+            primary = %members[to].address,
+            "the dpm replica set's primary is {}: clients must reach it (this platform does not \
+             point them)",
+            members[to].address
+        );
+        Ok(())
+    }
+}
+
+/// The watcher: one [`Watcher::round`] per `check_every_ms`.
+pub struct Watcher {
+    cfg: DpmReplicasConfig,
+    addresses: Vec<String>,
+    leadership: Box<dyn Leadership>,
+    pointer: Box<dyn PrimaryPointer>,
+    memory: Memory,
+    led: bool,
+    /// The AddBackup call per member, running or done, and when it was started: a member is
+    /// added again only once the last call ended and [`ADD_RETRY`] passed (a second AddBackup
+    /// of a backup being attached would start its copy again).
+    adding: Vec<Option<(tokio::task::JoinHandle<()>, Instant)>>,
+    /// A promotion waiting to answer as the primary: (member, when the primary was last
+    /// seen serving + its down time, when Promote was answered).
+    promoting: Option<(usize, Instant, Instant)>,
+    /// The last wait or stuck message, so each is logged once.
+    said: String,
+}
+
+/// What a round did (for tests and logs).
+#[derive(Debug, Clone, PartialEq)]
+pub enum Outcome {
+    /// Not leading: watched only.
+    Standby,
+    Serving {
+        primary: usize,
+    },
+    Waiting(String),
+    Promoted {
+        member: usize,
+    },
+    Stuck(String),
+    /// A call the plan needed failed; retried next round.
+    Failed(String),
+}
+
+impl std::fmt::Debug for Watcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Watcher")
+            .field("members", &self.addresses)
+            .field("memory", &self.memory)
+            .field("led", &self.led)
+            .finish_non_exhaustive()
+    }
+}
+
+const ADD_RETRY: Duration = Duration::from_secs(10);
+
+impl Watcher {
+    pub fn new(
+        cfg: DpmReplicasConfig,
+        leadership: Box<dyn Leadership>,
+        pointer: Box<dyn PrimaryPointer>,
+    ) -> Self {
+        let addresses: Vec<String> = cfg.members.iter().map(|m| m.address.clone()).collect();
+        Self {
+            adding: addresses.iter().map(|_| None).collect(),
+            addresses,
+            cfg,
+            leadership,
+            pointer,
+            memory: Memory::default(),
+            led: false,
+            promoting: None,
+            said: String::new(),
+        }
+    }
+
+    /// Runs rounds until the task is dropped.
+    pub async fn run(mut self) {
+        tracing::info!(
+            members = ?self.addresses,
+            failover_after_ms = self.cfg.failover_after_ms,
+            "watching the dpm replica set"
+        );
+        loop {
+            self.round().await;
+            tokio::time::sleep(self.cfg.check_every()).await;
+        }
+    }
+
+    /// Asks every member, then does what [`plan::plan`] says if this monitor leads.
+    pub async fn round(&mut self) -> Outcome {
+        let timeout = self.cfg.status_timeout();
+        let seen: Vec<Seen> =
+            futures::future::join_all(self.addresses.iter().map(|a| status(a, timeout))).await;
+        let leads = self.leadership.leads().await;
+        if leads != self.led {
+            // Whoever led meanwhile may have pointed elsewhere: point again.
+            self.memory.pointed = None;
+            self.led = leads;
+        }
+        let plan = plan::plan(
+            &self.addresses,
+            &seen,
+            &mut self.memory,
+            Instant::now(),
+            self.cfg.failover_after(),
+        );
+        if !leads {
+            return Outcome::Standby;
+        }
+        match plan {
+            Plan::Serving {
+                primary,
+                point,
+                add,
+            } => self.serving(primary, point, add).await,
+            Plan::Wait(why) => {
+                self.say(&why, false);
+                Outcome::Waiting(why)
+            }
+            Plan::Stuck(why) => {
+                self.say(&why, true);
+                metrics::gauge!("dinomo_monitor_dpm_failover_stuck").set(1.0);
+                Outcome::Stuck(why)
+            }
+            Plan::Promote {
+                member,
+                others,
+                min_term,
+                down_for,
+            } => self.promote(member, others, min_term, down_for).await,
+        }
+    }
+
+    fn say(&mut self, what: &str, error: bool) {
+        if self.said != what {
+            if error {
+                tracing::error!("dpm replica set: {what}");
+            } else {
+                tracing::info!("dpm replica set: {what}");
+            }
+            self.said = what.to_string();
+        }
+    }
+
+    async fn serving(&mut self, primary: usize, point: bool, add: Vec<usize>) -> Outcome {
+        metrics::gauge!("dinomo_monitor_dpm_failover_stuck").set(0.0);
+        if let Some((member, detected, promoted)) = self.promoting {
+            if member == primary {
+                let ms = detected.elapsed().as_millis() as u64;
+                tracing::info!(
+                    primary = %self.addresses[primary],
+                    failover_ms = ms,
+                    since_promote_ms = promoted.elapsed().as_millis() as u64,
+                    "failover done: the promoted backup answers as the primary"
+                );
+                metrics::gauge!("dinomo_monitor_dpm_failover_ms").set(ms as f64);
+            }
+            self.promoting = None;
+        }
+        if point {
+            if let Err(e) = self.pointer.point_at(&self.cfg.members, primary).await {
+                let why = format!(
+                    "pointing clients at the primary {}: {e:#}",
+                    self.addresses[primary]
+                );
+                tracing::warn!("{why}; retrying");
+                return Outcome::Failed(why);
+            }
+            tracing::info!(primary = %self.addresses[primary], "clients pointed at the dpm primary");
+            self.memory.pointed = Some(primary);
+        }
+        self.say(
+            &format!("{} serves as the primary", self.addresses[primary]),
+            false,
+        );
+        for m in add {
+            if let Some((call, started)) = &self.adding[m] {
+                if !call.is_finished() || started.elapsed() < ADD_RETRY {
+                    continue;
+                }
+            }
+            let (p, b) = (self.addresses[primary].clone(), self.addresses[m].clone());
+            // Its own task: an attach digests the backup's whole pool first, and the rounds
+            // must go on meanwhile.
+            let call = tokio::spawn(async move {
+                match add_backup(&p, &b).await {
+                    Ok(()) => {
+                        tracing::info!(primary = %p, backup = %b, "added a member that answered as a backup to the primary's set")
+                    }
+                    Err(e) => {
+                        tracing::warn!(primary = %p, backup = %b, error = %format!("{e:#}"), "adding a backup failed; retrying")
+                    }
+                }
+            });
+            self.adding[m] = Some((call, Instant::now()));
+        }
+        Outcome::Serving { primary }
+    }
+
+    async fn promote(
+        &mut self,
+        member: usize,
+        others: Vec<usize>,
+        min_term: u64,
+        down_for: Duration,
+    ) -> Outcome {
+        let target = self.addresses[member].clone();
+        let backups: Vec<String> = others.iter().map(|&m| self.addresses[m].clone()).collect();
+        tracing::warn!(
+            backup = %target,
+            down_ms = down_for.as_millis() as u64,
+            min_term,
+            others = ?backups,
+            "the dpm primary is down: promoting a backup that was in sync"
+        );
+        match promote(&target, backups, min_term).await {
+            Ok(()) => {
+                metrics::counter!("dinomo_monitor_dpm_failovers_total").increment(1);
+                let now = Instant::now();
+                self.promoting = Some((member, now - down_for, now));
+                self.memory.serving = None;
+                self.memory.down_since = None;
+                // Point at once: the clients' next connection finds the new primary as soon
+                // as it serves (it recovers the pool first).
+                self.memory.pointed = Some(member);
+                if let Err(e) = self.pointer.point_at(&self.cfg.members, member).await {
+                    self.memory.pointed = None;
+                    tracing::warn!(error = %format!("{e:#}"), "pointing clients at the promoted primary; retrying");
+                }
+                Outcome::Promoted { member }
+            }
+            Err(e) => {
+                let why = format!("promoting {target}: {e:#}");
+                tracing::error!("{why}; deciding again next round");
+                Outcome::Failed(why)
+            }
+        }
+    }
+}
+
+/// A ReplicaService client for `addr`, as this process's identity.
+async fn replica_client(
+    addr: &str,
+    timeout: Duration,
+) -> anyhow::Result<ReplicaServiceClient<tonic::transport::Channel>> {
+    let ch = dinomo_security::Security::of_process()
+        .endpoint(addr, dinomo_security::Service::Dpm)?
+        .connect_timeout(timeout.min(Duration::from_millis(500)))
+        .timeout(timeout)
+        .connect()
+        .await?;
+    Ok(ReplicaServiceClient::new(ch))
+}
+
+/// `addr`'s ReplicaService.Status, as [`plan`] reads it.
+async fn status(addr: &str, timeout: Duration) -> Seen {
+    let ask = async {
+        let s = replica_client(addr, timeout)
+            .await?
+            .status(ReplicaStatusRequest {})
+            .await?
+            .into_inner();
+        let role = match s.role.as_str() {
+            "primary" => Role::Primary,
+            "backup" => Role::Backup,
+            other => anyhow::bail!("answers with an unknown role {other:?}"),
+        };
+        Ok(MemberStatus {
+            role,
+            term: s.term,
+            generation: s.generation,
+            copy_complete: s.copy_state == "complete",
+            copy_term: s.copy_term,
+            backups: s
+                .backups
+                .into_iter()
+                .map(|b| (b.address, b.state))
+                .collect(),
+        })
+    };
+    match tokio::time::timeout(timeout, ask).await {
+        Ok(r) => r.map_err(|e: anyhow::Error| format!("{e:#}")),
+        Err(_) => Err(format!("no answer within {} ms", timeout.as_millis())),
+    }
+}
+
+async fn add_backup(primary: &str, backup: &str) -> anyhow::Result<()> {
+    // An attach digests the backup's whole pool first (the CLI allows as long).
+    replica_client(primary, Duration::from_secs(120))
+        .await?
+        .add_backup(BackupRequest {
+            address: backup.to_string(),
+        })
+        .await
+        .map_err(|s| anyhow::anyhow!("{}", s.message()))?;
+    Ok(())
+}
+
+async fn promote(backup: &str, others: Vec<String>, min_term: u64) -> anyhow::Result<()> {
+    replica_client(backup, Duration::from_secs(30))
+        .await?
+        .promote(PromoteRequest {
+            backups: others,
+            min_term,
+        })
+        .await
+        .map_err(|s| anyhow::anyhow!("{}", s.message()))?;
+    Ok(())
+}

@@ -1,0 +1,500 @@
+//! What the replica-set watcher does next: a pure function of what each member answered this
+//! round and of what the watcher remembers ([`Memory`]), so every rule below is tested without
+//! processes or clocks.
+//!
+//! The rules (docs/decisions/0007, "Automatic failover"):
+//! - **The serving primary** is a member answering as a primary with at least one backup
+//!   in sync (the newest term among several). A primary is reported with a backup in sync only
+//!   once that backup accepted its term and recorded its copy complete, which a deposed or
+//!   stale primary cannot get; so a restarted old primary that still answers "primary" before
+//!   it demotes itself is never taken for the serving one. The member this watcher promoted
+//!   itself counts as serving as soon as it answers as a primary (its backups are copied
+//!   meanwhile; it acknowledges nothing before one is in sync).
+//! - **A failover** needs an observation of the serving primary: which backups were in sync
+//!   with it, under which term and generation. It happens once that primary has stopped
+//!   answering as a primary for `failover_after`, and promotes a backup that was in sync at
+//!   that observation and still answers with a complete copy of that term, of the newest
+//!   generation among those. A backup in sync held every acknowledged write (barriers wait for
+//!   it; a failed one blocks every acknowledgement until it is removed, which raises the
+//!   generation, or copied again, which makes its copy incomplete). Any other complete copy may
+//!   be older, so without such an observation (this monitor started after the primary died, or
+//!   the primary was restarting) nothing is promoted: an operator decides.
+//! - A primary that answers again as a primary (restarted in place on its pool, the common
+//!   case on Kubernetes) is not failed over; its old observation is dropped, because its
+//!   restart copies its backups anew.
+//! - Members answering as backups that the serving primary does not list are to be added to
+//!   it (the old primary, demoted after a failover, comes back that way).
+
+use std::time::{Duration, Instant};
+
+/// A member's role as it answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    Primary,
+    Backup,
+}
+
+/// What one member answered to ReplicaService.Status.
+#[derive(Debug, Clone, PartialEq)]
+pub struct MemberStatus {
+    pub role: Role,
+    pub term: u64,
+    pub generation: u64,
+    /// A backup's copy marker says complete.
+    pub copy_complete: bool,
+    /// The term of the primary that made the backup's copy.
+    pub copy_term: u64,
+    /// On a primary: its backups, (address, state).
+    pub backups: Vec<(String, String)>,
+}
+
+/// A member's answer this round, or why there was none.
+pub type Seen = Result<MemberStatus, String>;
+
+/// The serving primary as last observed.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Serving {
+    pub member: usize,
+    pub term: u64,
+    pub generation: u64,
+    /// Members it reported in sync.
+    pub in_sync: Vec<usize>,
+}
+
+/// What the watcher carries from one round to the next.
+#[derive(Debug, Default)]
+pub struct Memory {
+    /// The member clients were last pointed at by this watcher (`None`: not known, so point
+    /// again).
+    pub pointed: Option<usize>,
+    /// The last observation of a serving primary with backups in sync.
+    pub serving: Option<Serving>,
+    /// Since when that primary has not answered as a primary.
+    pub down_since: Option<Instant>,
+}
+
+/// The next step.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Plan {
+    /// `primary` serves; point clients at it if `point`, and add `add` as its backups.
+    Serving {
+        primary: usize,
+        point: bool,
+        add: Vec<usize>,
+    },
+    /// Nothing to do yet, and why.
+    Wait(String),
+    /// Promote `member`, replicating to `others`, after a term no older than `min_term`.
+    Promote {
+        member: usize,
+        others: Vec<usize>,
+        min_term: u64,
+        down_for: Duration,
+    },
+    /// The primary is gone and no backup can be promoted safely: an operator must decide.
+    Stuck(String),
+}
+
+/// Members `status` reports in sync, by index into `members`.
+fn in_sync(members: &[String], status: &MemberStatus) -> Vec<usize> {
+    status
+        .backups
+        .iter()
+        .filter(|(_, state)| state == "in-sync")
+        .filter_map(|(addr, _)| members.iter().position(|m| m == addr))
+        .collect()
+}
+
+fn primary(seen: &Seen) -> Option<&MemberStatus> {
+    seen.as_ref().ok().filter(|s| s.role == Role::Primary)
+}
+
+/// How a member that is not serving as the primary answered, for messages.
+fn how(seen: &Seen) -> String {
+    match seen {
+        Ok(s) if s.role == Role::Backup => "answers as a backup".into(),
+        Ok(s) => format!(
+            "answers as a primary of term {} with no backup in sync",
+            s.term
+        ),
+        Err(e) => format!("does not answer ({e})"),
+    }
+}
+
+/// The next step, given each member's answer (`seen[i]` is `members[i]`'s).
+pub fn plan(
+    members: &[String],
+    seen: &[Seen],
+    mem: &mut Memory,
+    now: Instant,
+    failover_after: Duration,
+) -> Plan {
+    debug_assert_eq!(members.len(), seen.len());
+    let with_backups = (0..members.len())
+        .filter_map(|i| primary(&seen[i]).map(|s| (i, s, in_sync(members, s))))
+        .filter(|(_, _, synced)| !synced.is_empty())
+        .max_by_key(|(i, s, _)| (s.term, std::cmp::Reverse(*i)));
+    let promoted = mem
+        .pointed
+        .and_then(|p| primary(&seen[p]).map(|s| (p, s, Vec::new())));
+    if let Some((p, status, synced)) = with_backups.or(promoted) {
+        mem.down_since = None;
+        mem.serving = (!synced.is_empty()).then_some(Serving {
+            member: p,
+            term: status.term,
+            generation: status.generation,
+            in_sync: synced,
+        });
+        let listed = |m: usize| status.backups.iter().any(|(a, _)| *a == members[m]);
+        let add = (0..members.len())
+            .filter(|&m| m != p && !listed(m))
+            .filter(|&m| matches!(&seen[m], Ok(s) if s.role == Role::Backup))
+            .collect();
+        return Plan::Serving {
+            primary: p,
+            point: mem.pointed != Some(p),
+            add,
+        };
+    }
+    let Some(last) = mem.serving.clone() else {
+        mem.down_since = None;
+        return Plan::Wait(
+            "no member serves as the primary with a backup in sync, and none was seen serving \
+             since this monitor started watching: nothing to fail over from"
+                .into(),
+        );
+    };
+    if primary(&seen[last.member]).is_some() {
+        // Started again on its pool: it copies its backups anew, so what was in sync no
+        // longer is.
+        mem.serving = None;
+        mem.down_since = None;
+        return Plan::Wait(format!(
+            "primary {} {}: it restarted and is attaching its backups",
+            members[last.member],
+            how(&seen[last.member])
+        ));
+    }
+    let down_for = now.duration_since(*mem.down_since.get_or_insert(now));
+    let why = how(&seen[last.member]);
+    if down_for < failover_after {
+        return Plan::Wait(format!(
+            "primary {} {why} for {} ms; failing over after {} ms",
+            members[last.member],
+            down_for.as_millis(),
+            failover_after.as_millis()
+        ));
+    }
+    let candidate = last
+        .in_sync
+        .iter()
+        .copied()
+        .filter_map(|m| seen[m].as_ref().ok().map(|s| (m, s)))
+        .filter(|(_, s)| {
+            s.role == Role::Backup
+                && s.copy_complete
+                && s.copy_term == last.term
+                && s.generation >= last.generation
+        })
+        .max_by_key(|(m, s)| (s.generation, std::cmp::Reverse(*m)));
+    let Some((member, _)) = candidate else {
+        let names: Vec<&str> = last.in_sync.iter().map(|&m| members[m].as_str()).collect();
+        return Plan::Stuck(format!(
+            "primary {} {why} for {} ms, and none of the backups in sync when it last served \
+             ({}) answers with a complete copy of its term {}: not promoting (any other copy may \
+             lack acknowledged writes). Bring the primary back, or promote a backup by hand \
+             (helm/README.md, \"Backups\")",
+            members[last.member],
+            down_for.as_millis(),
+            names.join(", "),
+            last.term
+        ));
+    };
+    let min_term = seen
+        .iter()
+        .filter_map(|s| s.as_ref().ok().map(|s| s.term))
+        .fold(last.term, u64::max);
+    Plan::Promote {
+        member,
+        others: (0..members.len()).filter(|&m| m != member).collect(),
+        min_term,
+        down_for,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const AFTER: Duration = Duration::from_secs(3);
+
+    fn members() -> Vec<String> {
+        ["p:1", "b1:1", "b2:1"].map(String::from).to_vec()
+    }
+
+    fn primary_of(term: u64, backups: &[(&str, &str)]) -> Seen {
+        Ok(MemberStatus {
+            role: Role::Primary,
+            term,
+            generation: 0,
+            copy_complete: false,
+            copy_term: 0,
+            backups: backups
+                .iter()
+                .map(|(a, s)| (a.to_string(), s.to_string()))
+                .collect(),
+        })
+    }
+
+    fn backup(term: u64, complete: bool, copy_term: u64, generation: u64) -> Seen {
+        Ok(MemberStatus {
+            role: Role::Backup,
+            term,
+            generation,
+            copy_complete: complete,
+            copy_term,
+            backups: Vec::new(),
+        })
+    }
+
+    fn silent() -> Seen {
+        Err("connection refused".into())
+    }
+
+    /// p serves at term 3 with b1 and b2 in sync; the watcher has pointed at it.
+    fn steady(mem: &mut Memory, now: Instant) {
+        let seen = [
+            primary_of(3, &[("b1:1", "in-sync"), ("b2:1", "in-sync")]),
+            backup(3, true, 3, 0),
+            backup(3, true, 3, 0),
+        ];
+        let p = plan(&members(), &seen, mem, now, AFTER);
+        assert_eq!(
+            p,
+            Plan::Serving {
+                primary: 0,
+                point: true,
+                add: vec![]
+            }
+        );
+        mem.pointed = Some(0);
+    }
+
+    #[test]
+    fn the_serving_primary_is_pointed_at_once() {
+        let mut mem = Memory::default();
+        let now = Instant::now();
+        steady(&mut mem, now);
+        let seen = [
+            primary_of(3, &[("b1:1", "in-sync"), ("b2:1", "syncing")]),
+            backup(3, true, 3, 0),
+            backup(3, false, 3, 0),
+        ];
+        let p = plan(&members(), &seen, &mut mem, now, AFTER);
+        assert_eq!(
+            p,
+            Plan::Serving {
+                primary: 0,
+                point: false,
+                add: vec![]
+            }
+        );
+        assert_eq!(mem.serving.as_ref().unwrap().in_sync, vec![1]);
+    }
+
+    #[test]
+    fn a_primary_without_a_backup_in_sync_is_not_taken_for_the_serving_one() {
+        // At start (copies in progress), or a restarted old primary before it demotes itself.
+        let mut mem = Memory::default();
+        let seen = [
+            primary_of(9, &[("b1:1", "syncing")]),
+            backup(3, true, 3, 0),
+            backup(3, true, 3, 0),
+        ];
+        assert!(matches!(
+            plan(&members(), &seen, &mut mem, Instant::now(), AFTER),
+            Plan::Wait(_)
+        ));
+        // A stale primary of a newer term beside the serving one: the serving one wins.
+        let seen = [
+            primary_of(9, &[("b1:1", "failed")]),
+            primary_of(4, &[("p:1", "failed"), ("b2:1", "in-sync")]),
+            backup(4, true, 4, 0),
+        ];
+        assert!(matches!(
+            plan(&members(), &seen, &mut mem, Instant::now(), AFTER),
+            Plan::Serving { primary: 1, .. }
+        ));
+    }
+
+    #[test]
+    fn a_dead_primary_is_failed_over_to_an_in_sync_backup_after_the_delay() {
+        let mut mem = Memory::default();
+        let t0 = Instant::now();
+        steady(&mut mem, t0);
+        let seen = [silent(), backup(3, true, 3, 0), backup(3, true, 3, 0)];
+        let p = plan(
+            &members(),
+            &seen,
+            &mut mem,
+            t0 + Duration::from_secs(1),
+            AFTER,
+        );
+        assert!(
+            matches!(&p, Plan::Wait(w) if w.contains("does not answer")),
+            "{p:?}"
+        );
+        let p = plan(
+            &members(),
+            &seen,
+            &mut mem,
+            t0 + Duration::from_secs(4),
+            AFTER,
+        );
+        assert_eq!(
+            p,
+            Plan::Promote {
+                member: 1,
+                others: vec![0, 2],
+                min_term: 3,
+                down_for: Duration::from_secs(3),
+            }
+        );
+    }
+
+    #[test]
+    fn only_a_backup_in_sync_at_the_last_observation_is_promoted() {
+        let mut mem = Memory::default();
+        let t0 = Instant::now();
+        let seen = [
+            primary_of(3, &[("b1:1", "failed"), ("b2:1", "in-sync")]),
+            backup(3, true, 3, 0),
+            backup(3, true, 3, 0),
+        ];
+        plan(&members(), &seen, &mut mem, t0, AFTER);
+        let seen = [silent(), backup(3, true, 3, 0), silent()];
+        plan(&members(), &seen, &mut mem, t0, AFTER);
+        // b1 says complete but failed (its copy may be older); b2 is gone: stuck.
+        let p = plan(&members(), &seen, &mut mem, t0 + AFTER, AFTER);
+        assert!(matches!(&p, Plan::Stuck(s) if s.contains("b2:1")), "{p:?}");
+        // b2 answers again, as a backup with its copy: promoted.
+        let seen = [silent(), backup(3, true, 3, 0), backup(3, true, 3, 0)];
+        let p = plan(&members(), &seen, &mut mem, t0 + AFTER, AFTER);
+        assert!(matches!(p, Plan::Promote { member: 2, .. }), "{p:?}");
+    }
+
+    #[test]
+    fn a_copy_of_another_term_or_an_older_generation_is_not_promoted() {
+        let mut mem = Memory::default();
+        let t0 = Instant::now();
+        steady(&mut mem, t0);
+        mem.serving.as_mut().unwrap().generation = 2;
+        let seen = [silent(), backup(3, true, 2, 2), backup(3, true, 3, 1)];
+        plan(&members(), &seen, &mut mem, t0, AFTER);
+        let p = plan(&members(), &seen, &mut mem, t0 + AFTER, AFTER);
+        assert!(matches!(p, Plan::Stuck(_)), "{p:?}");
+        let seen = [silent(), backup(3, false, 3, 2), backup(3, true, 3, 2)];
+        let p = plan(&members(), &seen, &mut mem, t0 + AFTER, AFTER);
+        assert!(matches!(p, Plan::Promote { member: 2, .. }), "{p:?}");
+    }
+
+    #[test]
+    fn the_newest_generation_and_the_newest_term_win() {
+        let mut mem = Memory::default();
+        let t0 = Instant::now();
+        steady(&mut mem, t0);
+        let seen = [silent(), backup(5, true, 3, 0), backup(4, true, 3, 1)];
+        plan(&members(), &seen, &mut mem, t0, AFTER);
+        let p = plan(&members(), &seen, &mut mem, t0 + AFTER, AFTER);
+        assert_eq!(
+            p,
+            Plan::Promote {
+                member: 2,
+                others: vec![0, 1],
+                min_term: 5,
+                down_for: AFTER,
+            }
+        );
+    }
+
+    #[test]
+    fn a_primary_restarted_in_place_is_not_failed_over() {
+        let mut mem = Memory::default();
+        let t0 = Instant::now();
+        steady(&mut mem, t0);
+        mem.pointed = None; // another monitor led meanwhile: not known
+        let seen = [silent(), backup(3, true, 3, 0), backup(3, true, 3, 0)];
+        plan(&members(), &seen, &mut mem, t0, AFTER);
+        let seen = [
+            primary_of(4, &[("b1:1", "syncing"), ("b2:1", "syncing")]),
+            backup(4, false, 4, 0),
+            backup(4, false, 4, 0),
+        ];
+        let p = plan(&members(), &seen, &mut mem, t0 + AFTER, AFTER);
+        assert!(
+            matches!(&p, Plan::Wait(w) if w.contains("restarted")),
+            "{p:?}"
+        );
+        assert_eq!(mem.serving, None);
+        // Killed again before a backup is in sync: its backups' copies are incomplete, and the
+        // old observation is gone: nothing is promoted.
+        let seen = [silent(), backup(4, false, 4, 0), backup(4, false, 4, 0)];
+        let p = plan(&members(), &seen, &mut mem, t0 + 3 * AFTER, AFTER);
+        assert!(matches!(p, Plan::Wait(_)), "{p:?}");
+    }
+
+    #[test]
+    fn the_promoted_member_serves_at_once_and_the_old_primary_is_added_back() {
+        let mut mem = Memory::default();
+        let t0 = Instant::now();
+        steady(&mut mem, t0);
+        mem.pointed = Some(1);
+        mem.serving = None;
+        let seen = [
+            silent(),
+            primary_of(5, &[("b2:1", "syncing")]),
+            backup(5, false, 5, 0),
+        ];
+        let p = plan(&members(), &seen, &mut mem, t0, AFTER);
+        assert_eq!(
+            p,
+            Plan::Serving {
+                primary: 1,
+                point: false,
+                add: vec![]
+            }
+        );
+        // The old primary comes back as a backup (it demoted itself): added.
+        let seen = [
+            backup(5, false, 3, 0),
+            primary_of(5, &[("b2:1", "in-sync")]),
+            backup(5, true, 5, 0),
+        ];
+        let p = plan(&members(), &seen, &mut mem, t0, AFTER);
+        assert_eq!(
+            p,
+            Plan::Serving {
+                primary: 1,
+                point: false,
+                add: vec![0]
+            }
+        );
+    }
+
+    #[test]
+    fn nothing_is_failed_over_without_an_observation() {
+        let mut mem = Memory::default();
+        let t0 = Instant::now();
+        let seen = [silent(), backup(3, true, 3, 0), backup(3, true, 3, 0)];
+        for s in [0, 10, 100] {
+            let p = plan(
+                &members(),
+                &seen,
+                &mut mem,
+                t0 + Duration::from_secs(s),
+                AFTER,
+            );
+            assert!(matches!(p, Plan::Wait(_)), "{p:?}");
+        }
+    }
+}
