@@ -149,10 +149,11 @@ impl Primary {
 
     /// Stops acknowledging for good: another primary has taken over. With `newer_term` (a
     /// replica showed a newer image than this pool's: see [`Primary::newer_primary`]), this
-    /// node also records that it is a backup now (see `backup::RecordedRole`), refusing from
-    /// then on every image older than its own (`backup::demote`), so that started again it
-    /// serves as a backup the new primary can attach without anything this pool acknowledged
-    /// being overwritten by an older image.
+    /// node also records that it is a backup now (see `backup::RecordedRole`), fencing every
+    /// primary up to `newer_term - 1` and refusing from then on every image older than its own
+    /// (`backup::demote`: fence and floor), so that started again it serves as a backup the
+    /// new primary can attach without anything this pool acknowledged being overwritten by an
+    /// older image.
     /// Without (no evidence of a newer image: a backup that only accepted a later term, a
     /// rival of the same term), its role stays the command line's: its pool may be the only
     /// up-to-date one.
