@@ -198,6 +198,16 @@ impl Primary {
         self.add_backup_now(address).await
     }
 
+    /// Attaches `address` unless it is a backup of the set already (added by an AddBackup
+    /// while [`Primary::attach_named`] retried: attaching it again would start its copy again).
+    async fn add_backup_unless_member(&self, address: &str) -> Result<()> {
+        let _one_change_at_a_time = self.membership.lock().await;
+        if self.backups().iter().any(|b| b.address == address) {
+            return Ok(());
+        }
+        self.add_backup_now(address).await
+    }
+
     /// Attaches `address` anew if it is still a failed backup of the set, not being removed
     /// (what [`watch_failed_backups`] saw may have changed while it asked).
     async fn reattach(&self, address: &str) -> Result<()> {
@@ -594,10 +604,7 @@ impl Primary {
 
     async fn keep_attaching(self: Arc<Self>, backup: String) {
         loop {
-            if self.backups().iter().any(|b| b.address == backup) {
-                break; // added by an AddBackup meanwhile: attaching again would copy again
-            }
-            match self.add_backup(&backup).await {
+            match self.add_backup_unless_member(&backup).await {
                 Ok(()) => break,
                 // Deposed (the primary stops) or stopping.
                 Err(DpmError::StaleTerm { .. }) => break,

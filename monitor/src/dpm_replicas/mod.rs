@@ -230,6 +230,11 @@ pub struct Watcher {
     promoting: Option<(usize, Instant, Instant)>,
     /// The last wait or stuck message, so each is logged once.
     said: String,
+    /// The member whose pod carries the primary label, under which term, since when: labelled
+    /// again when the primary changes, when it restarted (a recreated pod comes back without
+    /// the label, and every start takes a new term), after a failed patch, and every
+    /// [`RELABEL_EVERY`] in case someone removed it.
+    labelled: Option<(usize, u64, Instant)>,
 }
 
 /// What a round did (for tests and logs).
@@ -260,6 +265,10 @@ impl std::fmt::Debug for Watcher {
 }
 
 const ADD_RETRY: Duration = Duration::from_secs(10);
+const RELABEL_EVERY: Duration = Duration::from_secs(30);
+/// Deadline of one pointing (the label patches): well within half a Lease, so a monitor that
+/// lost its Lease meanwhile does not move the label long after.
+const POINT_TIMEOUT: Duration = Duration::from_secs(5);
 
 impl Watcher {
     pub fn new(
@@ -278,6 +287,7 @@ impl Watcher {
             led: false,
             promoting: None,
             said: String::new(),
+            labelled: None,
         }
     }
 
@@ -318,9 +328,23 @@ impl Watcher {
         match plan {
             Plan::Serving {
                 primary,
+                term,
                 point,
                 add,
-            } => self.serving(primary, point, add).await,
+                unknown,
+            } => {
+                if !unknown.is_empty() {
+                    self.say(
+                        &format!(
+                            "{} lists backups no member of [dpm_replicas] names: {unknown:?}; \
+                             adding none (a member named differently would be attached twice)",
+                            self.addresses[primary]
+                        ),
+                        true,
+                    );
+                }
+                self.serving(primary, term, point, add).await
+            }
             Plan::Wait(why) => {
                 self.say(&why, false);
                 Outcome::Waiting(why)
@@ -350,7 +374,30 @@ impl Watcher {
         }
     }
 
-    async fn serving(&mut self, primary: usize, point: bool, add: Vec<usize>) -> Outcome {
+    /// Points the clients at `member` (serving under `term`), within [`POINT_TIMEOUT`], if this
+    /// monitor still leads.
+    async fn point(&mut self, member: usize, term: u64) -> Result<(), String> {
+        if !self.leadership.leads().await {
+            return Err("this monitor no longer leads".into());
+        }
+        let pointing = self.pointer.point_at(&self.cfg.members, member);
+        match tokio::time::timeout(POINT_TIMEOUT, pointing).await {
+            Ok(Ok(())) => {
+                self.labelled = Some((member, term, Instant::now()));
+                Ok(())
+            }
+            Ok(Err(e)) => Err(format!("{e:#}")),
+            Err(_) => Err(format!("no answer within {} s", POINT_TIMEOUT.as_secs())),
+        }
+    }
+
+    async fn serving(
+        &mut self,
+        primary: usize,
+        term: u64,
+        point: bool,
+        add: Vec<usize>,
+    ) -> Outcome {
         metrics::gauge!("dinomo_monitor_dpm_failover_stuck").set(0.0);
         if let Some((member, detected, promoted)) = self.promoting {
             if member == primary {
@@ -365,16 +412,21 @@ impl Watcher {
             }
             self.promoting = None;
         }
-        if point {
-            if let Err(e) = self.pointer.point_at(&self.cfg.members, primary).await {
+        let stale = self
+            .labelled
+            .is_none_or(|(m, t, at)| m != primary || t != term || at.elapsed() >= RELABEL_EVERY);
+        if point || stale {
+            if let Err(e) = self.point(primary, term).await {
                 let why = format!(
-                    "pointing clients at the primary {}: {e:#}",
+                    "pointing clients at the primary {}: {e}",
                     self.addresses[primary]
                 );
                 tracing::warn!("{why}; retrying");
                 return Outcome::Failed(why);
             }
-            tracing::info!(primary = %self.addresses[primary], "clients pointed at the dpm primary");
+            if point {
+                tracing::info!(primary = %self.addresses[primary], term, "clients pointed at the dpm primary");
+            }
             self.memory.pointed = Some(primary);
         }
         self.say(
@@ -421,6 +473,11 @@ impl Watcher {
             others = ?backups,
             "the dpm primary is down: promoting a backup that was in sync"
         );
+        // The round began with this monitor leading; a Lease lost since (a slow round) must
+        // not promote beside the new leader.
+        if !self.leadership.leads().await {
+            return Outcome::Standby;
+        }
         match promote(&target, backups, min_term).await {
             Ok(()) => {
                 metrics::counter!("dinomo_monitor_dpm_failovers_total").increment(1);
@@ -428,12 +485,15 @@ impl Watcher {
                 self.promoting = Some((member, now - down_for, now));
                 self.memory.serving = None;
                 self.memory.down_since = None;
-                // Point at once: the clients' next connection finds the new primary as soon
-                // as it serves (it recovers the pool first).
+                // The chosen primary from now on, labelled or not: the plan counts it as
+                // serving once it answers as a primary, and a failed label is retried then.
                 self.memory.pointed = Some(member);
-                if let Err(e) = self.pointer.point_at(&self.cfg.members, member).await {
-                    self.memory.pointed = None;
-                    tracing::warn!(error = %format!("{e:#}"), "pointing clients at the promoted primary; retrying");
+                // Point at once: the clients' next connection finds the new primary as soon
+                // as it serves (it recovers the pool first). Its term is not known yet: the
+                // next round labels it again under it.
+                if let Err(e) = self.point(member, 0).await {
+                    self.labelled = None;
+                    tracing::warn!(error = %e, "pointing clients at the promoted primary; retrying");
                 }
                 Outcome::Promoted { member }
             }
@@ -493,8 +553,10 @@ async fn status(addr: &str, timeout: Duration) -> Seen {
 }
 
 async fn add_backup(primary: &str, backup: &str) -> anyhow::Result<()> {
-    // An attach digests the backup's whole pool first (the CLI allows as long).
-    replica_client(primary, Duration::from_secs(120))
+    // An attach digests the backup's whole pool first: the primary allows 30 s + 4 s per GiB
+    // of pool, and a call given up here would leave the attach half done. 15 minutes covers
+    // pools of 200 GiB.
+    replica_client(primary, Duration::from_secs(15 * 60))
         .await?
         .add_backup(BackupRequest {
             address: backup.to_string(),

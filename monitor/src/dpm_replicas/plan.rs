@@ -22,8 +22,17 @@
 //! - A primary that answers again as a primary (restarted in place on its pool, the common
 //!   case on Kubernetes) is not failed over; its old observation is dropped, because its
 //!   restart copies its backups anew.
+//! - What the observation cannot vouch for stops a failover: a replica holding a term after
+//!   the observed primary's (that primary restarted, reached it and died again, or a
+//!   promotion happened elsewhere) makes it stuck; a primary of a newer term makes it wait for
+//!   that primary (a Promote whose answer was lost). A backup of the observation must hold the
+//!   newest generation any replica reports (a backup removed since is older). Replicas that do
+//!   not answer cannot show such traces: the rule cannot see what they hold.
+//! - Without an observation nothing is promoted; once no member has answered as a primary for
+//!   `failover_after`, the plan says it is stuck, for an operator.
 //! - Members answering as backups that the serving primary does not list are to be added to
-//!   it (the old primary, demoted after a failover, comes back that way).
+//!   it (the old primary, demoted after a failover, comes back that way), unless the primary
+//!   lists a backup no member names (a member under another name would be attached twice).
 
 use std::time::{Duration, Instant};
 
@@ -71,16 +80,24 @@ pub struct Memory {
     pub serving: Option<Serving>,
     /// Since when that primary has not answered as a primary.
     pub down_since: Option<Instant>,
+    /// Since when no member has answered as a primary at all (for the stuck report when there
+    /// is no observation to fail over from).
+    pub no_primary_since: Option<Instant>,
 }
 
 /// The next step.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Plan {
-    /// `primary` serves; point clients at it if `point`, and add `add` as its backups.
+    /// `primary` serves under `term`; point clients at it if `point`, and add `add` as its
+    /// backups. `unknown`: backups it lists that are no member (nothing is added then: a
+    /// member under another name may be one of them, and a second attach of a node revokes
+    /// the first, which blocks every acknowledgement).
     Serving {
         primary: usize,
+        term: u64,
         point: bool,
         add: Vec<usize>,
+        unknown: Vec<String>,
     },
     /// Nothing to do yet, and why.
     Wait(String),
@@ -103,6 +120,10 @@ fn in_sync(members: &[String], status: &MemberStatus) -> Vec<usize> {
         .filter(|(_, state)| state == "in-sync")
         .filter_map(|(addr, _)| members.iter().position(|m| m == addr))
         .collect()
+}
+
+fn primary_answers(seen: &[Seen]) -> bool {
+    seen.iter().any(|s| primary(s).is_some())
 }
 
 fn primary(seen: &Seen) -> Option<&MemberStatus> {
@@ -137,6 +158,11 @@ pub fn plan(
     let promoted = mem
         .pointed
         .and_then(|p| primary(&seen[p]).map(|s| (p, s, Vec::new())));
+    if primary_answers(seen) {
+        mem.no_primary_since = None;
+    } else {
+        mem.no_primary_since.get_or_insert(now);
+    }
     if let Some((p, status, synced)) = with_backups.or(promoted) {
         mem.down_since = None;
         mem.serving = (!synced.is_empty()).then_some(Serving {
@@ -146,23 +172,44 @@ pub fn plan(
             in_sync: synced,
         });
         let listed = |m: usize| status.backups.iter().any(|(a, _)| *a == members[m]);
-        let add = (0..members.len())
-            .filter(|&m| m != p && !listed(m))
-            .filter(|&m| matches!(&seen[m], Ok(s) if s.role == Role::Backup))
+        let unknown: Vec<String> = status
+            .backups
+            .iter()
+            .map(|(a, _)| a)
+            .filter(|a| !members.contains(a))
+            .cloned()
             .collect();
+        let add = if unknown.is_empty() {
+            (0..members.len())
+                .filter(|&m| m != p && !listed(m))
+                .filter(|&m| matches!(&seen[m], Ok(s) if s.role == Role::Backup))
+                .collect()
+        } else {
+            Vec::new()
+        };
         return Plan::Serving {
             primary: p,
+            term: status.term,
             point: mem.pointed != Some(p),
             add,
+            unknown,
         };
     }
     let Some(last) = mem.serving.clone() else {
         mem.down_since = None;
-        return Plan::Wait(
-            "no member serves as the primary with a backup in sync, and none was seen serving \
-             since this monitor started watching: nothing to fail over from"
-                .into(),
-        );
+        let quiet = mem.no_primary_since.map(|t| now.duration_since(t));
+        let why = "no member serves as the primary with a backup in sync, and none was seen \
+                   serving since this monitor started watching (or since the primary last \
+                   restarted): nothing to fail over from";
+        return match quiet {
+            Some(d) if d >= failover_after => Plan::Stuck(format!(
+                "no member has answered as a primary for {} ms; {why}: a complete copy may \
+                 still lack acknowledged writes, so an operator decides (helm/README.md, \
+                 \"Backups\")",
+                d.as_millis()
+            )),
+            _ => Plan::Wait(why.into()),
+        };
     };
     if primary(&seen[last.member]).is_some() {
         // Started again on its pool: it copies its backups anew, so what was in sync no
@@ -175,6 +222,21 @@ pub fn plan(
             how(&seen[last.member])
         ));
     }
+    // A primary of a newer term that is not serving yet: someone promoted it (a Promote
+    // whose answer was lost, another monitor). Wait for it; what it acknowledges is not
+    // known here, so this observation can no longer pick a backup.
+    if let Some((m, s)) = (0..members.len())
+        .filter_map(|m| primary(&seen[m]).map(|s| (m, s)))
+        .find(|(_, s)| s.term > last.term)
+    {
+        mem.serving = None;
+        mem.down_since = None;
+        return Plan::Wait(format!(
+            "{} answers as a primary of term {}, newer than the last serving primary's {}: \
+             waiting for it to serve",
+            members[m], s.term, last.term
+        ));
+    }
     let down_for = now.duration_since(*mem.down_since.get_or_insert(now));
     let why = how(&seen[last.member]);
     if down_for < failover_after {
@@ -185,6 +247,26 @@ pub fn plan(
             failover_after.as_millis()
         ));
     }
+    // A replica that took a term after the last serving primary's: a primary this watcher
+    // did not see served (the old one restarted and reached it, then died again; a promotion
+    // elsewhere), and may have acknowledged writes the backups of the observation lack.
+    let answered = || seen.iter().filter_map(|s| s.as_ref().ok());
+    if let Some(s) = answered().find(|s| s.term.max(s.copy_term) > last.term) {
+        return Plan::Stuck(format!(
+            "primary {} {why} for {} ms, and a replica holds term {} after its term {}: a \
+             primary this monitor did not see served since; not promoting (a backup of the \
+             last observation may lack what it acknowledged). See helm/README.md, \"Backups\"",
+            members[last.member],
+            down_for.as_millis(),
+            s.term.max(s.copy_term),
+            last.term
+        ));
+    }
+    // The newest generation any replica was told: a backup removed since the observation is
+    // older than the ones that stayed.
+    let generation = answered()
+        .map(|s| s.generation)
+        .fold(last.generation, u64::max);
     let candidate = last
         .in_sync
         .iter()
@@ -194,9 +276,9 @@ pub fn plan(
             s.role == Role::Backup
                 && s.copy_complete
                 && s.copy_term == last.term
-                && s.generation >= last.generation
+                && s.generation >= generation
         })
-        .max_by_key(|(m, s)| (s.generation, std::cmp::Reverse(*m)));
+        .max_by_key(|(m, _)| std::cmp::Reverse(*m));
     let Some((member, _)) = candidate else {
         let names: Vec<&str> = last.in_sync.iter().map(|&m| members[m].as_str()).collect();
         return Plan::Stuck(format!(
@@ -210,10 +292,7 @@ pub fn plan(
             last.term
         ));
     };
-    let min_term = seen
-        .iter()
-        .filter_map(|s| s.as_ref().ok().map(|s| s.term))
-        .fold(last.term, u64::max);
+    let min_term = answered().map(|s| s.term).fold(last.term, u64::max);
     Plan::Promote {
         member,
         others: (0..members.len()).filter(|&m| m != member).collect(),
@@ -257,6 +336,16 @@ mod tests {
         })
     }
 
+    fn serving(primary: usize, term: u64, point: bool, add: Vec<usize>) -> Plan {
+        Plan::Serving {
+            primary,
+            term,
+            point,
+            add,
+            unknown: vec![],
+        }
+    }
+
     fn silent() -> Seen {
         Err("connection refused".into())
     }
@@ -269,14 +358,7 @@ mod tests {
             backup(3, true, 3, 0),
         ];
         let p = plan(&members(), &seen, mem, now, AFTER);
-        assert_eq!(
-            p,
-            Plan::Serving {
-                primary: 0,
-                point: true,
-                add: vec![]
-            }
-        );
+        assert_eq!(p, serving(0, 3, true, vec![]));
         mem.pointed = Some(0);
     }
 
@@ -291,14 +373,7 @@ mod tests {
             backup(3, false, 3, 0),
         ];
         let p = plan(&members(), &seen, &mut mem, now, AFTER);
-        assert_eq!(
-            p,
-            Plan::Serving {
-                primary: 0,
-                point: false,
-                add: vec![]
-            }
-        );
+        assert_eq!(p, serving(0, 3, false, vec![]));
         assert_eq!(mem.serving.as_ref().unwrap().in_sync, vec![1]);
     }
 
@@ -399,11 +474,12 @@ mod tests {
     }
 
     #[test]
-    fn the_newest_generation_and_the_newest_term_win() {
+    fn the_newest_generation_wins_and_a_newer_term_stops_the_failover() {
         let mut mem = Memory::default();
         let t0 = Instant::now();
         steady(&mut mem, t0);
-        let seen = [silent(), backup(5, true, 3, 0), backup(4, true, 3, 1)];
+        // b1 was removed after the observation (b2 recorded generation 1): b2 is promoted.
+        let seen = [silent(), backup(3, true, 3, 0), backup(3, true, 3, 1)];
         plan(&members(), &seen, &mut mem, t0, AFTER);
         let p = plan(&members(), &seen, &mut mem, t0 + AFTER, AFTER);
         assert_eq!(
@@ -411,8 +487,68 @@ mod tests {
             Plan::Promote {
                 member: 2,
                 others: vec![0, 1],
-                min_term: 5,
+                min_term: 3,
                 down_for: AFTER,
+            }
+        );
+        // b1 accepted a term after the observation's (the old primary restarted, reached it
+        // and died again; or b1's promotion half happened): whatever that term acknowledged
+        // may be missing from b2, so nothing is promoted.
+        let seen = [silent(), backup(4, false, 4, 0), backup(3, true, 3, 0)];
+        let p = plan(&members(), &seen, &mut mem, t0 + AFTER, AFTER);
+        assert!(
+            matches!(&p, Plan::Stuck(s) if s.contains("term 4")),
+            "{p:?}"
+        );
+    }
+
+    #[test]
+    fn a_newer_primary_someone_promoted_is_waited_for() {
+        // The answer to a Promote was lost, or another monitor promoted b1.
+        let mut mem = Memory::default();
+        let t0 = Instant::now();
+        steady(&mut mem, t0);
+        let seen = [
+            silent(),
+            primary_of(5, &[("b2:1", "syncing")]),
+            backup(3, true, 3, 0),
+        ];
+        let p = plan(&members(), &seen, &mut mem, t0 + AFTER, AFTER);
+        assert!(matches!(&p, Plan::Wait(w) if w.contains("term 5")), "{p:?}");
+        assert_eq!(mem.serving, None, "b2 must not be promoted beside b1");
+        let seen = [
+            silent(),
+            primary_of(5, &[("b2:1", "in-sync")]),
+            backup(5, true, 5, 0),
+        ];
+        let p = plan(&members(), &seen, &mut mem, t0 + 2 * AFTER, AFTER);
+        assert_eq!(p, serving(1, 5, true, vec![]));
+    }
+
+    #[test]
+    fn nothing_is_added_while_the_primary_lists_a_backup_no_member_names() {
+        let mut mem = Memory::default();
+        let seen = [
+            primary_of(3, &[("localhost:1", "in-sync")]),
+            backup(3, true, 3, 0),
+            backup(3, true, 3, 0),
+        ];
+        let p = plan(&members(), &seen, &mut mem, Instant::now(), AFTER);
+        assert!(matches!(p, Plan::Wait(_)), "{p:?}");
+        let seen = [
+            primary_of(3, &[("b1:1", "in-sync"), ("localhost:1", "syncing")]),
+            backup(3, true, 3, 0),
+            backup(3, true, 3, 0),
+        ];
+        let p = plan(&members(), &seen, &mut mem, Instant::now(), AFTER);
+        assert_eq!(
+            p,
+            Plan::Serving {
+                primary: 0,
+                term: 3,
+                point: true,
+                add: vec![],
+                unknown: vec!["localhost:1".into()],
             }
         );
     }
@@ -456,14 +592,7 @@ mod tests {
             backup(5, false, 5, 0),
         ];
         let p = plan(&members(), &seen, &mut mem, t0, AFTER);
-        assert_eq!(
-            p,
-            Plan::Serving {
-                primary: 1,
-                point: false,
-                add: vec![]
-            }
-        );
+        assert_eq!(p, serving(1, 5, false, vec![]));
         // The old primary comes back as a backup (it demoted itself): added.
         let seen = [
             backup(5, false, 3, 0),
@@ -471,14 +600,7 @@ mod tests {
             backup(5, true, 5, 0),
         ];
         let p = plan(&members(), &seen, &mut mem, t0, AFTER);
-        assert_eq!(
-            p,
-            Plan::Serving {
-                primary: 1,
-                point: false,
-                add: vec![0]
-            }
-        );
+        assert_eq!(p, serving(1, 5, false, vec![0]));
     }
 
     #[test]
@@ -486,7 +608,10 @@ mod tests {
         let mut mem = Memory::default();
         let t0 = Instant::now();
         let seen = [silent(), backup(3, true, 3, 0), backup(3, true, 3, 0)];
-        for s in [0, 10, 100] {
+        let p = plan(&members(), &seen, &mut mem, t0, AFTER);
+        assert!(matches!(p, Plan::Wait(_)), "{p:?}");
+        // Reported as stuck once no member has answered as a primary for the delay.
+        for s in [3, 100] {
             let p = plan(
                 &members(),
                 &seen,
@@ -494,7 +619,10 @@ mod tests {
                 t0 + Duration::from_secs(s),
                 AFTER,
             );
-            assert!(matches!(p, Plan::Wait(_)), "{p:?}");
+            assert!(
+                matches!(&p, Plan::Stuck(w) if w.contains("operator")),
+                "{p:?}"
+            );
         }
     }
 }

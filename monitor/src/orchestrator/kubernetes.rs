@@ -37,6 +37,7 @@
 //!   leader's fences, merges and map publishes from then on (see `Monitor::lead`).
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -115,6 +116,10 @@ pub struct KubernetesOrchestrator {
     leases: Api<Lease>,
     /// Wall clock for Lease times and pod ages; a plain fn so tests can pin it.
     now: fn() -> Timestamp,
+    /// Held across one read-and-renew of the Lease: the monitor's loops and the dpm replica
+    /// watcher ask concurrently, and two interleaved renewals make the second PUT conflict
+    /// (read as "not the leader", which drops the monitor's term at the DPM).
+    lease_round: Arc<tokio::sync::Mutex<()>>,
 }
 
 impl std::fmt::Debug for KubernetesOrchestrator {
@@ -152,6 +157,7 @@ impl KubernetesOrchestrator {
             identity,
             config,
             now: Timestamp::now,
+            lease_round: Arc::new(tokio::sync::Mutex::new(())),
         }
     }
 
@@ -513,6 +519,7 @@ impl Orchestrator for KubernetesOrchestrator {
     }
 
     async fn is_leader(&self) -> Result<bool> {
+        let _one_renewal_at_a_time = self.lease_round.lock().await;
         let name = &self.config.lease_name;
         let what = format!("Lease {}/{name}", self.namespace);
         let now = (self.now)();
