@@ -176,7 +176,7 @@ impl Dpm {
         // not a pool to serve from, unless the operator accepts the loss.
         // Set when an unreadable marker was overridden: removed like a readable one.
         let mut overridden_unreadable_marker = false;
-        let marker = match crate::replication::backup::read_copy_marker(path) {
+        let marker = match crate::replication::copy_marker::read_copy_marker(path) {
             Ok(m) => m,
             // A marker this dpm-node cannot make sense of (damaged, or written by a newer one)
             // may say anything: with the override, it counts as incomplete; without, the error
@@ -200,7 +200,7 @@ impl Dpm {
             Err(e) => return Err(e),
         };
         if let Some(m) = marker {
-            let marker_path = crate::replication::backup::copy_marker_path(path);
+            let marker_path = crate::replication::copy_marker::copy_marker_path(path);
             match m.state {
                 crate::replication::CopyState::Complete => {
                     tracing::info!(marker = %marker_path.display(), term = m.term, "opening a backup's pool as a primary: its copy was complete (a consistent image, possibly older than its primary's last)");
@@ -351,7 +351,7 @@ impl Dpm {
         // needs the override again), which errs on the side of refusing. For the same reason a
         // failure to remove it is only logged: the workers run already.
         if marker.is_some() || overridden_unreadable_marker {
-            if let Err(e) = crate::replication::backup::remove_copy_marker(path) {
+            if let Err(e) = crate::replication::copy_marker::remove_copy_marker(path) {
                 tracing::warn!(pool = %path.display(), error = %e, "could not remove the copy marker of a pool opened as a primary; the next open will read it again");
             }
         }

@@ -242,7 +242,7 @@ pub async fn run(args: Args) -> anyhow::Result<()> {
                 );
                 watch_dpm_replicas(
                     &cfg,
-                    Box::new(crate::dpm_replicas::ByOrchestrator(orch.clone())),
+                    Box::new(crate::dpm_replicas::ByOrchestrator::new(orch.clone())),
                     Box::new(pointer),
                 );
             }

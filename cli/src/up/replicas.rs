@@ -95,7 +95,7 @@ fn sibling(path: &Path, suffix: &str) -> PathBuf {
 /// consistent image a primary may open).
 fn copy_complete(pool: &Path) -> bool {
     use dinomo_dpm_node::replication::CopyState;
-    match dinomo_dpm_node::replication::backup::read_copy_marker(pool) {
+    match dinomo_dpm_node::replication::copy_marker::read_copy_marker(pool) {
         Ok(Some(m)) => m.state == CopyState::Complete,
         Ok(None) => false,
         Err(e) => {
@@ -110,7 +110,7 @@ fn copy_complete(pool: &Path) -> bool {
 /// always the primary's), and a leftover record (`dinomo admin promote-backup` on an `up`
 /// cluster, a copied data directory) would start a backup at the primary's address.
 fn forget_role(pool: &Path) {
-    let role = dinomo_dpm_node::replication::backup::role_path(pool);
+    let role = dinomo_dpm_node::replication::role_file::role_path(pool);
     match std::fs::remove_file(&role) {
         Ok(()) => eprintln!(
             "removed {} (a role recorded at run time): `up` decides the dpm-nodes' roles",

@@ -297,10 +297,9 @@ async fn assert_all_read(primary: &str, keys: &[String]) {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_monitor_fails_the_dpm_primary_over_twice_and_keeps_every_write() {
-    let dir = tempfile::tempdir().unwrap();
-    let d = dir.path();
+/// A primary `p` and backups `b1`, `b2` on fixed ports, as pods, with the chart's dpm-node
+/// settings that matter here (the primary re-attaches a failed backup by itself).
+fn replica_set(d: &Path) -> [Pod; 3] {
     std::fs::write(
         d.join("dpm-node.toml"),
         "replica_ack_timeout_ms = 2000\nreattach_failed_backups = true\n",
@@ -318,7 +317,11 @@ async fn the_monitor_fails_the_dpm_primary_over_twice_and_keeps_every_write() {
         base + 1,
         &["--backup".into(), addr(1), "--backup".into(), addr(2)],
     );
-    let pods = [&p, &b1, &b2];
+    [p, b1, b2]
+}
+
+/// The watcher's config for `pods`, checking every 100 ms.
+fn watching(pods: &[&Pod]) -> DpmReplicasConfig {
     let cfg = DpmReplicasConfig {
         members: pods
             .iter()
@@ -334,6 +337,16 @@ async fn the_monitor_fails_the_dpm_primary_over_twice_and_keeps_every_write() {
         ..DpmReplicasConfig::default()
     };
     cfg.validate(true).unwrap();
+    cfg
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_monitor_fails_the_dpm_primary_over_twice_and_keeps_every_write() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let [p, b1, b2] = replica_set(d);
+    let pods = [&p, &b1, &b2];
+    let cfg = watching(&pods);
     let pointer = Recorder::default();
     let mut watcher = Watcher::new(cfg, Box::new(Alone), Box::new(pointer.clone()));
 
@@ -372,11 +385,12 @@ async fn the_monitor_fails_the_dpm_primary_over_twice_and_keeps_every_write() {
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
     // Labelled again under its new term: a pod recreated by its StatefulSet comes back
-    // without the label, and every start takes a new term.
-    assert_eq!(
-        pointer.0.lock().unwrap().clone(),
-        vec![0, 0],
-        "p restarted in place was failed over, or not labelled again"
+    // without the label, and every start takes a new term. (The watcher also labels again
+    // every 10 s: a slow run may show more.)
+    let pointed = pointer.0.lock().unwrap().clone();
+    assert!(
+        pointed.len() >= 2 && pointed.iter().all(|&m| m == 0),
+        "p restarted in place was failed over, or not labelled again: {pointed:?}"
     );
     keys.extend(write_keys(&p.grpc, "after-restart", 10).await);
 
@@ -503,4 +517,274 @@ fn fail(pods: &[&Pod], dir: &Path, what: &str) -> ! {
         .map(|p| format!("--- {}:\n{}", p.name, p.log(dir)))
         .collect();
     panic!("{what}\n{}", logs.join("\n"));
+}
+
+/// What a Kubernetes Service does for the primary: a fixed address whose connections go to
+/// the pod the watcher labelled; a change drops the connections to the previous one (its
+/// pod is gone, or is no primary any more).
+struct ServiceProxy {
+    addr: String,
+    backend: Arc<tokio::sync::watch::Sender<Option<String>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl ServiceProxy {
+    async fn start() -> ServiceProxy {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let backend = Arc::new(tokio::sync::watch::channel(None::<String>).0);
+        let b = backend.clone();
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((mut inbound, _)) = listener.accept().await else {
+                    return;
+                };
+                let mut changed = b.subscribe();
+                let Some(to) = changed.borrow_and_update().clone() else {
+                    continue;
+                };
+                tokio::spawn(async move {
+                    let Ok(mut outbound) = tokio::net::TcpStream::connect(&to).await else {
+                        return;
+                    };
+                    tokio::select! {
+                        _ = tokio::io::copy_bidirectional(&mut inbound, &mut outbound) => {}
+                        _ = changed.changed() => {}
+                    }
+                });
+            }
+        });
+        ServiceProxy {
+            addr,
+            backend,
+            task,
+        }
+    }
+}
+
+impl Drop for ServiceProxy {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// Points the proxy at the labelled member, and records it.
+struct Label {
+    proxy: Arc<tokio::sync::watch::Sender<Option<String>>>,
+    recorder: Recorder,
+}
+
+#[async_trait]
+impl PrimaryPointer for Label {
+    async fn point_at(&self, members: &[MemberConfig], to: usize) -> anyhow::Result<()> {
+        self.proxy.send_replace(Some(members[to].address.clone()));
+        self.recorder.point_at(members, to).await
+    }
+}
+
+async fn in_sync_backups(addr: &str) -> usize {
+    status(addr).await.map_or(0, |s| {
+        s.backups.iter().filter(|b| b.state == "in-sync").count()
+    })
+}
+
+/// KV nodes and SDK clients reach the dpm-node only through a Service-like proxy that the
+/// watcher points; the primary is killed (and held down, its machine lost) `kills` times
+/// under a Zipf load, each time once both backups are in sync; the old one is let back
+/// before the next kill. Every kill must fail over, the KNs must write again through the
+/// promoted primary (whose fabric address is another: they learn it when they register
+/// again), and the history must be linearizable (an acknowledged write lost is a violation).
+/// `DINOMO_AUTO_FAILOVER_KILLS` (default 2); `scripts/dpm-auto-failover.sh` runs the long form.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kv_nodes_follow_the_primary_the_monitor_promotes_under_load() {
+    use super::cluster::Proc;
+    use super::e2e::{start_load_with, Keys};
+    use dinomo_checker::{check, History, Op, Res};
+    use dinomo_client::{Client, ClientConfig, ClientError};
+    use dinomo_placement::{ClusterMap, KnInfo};
+
+    const KEYS: u32 = 64;
+    let kills: u32 = std::env::var("DINOMO_AUTO_FAILOVER_KILLS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(2);
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let pods = replica_set(d);
+    let pods_ref = [&pods[0], &pods[1], &pods[2]];
+    let service = ServiceProxy::start().await;
+    let recorder = Recorder::default();
+    let mut watcher = Watcher::new(
+        watching(&pods_ref),
+        Box::new(Alone),
+        Box::new(Label {
+            proxy: service.backend.clone(),
+            recorder: recorder.clone(),
+        }),
+    );
+    rounds_until(
+        &mut watcher,
+        &pods_ref,
+        d,
+        Duration::from_secs(60),
+        "p serving",
+        |o| *o == Outcome::Serving { primary: 0 },
+    )
+    .await;
+    let watching = tokio::spawn(watcher.run());
+
+    let dpm = service.addr.clone();
+    let mut kns = Vec::new();
+    let mut infos = Vec::new();
+    for id in 1..=2u32 {
+        let kn = Proc::spawn(
+            &[
+                "kv-node",
+                "--kn-id",
+                &id.to_string(),
+                "--listen",
+                "127.0.0.1:0",
+                "--dpm",
+                &dpm,
+                "--metrics-listen",
+                "",
+                "--cache-size",
+                "1MiB",
+            ],
+            &d.join(format!("kn{id}.log")),
+            "addr=",
+        );
+        infos.push(KnInfo {
+            id,
+            endpoint: kn.addr.clone(),
+        });
+        kns.push(kn);
+    }
+    let routing = Proc::spawn(
+        &[
+            "routing-node",
+            "--listen",
+            "127.0.0.1:0",
+            "--dpm",
+            &dpm,
+            "--metrics-listen",
+            "",
+            "--poll-ms",
+            "20",
+        ],
+        &d.join("routing.log"),
+        "addr=",
+    );
+    dinomo_client::admin::publish_map(&dpm, &ClusterMap::new(infos, 64, 1).unwrap())
+        .await
+        .unwrap();
+    let client = |deadline| {
+        let mut cfg = ClientConfig::new(&[&routing.addr]);
+        cfg.deadline = deadline;
+        Client::connect_with(cfg)
+    };
+    let mut clients = Vec::new();
+    for _ in 0..4 {
+        clients.push(client(Duration::from_secs(60)).await.unwrap());
+    }
+    let probe = client(Duration::from_secs(30)).await.unwrap();
+    let history = Arc::new(History::new());
+    let load = start_load_with(
+        clients,
+        Keys::zipf(KEYS, 1.2),
+        1_000_000,
+        history.clone(),
+        0,
+    );
+
+    let mut failure = None;
+    let mut times = Vec::new();
+    for k in 0..kills {
+        let primary = recorder.last().unwrap();
+        let deadline = Instant::now() + Duration::from_secs(90);
+        while in_sync_backups(&pods[primary].grpc).await < 2 {
+            if Instant::now() > deadline {
+                failure = Some(format!(
+                    "kill {}: the backups of {} not in sync",
+                    k + 1,
+                    pods[primary].name
+                ));
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        if failure.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(300 + 400 * u64::from(k % 3))).await;
+        let killed = Instant::now();
+        pods[primary].kill(true);
+        let written = loop {
+            match probe.put(&b"failover-probe"[..], format!("p{k}")).await {
+                Ok(()) => break Ok(killed.elapsed()),
+                Err(ClientError::OutcomeUnknown(_))
+                    if killed.elapsed() < Duration::from_secs(60) => {}
+                Err(e) => break Err(format!("kill {}: probe write: {e}", k + 1)),
+            }
+        };
+        let now = recorder.last().unwrap();
+        match written {
+            Ok(t) if now != primary => times.push(t.as_millis()),
+            Ok(_) => {
+                failure = Some(format!(
+                    "kill {}: a write was acknowledged but nobody was promoted",
+                    k + 1
+                ))
+            }
+            Err(e) => failure = Some(e),
+        }
+        pods[primary].release();
+        if failure.is_some() {
+            break;
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (_, seen) = load.finish().await;
+    for key in 0..KEYS {
+        let key = format!("key{key}").into_bytes();
+        let h = history.invoke(999, Op::Get { key: key.clone() });
+        match probe.get(key).await {
+            Ok(v) => history.complete(h, Res::Value(v.map(|b| b.to_vec()))),
+            Err(e) => {
+                history.complete_unknown(h);
+                failure.get_or_insert(format!("read-back failed: {e}"));
+            }
+        }
+    }
+    watching.abort();
+    let h2 = history.clone();
+    let verdict = tokio::task::spawn_blocking(move || check(&h2))
+        .await
+        .unwrap();
+    let ops = seen.ops.load(Ordering::Relaxed);
+    let (errors, unknown) = (
+        seen.errors.load(Ordering::Relaxed),
+        seen.unknown.load(Ordering::Relaxed),
+    );
+    times.sort_unstable();
+    println!(
+        "AUTO-FAILOVER kills={} ops={ops} unknown={unknown} other_errors={} violations={} \
+         first_write_ms={times:?} pointed={:?}",
+        times.len(),
+        errors - unknown,
+        u32::from(verdict.is_err()),
+        recorder.0.lock().unwrap()
+    );
+    if let Err(v) = verdict {
+        fail(&pods_ref, d, &format!("VIOLATION: {v}"));
+    }
+    if let Some(f) = failure {
+        fail(&pods_ref, d, &f);
+    }
+    assert_eq!(times.len(), kills as usize);
+    assert_eq!(
+        errors, unknown,
+        "only outcome-unknown writes may reach a caller"
+    );
+    drop(kns);
 }

@@ -7,7 +7,7 @@
 //! primary: the recovery that runs after a power failure.
 //!
 //! Invariants:
-//! - The term only grows, and is durable (`<pool>.term`, with the primary instance that took
+//! - The term only grows, and is durable (`<pool>.term`, [`super::term_file`], with the primary instance that took
 //!   it and the replica-set generation it told) before an attach is answered: a primary of an
 //!   older term, or of the same term but another instance, is refused, even after a restart
 //!   of the backup. The generation never goes down for the start it belongs to.
@@ -18,7 +18,7 @@
 //!   primary served since its image, or its pool left the set before writes this backup holds
 //!   were acknowledged, and copying it over this pool would lose them.
 //! - A promotion ([`Backup::promote`]) needs a complete copy; it records the term and the role
-//!   (`<pool>.role`, [`RecordedRole`]) durably before it revokes the old primary's key, all
+//!   (`<pool>.role`, [`RecordedRole`], [`super::role_file`]) durably before it revokes the old primary's key, all
 //!   under the state lock in one blocking task, and no primary attaches a promoted backup.
 //! - An attach revokes every key of the backup's grant table before anything else, so once it
 //!   returns, no WRITE of the previous primary lands any more (the revoke waits for posts in
@@ -30,7 +30,7 @@
 //!   starts from a fresh, zero-filled pool (a new file renamed over the old one, so a
 //!   connection of the previous primary still mapping the old file never sees it shrink).
 //!   The primary then copies the chunks that differ (or every non-zero chunk).
-//! - The copy marker `<pool>.copy` ([`CopyMarker`]) says whether the pool holds a consistent
+//! - The copy marker `<pool>.copy` ([`CopyMarker`], [`super::copy_marker`]) says whether the pool holds a consistent
 //!   image. An attach makes it durably say `incomplete` (with the term, the primary instance
 //!   and a copy number drawn for this attach) before it revokes, zeroes or replaces anything;
 //!   only the CopyComplete call of that same copy (term, instance and copy number all current)
@@ -55,8 +55,13 @@ use dinomo_fabric::grants::{GrantTable, WindowRange};
 use dinomo_fabric::tcp::TcpNic;
 use dinomo_fabric::{AccessKey, Durability, DurabilityRequest, PmRegion};
 
+use super::copy_marker::{
+    copy_marker_path, read_copy_marker, write_copy_marker, CopyMarker, CopyState,
+};
 use super::digest;
 use super::image::{refusal, Accepted, Claim, ImageId, Refusal};
+use super::role_file::{role_path, write_role, RecordedRole};
+use super::term_file::{read_accepted, write_accepted};
 use crate::error::{DpmError, Result};
 
 /// The largest pool a primary may ask a backup to hold (1 TiB).
@@ -151,365 +156,6 @@ pub struct Attached {
 pub struct Incremental {
     pub chunk_bytes: u64,
     pub key: digest::Key,
-}
-
-fn term_path(pool: &Path) -> PathBuf {
-    let mut p = pool.as_os_str().to_owned();
-    p.push(".term");
-    PathBuf::from(p)
-}
-
-/// The term a backup of `pool` accepted last (0 if none).
-pub fn read_term(pool: &Path) -> Result<u64> {
-    read_accepted(pool).map(|a| a.term)
-}
-
-/// What a backup of `pool` accepted last (`<pool>.term`: "TERM INSTANCE GENERATION", then
-/// the floor's "TERM INSTANCE GENERATION" when it has one; older builds wrote the first one or
-/// two words).
-pub fn read_accepted(pool: &Path) -> Result<Accepted> {
-    let bad = |s: &str| DpmError::BadPool {
-        path: term_path(pool).display().to_string(),
-        detail: format!(
-            "holds {s:?}, not \"TERM INSTANCE GENERATION [FLOOR_TERM FLOOR_INSTANCE \
-             FLOOR_GENERATION]\""
-        ),
-    };
-    match std::fs::read_to_string(term_path(pool)) {
-        Ok(s) => {
-            let words: Vec<u64> = s
-                .split_whitespace()
-                .map(str::parse::<u64>)
-                .collect::<std::result::Result<_, _>>()
-                .map_err(|_| bad(&s))?;
-            let floor = |w: &[u64]| ImageId {
-                term: w[0],
-                instance: w[1],
-                generation: w[2],
-            };
-            let (term, instance, generation, floor) = match words.as_slice() {
-                [t] => (*t, 0, 0, None),
-                [t, i] => (*t, *i, 0, None),
-                [t, i, g] => (*t, *i, *g, None),
-                [t, i, g, f @ ..] if f.len() == 3 => (*t, *i, *g, Some(floor(f))),
-                _ => return Err(bad(&s)),
-            };
-            Ok(Accepted {
-                term,
-                instance,
-                generation,
-                floor,
-            })
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(Accepted::default()),
-        Err(e) => Err(e.into()),
-    }
-}
-
-fn write_accepted(pool: &Path, a: Accepted) -> Result<()> {
-    let floor = a.floor.map_or(String::new(), |f| {
-        format!(" {} {} {}", f.term, f.instance, f.generation)
-    });
-    write_durably(
-        &term_path(pool),
-        &format!("{} {} {}{floor}\n", a.term, a.instance, a.generation),
-    )
-}
-
-/// Writes `text` to `path` so that, after a crash, `path` holds either its old contents or
-/// `text`, whole: a temporary file, synced, renamed over `path`, then the directory synced.
-fn write_durably(path: &Path, text: &str) -> Result<()> {
-    let mut tmp = path.as_os_str().to_owned();
-    tmp.push(".new");
-    let tmp = PathBuf::from(tmp);
-    {
-        use std::io::Write as _;
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(text.as_bytes())?;
-        f.sync_all()?;
-    }
-    std::fs::rename(&tmp, path)?;
-    sync_dir_of(path);
-    Ok(())
-}
-
-/// Syncs the directory holding `path` (so that a rename or removal in it is durable).
-fn sync_dir_of(path: &Path) {
-    if let Some(dir) = path.parent() {
-        if let Ok(d) = std::fs::File::open(if dir.as_os_str().is_empty() {
-            Path::new(".")
-        } else {
-            dir
-        }) {
-            let _ = d.sync_all();
-        }
-    }
-}
-
-/// The role a node took at run time, recorded beside its pool (`<pool>.role`, see
-/// [`role_path`]): a backup promoted to primary (with the backups it replicates to), or a
-/// primary deposed by a newer one. A node starts in the role its pool records, whatever its
-/// command line says, so a restarted process (or pod) comes back in the role it last had.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum RecordedRole {
-    Primary { backups: Vec<String> },
-    Backup,
-}
-
-/// Where a node records the role it took at run time: `<pool>.role`, beside the pool (`dinomo
-/// up` renames it with the pool when it promotes a backup). Deleting it makes the command
-/// line decide again.
-pub fn role_path(pool: &Path) -> PathBuf {
-    let mut p = pool.as_os_str().to_owned();
-    p.push(".role");
-    PathBuf::from(p)
-}
-
-/// The role recorded beside `pool`, if any (see [`RecordedRole`]).
-pub fn read_role(pool: &Path) -> Result<Option<RecordedRole>> {
-    let path = role_path(pool);
-    let text = match std::fs::read_to_string(&path) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(None),
-        Err(e) => return Err(e.into()),
-    };
-    let bad = |detail: String| DpmError::BadPool {
-        path: path.display().to_string(),
-        detail,
-    };
-    let mut lines = text.lines().map(str::trim).filter(|l| !l.is_empty());
-    match (lines.next(), lines.next(), lines.next()) {
-        (Some("backup"), None, None) => Ok(Some(RecordedRole::Backup)),
-        (Some("primary"), Some(list), None)
-            if list.starts_with("backups") && list["backups".len()..].trim() != "" =>
-        {
-            Ok(Some(RecordedRole::Primary {
-                backups: list["backups".len()..]
-                    .split_whitespace()
-                    .map(str::to_string)
-                    .collect(),
-            }))
-        }
-        _ => Err(bad(format!(
-            "holds {text:?}, not \"backup\", or \"primary\" and a \"backups ADDRESS...\" line \
-             naming at least one; delete it to let the command line decide the role"
-        ))),
-    }
-}
-
-/// Records that the primary of `pool`, whose image is `own_image`, was deposed by a replica
-/// showing a newer image under `term`: its role is backup from now on, and its `.term`
-/// (written first) refuses every primary of `term - 1` or older and, with its own image as the
-/// floor, every primary whose image is older than its own (an older term, another start of
-/// its term, an older generation of it: see [`super::image`]), so no older image is ever
-/// copied over what it acknowledged. The primary that deposed it (its image at least this
-/// one) attaches it. A device-DAX pool is not demoted (a backup needs a pool file, and the
-/// files would be in /dev): the node just stops.
-pub fn demote(pool: &Path, term: u64, own_image: ImageId) -> Result<()> {
-    if dinomo_fabric::pm::DaxDevice::probe(pool)?.is_some() {
-        return Err(DpmError::Config(format!(
-            "{} is a device-DAX device: a backup needs a pool file, so this node is not \
-             recorded as a backup; it stops",
-            pool.display()
-        )));
-    }
-    let accepted = read_accepted(pool)?;
-    // Instance 0 is no primary's (instances are odd): every primary of the fence's term is
-    // refused too.
-    let fence = term.saturating_sub(1).max(own_image.term);
-    let (term, instance) = if fence > accepted.term {
-        (fence, 0)
-    } else {
-        (accepted.term, accepted.instance)
-    };
-    write_accepted(
-        pool,
-        Accepted {
-            term,
-            instance,
-            generation: accepted.generation,
-            floor: Some(own_image),
-        },
-    )?;
-    write_role(pool, &RecordedRole::Backup)
-}
-
-/// Records, in a promoted primary's `<pool>.term`, the image it serves now (`image`: its own
-/// term and start, once a backup accepted it, and the set's generation), as the start it
-/// follows with no floor: started again as a backup (its recorded role deleted), it refuses
-/// the images of the older primary its copy came from, as it did before its promotion. A
-/// pool without the file (never a backup's) is left without one.
-pub fn note_own_image(pool: &Path, image: ImageId) -> Result<()> {
-    if !term_path(pool).exists() {
-        return Ok(());
-    }
-    let accepted = read_accepted(pool)?;
-    if (accepted.term, accepted.floor) == (image.term, None)
-        && (accepted.instance, accepted.generation) == (image.instance, image.generation)
-    {
-        return Ok(());
-    }
-    write_accepted(
-        pool,
-        Accepted {
-            term: image.term.max(accepted.term),
-            instance: image.instance,
-            generation: image.generation,
-            floor: None,
-        },
-    )
-}
-
-/// Records `role` beside `pool`, durably (see [`RecordedRole`]).
-pub fn write_role(pool: &Path, role: &RecordedRole) -> Result<()> {
-    let text = match role {
-        RecordedRole::Backup => "backup\n".to_string(),
-        RecordedRole::Primary { backups } => format!("primary\nbackups {}\n", backups.join(" ")),
-    };
-    write_durably(&role_path(pool), &text)
-}
-
-/// The version of the copy marker's format this build writes and reads.
-const COPY_MARKER_FORMAT: u32 = 1;
-
-/// Where the marker of `pool`'s copy is kept: `<pool>.copy`, beside the pool (and its
-/// `<pool>.term`). `dinomo up` renames it with the pool when it promotes a backup.
-pub fn copy_marker_path(pool: &Path) -> PathBuf {
-    let mut p = pool.as_os_str().to_owned();
-    p.push(".copy");
-    PathBuf::from(p)
-}
-
-/// Whether a backup's copy of its primary's pool was finished (see the module doc).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum CopyState {
-    /// An attach started the copy and it was not finished: the pool mixes copied chunks with
-    /// zeroed ones, or (an incremental copy) with chunks of an older image, maybe of another
-    /// primary, writes it never acknowledged included. Opened as a primary's, recovery would
-    /// make it look consistent while losing data or bringing back stale data.
-    Incomplete,
-    /// The backup held a consistent image (it caught up with its primary) when its primary
-    /// said so; it may be older than the primary's last state, never a mix.
-    Complete,
-}
-
-impl CopyState {
-    pub fn as_str(self) -> &'static str {
-        match self {
-            CopyState::Incomplete => "incomplete",
-            CopyState::Complete => "complete",
-        }
-    }
-}
-
-/// What `<pool>.copy` says: the state of the copy made by one attach.
-///
-/// Format (version 1), text, one `name value` pair a line:
-/// ```text
-/// format 1
-/// state incomplete
-/// term 7
-/// instance 1234567
-/// copy 89
-/// ```
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct CopyMarker {
-    pub state: CopyState,
-    /// The primary's term and instance that attached the backup and made this copy.
-    pub term: u64,
-    pub instance: u64,
-    /// A number the backup drew for this attach: a CopyComplete call must name it, so that a
-    /// late call about an earlier copy cannot mark a newer one complete.
-    pub copy: u64,
-}
-
-impl CopyMarker {
-    fn to_text(self) -> String {
-        format!(
-            "format {COPY_MARKER_FORMAT}\nstate {}\nterm {}\ninstance {}\ncopy {}\n",
-            self.state.as_str(),
-            self.term,
-            self.instance,
-            self.copy
-        )
-    }
-
-    fn parse(text: &str) -> std::result::Result<Self, String> {
-        let mut fields = std::collections::HashMap::new();
-        for line in text.lines().filter(|l| !l.trim().is_empty()) {
-            let (name, value) = line
-                .trim()
-                .split_once(' ')
-                .ok_or_else(|| format!("line {line:?} is not \"NAME VALUE\""))?;
-            fields.insert(name, value.trim());
-        }
-        match fields.get("format") {
-            Some(v) if *v == COPY_MARKER_FORMAT.to_string() => {}
-            Some(v) => {
-                return Err(format!(
-                    "is format {v}; this dpm-node reads format {COPY_MARKER_FORMAT}"
-                ))
-            }
-            None => return Err("has no \"format\" line".into()),
-        }
-        let number = |name: &str| -> std::result::Result<u64, String> {
-            fields
-                .get(name)
-                .ok_or_else(|| format!("has no {name:?} line"))?
-                .parse()
-                .map_err(|e| format!("{name}: {e}"))
-        };
-        let state = match fields.get("state").copied() {
-            Some("incomplete") => CopyState::Incomplete,
-            Some("complete") => CopyState::Complete,
-            Some(s) => return Err(format!("state {s:?}: expected incomplete or complete")),
-            None => return Err("has no \"state\" line".into()),
-        };
-        Ok(CopyMarker {
-            state,
-            term: number("term")?,
-            instance: number("instance")?,
-            copy: number("copy")?,
-        })
-    }
-}
-
-/// What `<pool>.copy` says, if it exists (a pool that never was a backup's has none).
-pub fn read_copy_marker(pool: &Path) -> Result<Option<CopyMarker>> {
-    let path = copy_marker_path(pool);
-    match std::fs::read(&path) {
-        Ok(bytes) => std::str::from_utf8(&bytes)
-            .map_err(|_| "is not text".to_string())
-            .and_then(CopyMarker::parse)
-            .map(Some)
-            .map_err(|detail| DpmError::BadPool {
-                path: path.display().to_string(),
-                detail: format!(
-                    "the copy marker {detail}; it says whether this pool holds a finished copy \
-                     of a primary's pool (docs/decisions/0007-dpm-replication.md)"
-                ),
-            }),
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
-        Err(e) => Err(e.into()),
-    }
-}
-
-fn write_copy_marker(pool: &Path, m: CopyMarker) -> Result<()> {
-    write_durably(&copy_marker_path(pool), &m.to_text())
-}
-
-/// Removes `<pool>.copy` (durably), if it exists: done once a primary opened the pool, so that
-/// the pool is a primary's own from then on (see [`crate::dpm::Dpm::open`]).
-pub fn remove_copy_marker(pool: &Path) -> Result<()> {
-    let path = copy_marker_path(pool);
-    match std::fs::remove_file(&path) {
-        Ok(()) => {
-            sync_dir_of(&path);
-            Ok(())
-        }
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
-        Err(e) => Err(e.into()),
-    }
 }
 
 impl Backup {
@@ -1037,6 +683,9 @@ async fn bind_nic(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::replication::copy_marker::remove_copy_marker;
+    use crate::replication::role_file::{demote, read_role};
+    use crate::replication::term_file::{note_own_image, term_path};
 
     fn backup(dir: &Path) -> Backup {
         Backup::new(

@@ -35,10 +35,14 @@
 
 pub mod backup;
 mod confirm;
+pub mod copy_marker;
 pub mod digest;
+mod durable;
 pub mod image;
 pub mod replicator;
+pub mod role_file;
 mod service;
+pub mod term_file;
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
@@ -52,7 +56,7 @@ use dinomo_proto::dpm::replica_service_client::ReplicaServiceClient;
 use dinomo_security::Security;
 
 pub use backup::Backup;
-pub use backup::{CopyMarker, CopyState};
+pub use copy_marker::{CopyMarker, CopyState};
 pub use replicator::{BackupStatus, ConfirmCopy, Phase, Replicator, ReplicatorOptions};
 pub use service::ReplicaGrpc;
 
@@ -86,9 +90,10 @@ pub struct Primary {
     /// The term and instance the pool's previous start took (sent with Attach: a backup that
     /// accepted that start and nothing since takes this one back, image older or not).
     previous: Option<(u64, u64)>,
-    /// Backups named at start that have not been attached yet, with why the last try failed:
-    /// reported by Status (state "attaching"), so that whoever watches the set (an operator,
-    /// the monitor) does not add them a second time, which would start their copy again.
+    /// Backups named at start that have not been attached yet, with why the last try failed,
+    /// and backups an AddBackup is attaching: reported by Status (state "attaching"), so that
+    /// whoever watches the set (an operator, the monitor) does not add them a second time,
+    /// which would start their copy again.
     attaching: parking_lot::Mutex<std::collections::BTreeMap<String, String>>,
 }
 
@@ -101,7 +106,7 @@ impl Primary {
         security: Security,
         opts: ReplicatorOptions,
     ) -> Result<Arc<Self>> {
-        let on_file = backup::read_accepted(&dpm.config.pool_path)?;
+        let on_file = term_file::read_accepted(&dpm.config.pool_path)?;
         let mut started_image = dpm.init_replica_image()?;
         // A promoted backup: its primary may have told it a newer generation than the copy of
         // the image record its pool holds (the told one is durable when told; the record's
@@ -149,9 +154,9 @@ impl Primary {
 
     /// Stops acknowledging for good: another primary has taken over. With `newer_term` (a
     /// replica showed a newer image than this pool's: see [`Primary::newer_primary`]), this
-    /// node also records that it is a backup now (see `backup::RecordedRole`), fencing every
+    /// node also records that it is a backup now (see `role_file::RecordedRole`), fencing every
     /// primary up to `newer_term - 1` and refusing from then on every image older than its own
-    /// (`backup::demote`: fence and floor), so that started again it serves as a backup the
+    /// (`role_file::demote`: fence and floor), so that started again it serves as a backup the
     /// new primary can attach without anything this pool acknowledged being overwritten by an
     /// older image.
     /// Without (no evidence of a newer image: a backup that only accepted a later term, a
@@ -162,8 +167,8 @@ impl Primary {
         self.replicator.end(&format!("deposed: {why}"));
         if let Some(term) = newer_term {
             let pool = &self.dpm.config.pool_path;
-            let file = backup::role_path(pool);
-            match backup::demote(pool, term, self.image()) {
+            let file = role_file::role_path(pool);
+            match role_file::demote(pool, term, self.image()) {
                 Ok(()) => {
                     tracing::warn!(file = %file.display(), term, "recorded this node's role as backup (a replica showed an image of term {term}): started again, it serves as one");
                 }
@@ -226,6 +231,25 @@ impl Primary {
         if let Some(why) = self.replicator.ended() {
             return Err(DpmError::Replication(why));
         }
+        // Reported as "attaching" while the backup digests its pool (it is in no list
+        // meanwhile), so that a watcher does not add it again; unless a retry loop of
+        // [`Primary::attach_named`] reports it already (and removes it when done).
+        let marked = {
+            let mut attaching = self.attaching.lock();
+            let fresh = !attaching.contains_key(address);
+            if fresh {
+                attaching.insert(address.to_string(), "attaching now".into());
+            }
+            fresh
+        };
+        let r = self.attach_now(address).await;
+        if marked {
+            self.attaching.lock().remove(address);
+        }
+        r
+    }
+
+    async fn attach_now(&self, address: &str) -> Result<()> {
         let pool_bytes = self.dpm.pool().region().len();
         // The attach of a kept pool reads what it holds (syncs and digests it): allow for a
         // cold read of the whole pool, 4 s per GiB, beside the usual 30 s.
@@ -364,7 +388,7 @@ impl Primary {
             };
             tokio::task::spawn_blocking(move || {
                 dpm.record_replica_image(image)?;
-                backup::note_own_image(&dpm.config.pool_path, image)
+                term_file::note_own_image(&dpm.config.pool_path, image)
             })
             .await
             .map_err(|e| DpmError::Io(std::io::Error::other(e)))??;
@@ -567,7 +591,7 @@ impl Primary {
         let dpm = self.dpm.clone();
         tokio::task::spawn_blocking(move || {
             dpm.record_replica_image(image)?;
-            backup::note_own_image(&dpm.config.pool_path, image)
+            term_file::note_own_image(&dpm.config.pool_path, image)
         })
         .await
         .map_err(|e| DpmError::Io(std::io::Error::other(e)))??;
@@ -580,8 +604,9 @@ impl Primary {
         self.replicator.status()
     }
 
-    /// Backups named at start and not attached yet, with why the last try failed (see
-    /// [`Primary::attach_named`]); none of them is in [`Primary::backups`].
+    /// Backups being attached (an AddBackup in progress), or named at start and not attached
+    /// yet, with why the last try failed (see [`Primary::attach_named`]); none of them is in
+    /// [`Primary::backups`].
     pub fn attaching(&self) -> Vec<(String, String)> {
         let members: Vec<String> = self.backups().into_iter().map(|b| b.address).collect();
         self.attaching

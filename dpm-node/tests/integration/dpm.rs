@@ -444,7 +444,7 @@ fn an_unreadable_copy_marker_is_refused_unless_the_loss_is_accepted() {
     let dir = tempfile::tempdir().unwrap();
     drop(Dpm::open(config(dir.path(), |_| {})).unwrap());
     let cfg = config(dir.path(), |c| c.create = false);
-    let marker = dinomo_dpm_node::replication::backup::copy_marker_path(&cfg.pool_path);
+    let marker = dinomo_dpm_node::replication::copy_marker::copy_marker_path(&cfg.pool_path);
     let texts: [&[u8]; 3] = [b"format 2\nstate complete\n", b"\0\x01 torn", b"\xff\xfe"];
     for text in texts {
         std::fs::write(&marker, text).unwrap();

@@ -22,7 +22,8 @@ use dinomo_proto::dpm::{
 };
 use tonic::transport::Channel;
 
-use dinomo_dpm_node::replication::backup::{copy_marker_path, read_copy_marker, role_path};
+use dinomo_dpm_node::replication::copy_marker::{copy_marker_path, read_copy_marker};
+use dinomo_dpm_node::replication::role_file::role_path;
 use dinomo_dpm_node::replication::{CopyMarker, CopyState};
 
 use super::process::DpmProcess;

@@ -171,20 +171,47 @@ impl Leadership for Alone {
     }
 }
 
-/// Leadership as the orchestrator tells it (the Lease on Kubernetes).
+/// Leadership as the orchestrator tells it (the Lease on Kubernetes). A "leading" answer is
+/// reused for [`LEADS_FOR`] (well within the Lease's duration), so that the rounds do not
+/// renew the Lease several times a second; a check that takes longer than [`LEADS_TIMEOUT`]
+/// means "not leading".
 #[derive(Debug)]
-pub struct ByOrchestrator(pub std::sync::Arc<dyn crate::orchestrator::Orchestrator>);
+pub struct ByOrchestrator {
+    orchestrator: std::sync::Arc<dyn crate::orchestrator::Orchestrator>,
+    led_at: parking_lot::Mutex<Option<Instant>>,
+}
+
+impl ByOrchestrator {
+    pub fn new(orchestrator: std::sync::Arc<dyn crate::orchestrator::Orchestrator>) -> Self {
+        Self {
+            orchestrator,
+            led_at: parking_lot::Mutex::new(None),
+        }
+    }
+}
 
 #[async_trait]
 impl Leadership for ByOrchestrator {
     async fn leads(&self) -> bool {
-        match self.0.is_leader().await {
-            Ok(leads) => leads,
-            Err(e) => {
+        if self.led_at.lock().is_some_and(|t| t.elapsed() < LEADS_FOR) {
+            return true;
+        }
+        let leads = match tokio::time::timeout(LEADS_TIMEOUT, self.orchestrator.is_leader()).await {
+            Ok(Ok(leads)) => leads,
+            Ok(Err(e)) => {
                 tracing::warn!(error = %e, "cannot tell whether this monitor leads; not acting on the dpm replica set");
                 false
             }
-        }
+            Err(_) => {
+                tracing::warn!(
+                    "no answer about the Lease within {} s; not acting on the dpm replica set",
+                    LEADS_TIMEOUT.as_secs()
+                );
+                false
+            }
+        };
+        *self.led_at.lock() = leads.then(Instant::now);
+        leads
     }
 }
 
@@ -235,6 +262,8 @@ pub struct Watcher {
     /// the label, and every start takes a new term), after a failed patch, and every
     /// [`RELABEL_EVERY`] in case someone removed it.
     labelled: Option<(usize, u64, Instant)>,
+    /// When the last label patch failed ([`LABEL_RETRY`]).
+    label_failed: Option<Instant>,
 }
 
 /// What a round did (for tests and logs).
@@ -265,7 +294,13 @@ impl std::fmt::Debug for Watcher {
 }
 
 const ADD_RETRY: Duration = Duration::from_secs(10);
-const RELABEL_EVERY: Duration = Duration::from_secs(30);
+const RELABEL_EVERY: Duration = Duration::from_secs(10);
+/// Wait after a failed label patch before the next (each is a patch per member).
+const LABEL_RETRY: Duration = Duration::from_secs(2);
+/// How long an answer of the Lease is taken as still true (each asking renews it: a write).
+const LEADS_FOR: Duration = Duration::from_secs(1);
+/// Deadline of one leadership check: an API server that does not answer means "not leading".
+const LEADS_TIMEOUT: Duration = Duration::from_secs(5);
 /// Deadline of one pointing (the label patches): well within half a Lease, so a monitor that
 /// lost its Lease meanwhile does not move the label long after.
 const POINT_TIMEOUT: Duration = Duration::from_secs(5);
@@ -288,6 +323,7 @@ impl Watcher {
             promoting: None,
             said: String::new(),
             labelled: None,
+            label_failed: None,
         }
     }
 
@@ -323,6 +359,7 @@ impl Watcher {
             self.cfg.failover_after(),
         );
         if !leads {
+            metrics::gauge!("dinomo_monitor_dpm_failover_stuck").set(0.0);
             return Outcome::Standby;
         }
         match plan {
@@ -346,6 +383,7 @@ impl Watcher {
                 self.serving(primary, term, point, add).await
             }
             Plan::Wait(why) => {
+                metrics::gauge!("dinomo_monitor_dpm_failover_stuck").set(0.0);
                 self.say(&why, false);
                 Outcome::Waiting(why)
             }
@@ -415,19 +453,29 @@ impl Watcher {
         let stale = self
             .labelled
             .is_none_or(|(m, t, at)| m != primary || t != term || at.elapsed() >= RELABEL_EVERY);
-        if point || stale {
-            if let Err(e) = self.point(primary, term).await {
-                let why = format!(
-                    "pointing clients at the primary {}: {e}",
-                    self.addresses[primary]
-                );
-                tracing::warn!("{why}; retrying");
-                return Outcome::Failed(why);
+        let backing_off = self
+            .label_failed
+            .is_some_and(|at| at.elapsed() < LABEL_RETRY);
+        let mut outcome = Outcome::Serving { primary };
+        if (point || stale) && !backing_off {
+            match self.point(primary, term).await {
+                Ok(()) => {
+                    self.label_failed = None;
+                    if point {
+                        tracing::info!(primary = %self.addresses[primary], term, "clients pointed at the dpm primary");
+                    }
+                    self.memory.pointed = Some(primary);
+                }
+                Err(e) => {
+                    let why = format!(
+                        "pointing clients at the primary {}: {e}",
+                        self.addresses[primary]
+                    );
+                    tracing::warn!("{why}; retrying in {} s", LABEL_RETRY.as_secs());
+                    self.label_failed = Some(Instant::now());
+                    outcome = Outcome::Failed(why);
+                }
             }
-            if point {
-                tracing::info!(primary = %self.addresses[primary], term, "clients pointed at the dpm primary");
-            }
-            self.memory.pointed = Some(primary);
         }
         self.say(
             &format!("{} serves as the primary", self.addresses[primary]),
@@ -454,7 +502,7 @@ impl Watcher {
             });
             self.adding[m] = Some((call, Instant::now()));
         }
-        Outcome::Serving { primary }
+        outcome
     }
 
     async fn promote(
@@ -497,9 +545,26 @@ impl Watcher {
                 }
                 Outcome::Promoted { member }
             }
-            Err(e) => {
-                let why = format!("promoting {target}: {e:#}");
+            Err(PromoteError::Refused(e)) => {
+                let why = format!("promoting {target}: refused: {e}");
                 tracing::error!("{why}; deciding again next round");
+                Outcome::Failed(why)
+            }
+            Err(PromoteError::Unknown(e)) => {
+                // It may be promoting itself: no other backup may be promoted beside it. It is
+                // the chosen one from now on (the plan counts it as serving once it answers as
+                // a primary); the observation is spent, so if it never serves, an operator
+                // decides.
+                let why = format!(
+                    "promoting {target}: no answer that says whether it is promoting itself \
+                     ({e}); waiting for it to serve, and promoting no other backup"
+                );
+                tracing::error!("{why}");
+                let now = Instant::now();
+                self.promoting = Some((member, now - down_for, now));
+                self.memory.serving = None;
+                self.memory.down_since = None;
+                self.memory.pointed = Some(member);
                 Outcome::Failed(why)
             }
         }
@@ -566,14 +631,49 @@ async fn add_backup(primary: &str, backup: &str) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn promote(backup: &str, others: Vec<String>, min_term: u64) -> anyhow::Result<()> {
-    replica_client(backup, Duration::from_secs(30))
-        .await?
+/// Why a Promote failed.
+enum PromoteError {
+    /// The backup refused it (its copy is not complete, no backups named, ...): nothing
+    /// changed there.
+    Refused(String),
+    /// No answer, or an answer that does not say: the promotion may be under way (it goes on
+    /// after the caller's deadline).
+    Unknown(String),
+}
+
+async fn promote(
+    backup: &str,
+    others: Vec<String>,
+    min_term: u64,
+) -> std::result::Result<(), PromoteError> {
+    let mut client = replica_client(backup, Duration::from_secs(30))
+        .await
+        // Not connected: the call was never sent.
+        .map_err(|e| PromoteError::Refused(format!("{e:#}")))?;
+    let answer = client
         .promote(PromoteRequest {
             backups: others,
             min_term,
         })
-        .await
-        .map_err(|s| anyhow::anyhow!("{}", s.message()))?;
-    Ok(())
+        .await;
+    match answer {
+        Ok(_) => Ok(()),
+        Err(s)
+            if matches!(
+                s.code(),
+                tonic::Code::FailedPrecondition
+                    | tonic::Code::InvalidArgument
+                    | tonic::Code::PermissionDenied
+                    | tonic::Code::Unauthenticated
+                    | tonic::Code::Unimplemented
+            ) =>
+        {
+            Err(PromoteError::Refused(s.message().to_string()))
+        }
+        Err(s) => Err(PromoteError::Unknown(format!(
+            "{:?}: {}",
+            s.code(),
+            s.message()
+        ))),
+    }
 }

@@ -8,8 +8,9 @@
 //!   once that backup accepted its term and recorded its copy complete, which a deposed or
 //!   stale primary cannot get; so a restarted old primary that still answers "primary" before
 //!   it demotes itself is never taken for the serving one. The member this watcher promoted
-//!   itself counts as serving as soon as it answers as a primary (its backups are copied
-//!   meanwhile; it acknowledges nothing before one is in sync).
+//!   itself counts as serving as soon as it answers as a primary, unless a primary of a newer
+//!   term answers too (its backups are copied meanwhile; it acknowledges once one backup
+//!   accepted its term, but nothing is promoted without an observation of backups in sync).
 //! - **A failover** needs an observation of the serving primary: which backups were in sync
 //!   with it, under which term and generation. It happens once that primary has stopped
 //!   answering as a primary for `failover_after`, and promotes a backup that was in sync at
@@ -155,9 +156,16 @@ pub fn plan(
         .filter_map(|i| primary(&seen[i]).map(|s| (i, s, in_sync(members, s))))
         .filter(|(_, _, synced)| !synced.is_empty())
         .max_by_key(|(i, s, _)| (s.term, std::cmp::Reverse(*i)));
-    let promoted = mem
-        .pointed
-        .and_then(|p| primary(&seen[p]).map(|s| (p, s, Vec::new())));
+    // The member this watcher chose (promoted, or labelled before), while no primary of a
+    // newer term answers beside it (a stale one restarted would otherwise be labelled).
+    let newest_primary_term = (0..members.len())
+        .filter_map(|m| primary(&seen[m]).map(|s| s.term))
+        .max();
+    let promoted = mem.pointed.and_then(|p| {
+        primary(&seen[p])
+            .filter(|s| Some(s.term) == newest_primary_term)
+            .map(|s| (p, s, Vec::new()))
+    });
     if primary_answers(seen) {
         mem.no_primary_since = None;
     } else {
