@@ -271,6 +271,32 @@ async fn rounds_until(
     }
 }
 
+/// Kills `pods[victim]` for good (held down) and runs rounds until a backup is promoted and
+/// serves; the promoted member.
+async fn kill_and_fail_over(
+    watcher: &mut Watcher,
+    pods: &[&Pod],
+    d: &Path,
+    victim: usize,
+) -> usize {
+    pods[victim].kill(true);
+    let what = format!("a promotion after {} was killed", pods[victim].name);
+    let o = rounds_until(watcher, pods, d, Duration::from_secs(30), &what, |o| {
+        matches!(o, Outcome::Promoted { .. })
+    })
+    .await;
+    let Outcome::Promoted { member } = o else {
+        unreachable!()
+    };
+    assert_ne!(member, victim);
+    let what = format!("{} serving once promoted", pods[member].name);
+    rounds_until(watcher, pods, d, Duration::from_secs(60), &what, |o| {
+        *o == Outcome::Serving { primary: member }
+    })
+    .await;
+    member
+}
+
 /// Writes `n` keys named `prefix-i` through `primary`, each acknowledged (retrying while the
 /// primary is not ready to acknowledge yet: no backup in sync).
 async fn write_keys(primary: &str, prefix: &str, n: u32) -> Vec<String> {
@@ -396,30 +422,9 @@ async fn the_monitor_fails_the_dpm_primary_over_twice_and_keeps_every_write() {
 
     // Its machine is lost: a backup that was in sync is promoted and pointed at.
     let killed = Instant::now();
-    p.kill(true);
-    let o = rounds_until(
-        &mut watcher,
-        &pods,
-        d,
-        Duration::from_secs(30),
-        "a promotion",
-        |o| matches!(o, Outcome::Promoted { .. }),
-    )
-    .await;
-    let Outcome::Promoted { member: first } = o else {
-        unreachable!()
-    };
-    assert!(first == 1 || first == 2, "{o:?}");
+    let first = kill_and_fail_over(&mut watcher, &pods, d, 0).await;
+    assert!(first == 1 || first == 2);
     let new_primary = pods[first].grpc.clone();
-    rounds_until(
-        &mut watcher,
-        &pods,
-        d,
-        Duration::from_secs(60),
-        "the promoted one serving",
-        |o| *o == Outcome::Serving { primary: first },
-    )
-    .await;
     let promoted_serving = killed.elapsed();
     assert_eq!(pointer.last(), Some(first));
     assert_all_read(&new_primary, &keys).await;
@@ -475,30 +480,9 @@ async fn the_monitor_fails_the_dpm_primary_over_twice_and_keeps_every_write() {
 
     // The new primary's machine is lost too: the set fails over again.
     let killed = Instant::now();
-    pods[first].kill(true);
-    let o = rounds_until(
-        &mut watcher,
-        &pods,
-        d,
-        Duration::from_secs(30),
-        "a second promotion",
-        |o| matches!(o, Outcome::Promoted { .. }),
-    )
-    .await;
-    let Outcome::Promoted { member: second } = o else {
-        unreachable!()
-    };
-    assert_ne!(second, first, "{o:?}");
+    let second = kill_and_fail_over(&mut watcher, &pods, d, first).await;
+    assert_ne!(second, first);
     let newest = pods[second].grpc.clone();
-    rounds_until(
-        &mut watcher,
-        &pods,
-        d,
-        Duration::from_secs(60),
-        "the second promoted one serving",
-        |o| *o == Outcome::Serving { primary: second },
-    )
-    .await;
     assert_eq!(pointer.last(), Some(second));
     assert_all_read(&newest, &keys).await;
     keys.extend(write_keys(&newest, "after-failover-2", 10).await);
