@@ -172,7 +172,7 @@ impl Dpm {
     /// a marker opens as any other.
     pub fn open(config: DpmConfig) -> Result<Arc<Self>> {
         let path = &config.pool_path;
-        // A backup's pool carries a copy marker (replication/backup.rs): an unfinished copy is
+        // A backup's pool carries a copy marker (replication/copy_marker.rs): an unfinished copy is
         // not a pool to serve from, unless the operator accepts the loss.
         // Set when an unreadable marker was overridden: removed like a readable one.
         let mut overridden_unreadable_marker = false;

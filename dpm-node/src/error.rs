@@ -11,10 +11,14 @@ pub enum DpmError {
     BadPool { path: String, detail: String },
     #[error("pool {path}: {source}")]
     Layout { path: String, source: LayoutError },
-    /// A backup that must not become the primary (its copy is not a consistent image, or it
-    /// is being promoted already).
+    /// A backup that must not become the primary (its copy is not a consistent image).
     #[error("this backup cannot be promoted: {detail}")]
     NotPromotable { detail: String },
+    /// A Promote while this backup is being promoted already (by an earlier call, whose
+    /// caller may not have had the answer): ALREADY_EXISTS, so a caller tells it from a
+    /// refusal that changed nothing.
+    #[error("this backup is being promoted already (an earlier Promote); poll Status until it answers as the primary")]
+    BeingPromoted,
     /// Another process serves the pool (see `pool_lock`).
     #[error(
         "pool {pool} is in use: another dpm-node process{holder} holds its lock {lock}; two \

@@ -87,6 +87,7 @@ pub fn to_status(e: DpmError) -> Status {
         | DpmError::StaleImage { .. }
         | DpmError::SupersededImage { .. }
         | DpmError::NotPromotable { .. } => Status::failed_precondition(msg),
+        DpmError::BeingPromoted => Status::already_exists(msg),
         DpmError::Replication(_) => Status::unavailable(msg),
         _ => Status::internal(msg),
     }

@@ -375,8 +375,20 @@ impl MonitorConfig {
             ));
         }
         self.validate_kubernetes()?;
-        self.dpm_replicas
-            .validate(self.orchestrator.kind == OrchestratorKind::Kubernetes)?;
+        let kubernetes = self.orchestrator.kind == OrchestratorKind::Kubernetes;
+        self.dpm_replicas.validate(kubernetes)?;
+        let lease = self.orchestrator.kubernetes.lease_duration_secs;
+        if kubernetes && self.dpm_replicas.enabled() && lease < crate::dpm_replicas::MIN_LEASE_SECS
+        {
+            return Err(invalid(
+                "orchestrator.kubernetes.lease_duration_secs",
+                format!(
+                    "{lease} is below {} s, the shortest Lease with which the monitor fails the \
+                     dpm replica set over (it acts up to 7 s after a renewal)",
+                    crate::dpm_replicas::MIN_LEASE_SECS
+                ),
+            ));
+        }
         self.policy.validate()
     }
 

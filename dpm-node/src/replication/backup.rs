@@ -498,9 +498,7 @@ fn promote_locked(
     min_term: u64,
 ) -> Result<(u64, u64)> {
     if st.promoted {
-        return Err(DpmError::NotPromotable {
-            detail: "it is being promoted already".into(),
-        });
+        return Err(DpmError::BeingPromoted);
     }
     let marker_path = copy_marker_path(pool);
     let copy_term = match read_copy_marker(pool) {

@@ -18,7 +18,8 @@ pub fn copy_marker_path(pool: &Path) -> PathBuf {
     PathBuf::from(p)
 }
 
-/// Whether a backup's copy of its primary's pool was finished (see the module doc).
+/// Whether a backup's copy of its primary's pool was finished (see the invariants of
+/// [`super::backup`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CopyState {
     /// An attach started the copy and it was not finished: the pool mixes copied chunks with

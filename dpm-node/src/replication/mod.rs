@@ -97,6 +97,39 @@ pub struct Primary {
     attaching: parking_lot::Mutex<std::collections::BTreeMap<String, String>>,
 }
 
+/// An attach reported as "attaching" ([`Primary::attaching`]) for as long as this lives,
+/// unless a retry loop of [`Primary::attach_named`] reports it already (and removes it when it
+/// is done). Removed on drop: an AddBackup whose caller went away is dropped mid-attach.
+struct ReportedAttaching<'a> {
+    map: &'a parking_lot::Mutex<std::collections::BTreeMap<String, String>>,
+    address: Option<String>,
+}
+
+impl<'a> ReportedAttaching<'a> {
+    fn mark(
+        map: &'a parking_lot::Mutex<std::collections::BTreeMap<String, String>>,
+        address: &str,
+    ) -> Self {
+        let mut m = map.lock();
+        let fresh = !m.contains_key(address);
+        if fresh {
+            m.insert(address.to_string(), "attaching now".into());
+        }
+        Self {
+            map,
+            address: fresh.then(|| address.to_string()),
+        }
+    }
+}
+
+impl Drop for ReportedAttaching<'_> {
+    fn drop(&mut self) {
+        if let Some(a) = self.address.take() {
+            self.map.lock().remove(&a);
+        }
+    }
+}
+
 impl Primary {
     /// Takes the next replica term and installs a replicator on `dpm`'s pool (no backup yet:
     /// [`Primary::add_backup`]).
@@ -234,19 +267,8 @@ impl Primary {
         // Reported as "attaching" while the backup digests its pool (it is in no list
         // meanwhile), so that a watcher does not add it again; unless a retry loop of
         // [`Primary::attach_named`] reports it already (and removes it when done).
-        let marked = {
-            let mut attaching = self.attaching.lock();
-            let fresh = !attaching.contains_key(address);
-            if fresh {
-                attaching.insert(address.to_string(), "attaching now".into());
-            }
-            fresh
-        };
-        let r = self.attach_now(address).await;
-        if marked {
-            self.attaching.lock().remove(address);
-        }
-        r
+        let _reported = ReportedAttaching::mark(&self.attaching, address);
+        self.attach_now(address).await
     }
 
     async fn attach_now(&self, address: &str) -> Result<()> {

@@ -98,7 +98,7 @@ pub fn demote(pool: &Path, term: u64, own_image: ImageId) -> Result<()> {
 }
 
 /// Records `role` beside `pool`, durably (see [`RecordedRole`]).
-pub fn write_role(pool: &Path, role: &RecordedRole) -> Result<()> {
+pub(super) fn write_role(pool: &Path, role: &RecordedRole) -> Result<()> {
     let text = match role {
         RecordedRole::Backup => "backup\n".to_string(),
         RecordedRole::Primary { backups } => format!("primary\nbackups {}\n", backups.join(" ")),

@@ -217,8 +217,11 @@ impl ReplicaService for ReplicaGrpc {
         req: Request<pb::PromoteRequest>,
     ) -> Result<Response<pb::PromoteResponse>, Status> {
         let ReplicaGrpc::Backup(b) = self else {
-            return Err(Status::failed_precondition(
-                "this dpm-node is not a backup: only a backup can be promoted",
+            // ALREADY_EXISTS, not a refusal that changed nothing: it may be the backup an
+            // earlier Promote turned into the primary.
+            return Err(Status::already_exists(
+                "this dpm-node is not a backup (any more): only a backup can be promoted; it \
+                 may have been promoted by an earlier call",
             ));
         };
         let r = req.into_inner();

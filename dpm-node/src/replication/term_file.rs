@@ -20,11 +20,6 @@ pub(super) fn term_path(pool: &Path) -> PathBuf {
     PathBuf::from(p)
 }
 
-/// The term a backup of `pool` accepted last (0 if none).
-pub fn read_term(pool: &Path) -> Result<u64> {
-    read_accepted(pool).map(|a| a.term)
-}
-
 /// What a backup of `pool` accepted last (`<pool>.term`: "TERM INSTANCE GENERATION", then
 /// the floor's "TERM INSTANCE GENERATION" when it has one; older builds wrote the first one or
 /// two words).

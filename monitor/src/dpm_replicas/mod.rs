@@ -196,6 +196,8 @@ impl Leadership for ByOrchestrator {
         if self.led_at.lock().is_some_and(|t| t.elapsed() < LEADS_FOR) {
             return true;
         }
+        // Stamped before asking: the Lease's renewal time is taken at the start of the call.
+        let asked = Instant::now();
         let leads = match tokio::time::timeout(LEADS_TIMEOUT, self.orchestrator.is_leader()).await {
             Ok(Ok(leads)) => leads,
             Ok(Err(e)) => {
@@ -210,7 +212,7 @@ impl Leadership for ByOrchestrator {
                 false
             }
         };
-        *self.led_at.lock() = leads.then(Instant::now);
+        *self.led_at.lock() = leads.then_some(asked);
         leads
     }
 }
@@ -300,10 +302,15 @@ const LABEL_RETRY: Duration = Duration::from_secs(2);
 /// How long an answer of the Lease is taken as still true (each asking renews it: a write).
 const LEADS_FOR: Duration = Duration::from_secs(1);
 /// Deadline of one leadership check: an API server that does not answer means "not leading".
-const LEADS_TIMEOUT: Duration = Duration::from_secs(5);
+/// With [`LEADS_FOR`] and [`POINT_TIMEOUT`], a label moves at most 7 s after the Lease was
+/// last renewed: within half of the Lease's 15 s minimum (config validation).
+const LEADS_TIMEOUT: Duration = Duration::from_secs(3);
 /// Deadline of one pointing (the label patches): well within half a Lease, so a monitor that
 /// lost its Lease meanwhile does not move the label long after.
-const POINT_TIMEOUT: Duration = Duration::from_secs(5);
+const POINT_TIMEOUT: Duration = Duration::from_secs(3);
+
+/// The shortest Lease with which the watcher acts on Kubernetes (see [`LEADS_TIMEOUT`]).
+pub const MIN_LEASE_SECS: u32 = 15;
 
 impl Watcher {
     pub fn new(
@@ -481,6 +488,10 @@ impl Watcher {
             &format!("{} serves as the primary", self.addresses[primary]),
             false,
         );
+        if !add.is_empty() && !self.leadership.leads().await {
+            // Lost meanwhile: the new leader adds them (twice would copy them twice).
+            return Outcome::Standby;
+        }
         for m in add {
             if let Some((call, started)) = &self.adding[m] {
                 if !call.is_finished() || started.elapsed() < ADD_RETRY {
@@ -553,8 +564,8 @@ impl Watcher {
             Err(PromoteError::Unknown(e)) => {
                 // It may be promoting itself: no other backup may be promoted beside it. It is
                 // the chosen one from now on (the plan counts it as serving once it answers as
-                // a primary); the observation is spent, so if it never serves, an operator
-                // decides.
+                // a primary), and the only one the observation may still promote (again: a
+                // second Promote of it is refused if the first got through).
                 let why = format!(
                     "promoting {target}: no answer that says whether it is promoting itself \
                      ({e}); waiting for it to serve, and promoting no other backup"
@@ -562,9 +573,9 @@ impl Watcher {
                 tracing::error!("{why}");
                 let now = Instant::now();
                 self.promoting = Some((member, now - down_for, now));
-                self.memory.serving = None;
-                self.memory.down_since = None;
+                self.memory.promote_only = Some(member);
                 self.memory.pointed = Some(member);
+                self.labelled = None;
                 Outcome::Failed(why)
             }
         }
@@ -656,6 +667,8 @@ async fn promote(
             min_term,
         })
         .await;
+    // ALREADY_EXISTS (being promoted, or a primary already), UNAVAILABLE, a deadline: the
+    // promotion may be under way.
     match answer {
         Ok(_) => Ok(()),
         Err(s)

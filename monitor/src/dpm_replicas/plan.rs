@@ -7,10 +7,12 @@
 //!   in sync (the newest term among several). A primary is reported with a backup in sync only
 //!   once that backup accepted its term and recorded its copy complete, which a deposed or
 //!   stale primary cannot get; so a restarted old primary that still answers "primary" before
-//!   it demotes itself is never taken for the serving one. The member this watcher promoted
-//!   itself counts as serving as soon as it answers as a primary, unless a primary of a newer
-//!   term answers too (its backups are copied meanwhile; it acknowledges once one backup
-//!   accepted its term, but nothing is promoted without an observation of backups in sync).
+//!   it demotes itself is never taken for the serving one. The member this watcher chose
+//!   (promoted, or labelled before) counts as serving as soon as it answers as a primary,
+//!   whatever term a restarted old primary took meanwhile (its backups are copied meanwhile;
+//!   it acknowledges once one backup accepted its term, but nothing is promoted without an
+//!   observation of backups in sync). A Promote whose outcome is not known pins the
+//!   observation to its target ([`Memory::promote_only`]).
 //! - **A failover** needs an observation of the serving primary: which backups were in sync
 //!   with it, under which term and generation. It happens once that primary has stopped
 //!   answering as a primary for `failover_after`, and promotes a backup that was in sync at
@@ -84,6 +86,10 @@ pub struct Memory {
     /// Since when no member has answered as a primary at all (for the stuck report when there
     /// is no observation to fail over from).
     pub no_primary_since: Option<Instant>,
+    /// A Promote whose outcome is not known (no answer, or "being promoted already"): only
+    /// that member may be promoted from this observation, and while it does not answer the
+    /// plan waits for it. Cleared once a primary serves.
+    pub promote_only: Option<usize>,
 }
 
 /// The next step.
@@ -156,16 +162,11 @@ pub fn plan(
         .filter_map(|i| primary(&seen[i]).map(|s| (i, s, in_sync(members, s))))
         .filter(|(_, _, synced)| !synced.is_empty())
         .max_by_key(|(i, s, _)| (s.term, std::cmp::Reverse(*i)));
-    // The member this watcher chose (promoted, or labelled before), while no primary of a
-    // newer term answers beside it (a stale one restarted would otherwise be labelled).
-    let newest_primary_term = (0..members.len())
-        .filter_map(|m| primary(&seen[m]).map(|s| s.term))
-        .max();
-    let promoted = mem.pointed.and_then(|p| {
-        primary(&seen[p])
-            .filter(|s| Some(s.term) == newest_primary_term)
-            .map(|s| (p, s, Vec::new()))
-    });
+    // The member this watcher chose (promoted, or labelled before). Not "the newest term":
+    // the old primary, restarted, takes a newer term at each start until it demotes itself.
+    let promoted = mem
+        .pointed
+        .and_then(|p| primary(&seen[p]).map(|s| (p, s, Vec::new())));
     if primary_answers(seen) {
         mem.no_primary_since = None;
     } else {
@@ -173,6 +174,7 @@ pub fn plan(
     }
     if let Some((p, status, synced)) = with_backups.or(promoted) {
         mem.down_since = None;
+        mem.promote_only = None;
         mem.serving = (!synced.is_empty()).then_some(Serving {
             member: p,
             term: status.term,
@@ -270,6 +272,13 @@ pub fn plan(
             last.term
         ));
     }
+    if let Some(only) = mem.promote_only.filter(|&m| seen[m].is_err()) {
+        return Plan::Wait(format!(
+            "{} does not answer; it may be promoting itself (an earlier Promote's outcome is \
+             not known): waiting for it, promoting no other backup",
+            members[only]
+        ));
+    }
     // The newest generation any replica was told: a backup removed since the observation is
     // older than the ones that stayed.
     let generation = answered()
@@ -280,6 +289,7 @@ pub fn plan(
         .iter()
         .copied()
         .filter_map(|m| seen[m].as_ref().ok().map(|s| (m, s)))
+        .filter(|(m, _)| mem.promote_only.is_none_or(|only| only == *m))
         .filter(|(_, s)| {
             s.role == Role::Backup
                 && s.copy_complete
@@ -632,5 +642,50 @@ mod tests {
                 "{p:?}"
             );
         }
+    }
+
+    #[test]
+    fn the_promoted_member_serves_beside_a_restarted_old_primary_of_a_newer_term() {
+        let mut mem = Memory::default();
+        let t0 = Instant::now();
+        steady(&mut mem, t0);
+        mem.pointed = Some(1);
+        mem.serving = None;
+        let seen = [
+            primary_of(9, &[("b1:1", "failed")]),
+            primary_of(5, &[("b2:1", "syncing")]),
+            backup(5, false, 5, 0),
+        ];
+        let p = plan(&members(), &seen, &mut mem, t0, AFTER);
+        assert_eq!(p, serving(1, 5, false, vec![]));
+    }
+
+    #[test]
+    fn a_promote_of_unknown_outcome_pins_the_observation_to_its_target() {
+        let mut mem = Memory::default();
+        let t0 = Instant::now();
+        steady(&mut mem, t0);
+        let seen = [silent(), backup(3, true, 3, 0), backup(3, true, 3, 0)];
+        plan(&members(), &seen, &mut mem, t0, AFTER);
+        // The watcher promoted b1 and got no answer.
+        mem.promote_only = Some(1);
+        mem.pointed = Some(1);
+        // b1 opens its pool as the primary: it answers nothing; b2 is not promoted.
+        let seen = [silent(), silent(), backup(3, true, 3, 0)];
+        let p = plan(&members(), &seen, &mut mem, t0 + AFTER, AFTER);
+        assert!(matches!(&p, Plan::Wait(w) if w.contains("b1:1")), "{p:?}");
+        // b1 still a backup (the call never arrived): promoted again, b1 only.
+        let seen = [silent(), backup(3, true, 3, 0), backup(3, true, 3, 0)];
+        let p = plan(&members(), &seen, &mut mem, t0 + AFTER, AFTER);
+        assert!(matches!(p, Plan::Promote { member: 1, .. }), "{p:?}");
+        // b1 serves: the pin is cleared.
+        let seen = [
+            silent(),
+            primary_of(5, &[("p:1", "attaching"), ("b2:1", "syncing")]),
+            backup(5, false, 5, 0),
+        ];
+        let p = plan(&members(), &seen, &mut mem, t0 + AFTER, AFTER);
+        assert_eq!(p, serving(1, 5, false, vec![]));
+        assert_eq!(mem.promote_only, None);
     }
 }
