@@ -256,6 +256,9 @@ expect_render_failure "backups on device-DAX (dpm.replication.backups=1, dpm.pm.
   "dpm.pm.type devdax is not offered" -f "$chart/ci/devdax-values.yaml" --set dpm.replication.backups=1
 expect_failure "ack timeout above the KNs' fabric deadline (dpm.replication.ackTimeoutMs=6000)" \
   "/dpm/replication/ackTimeoutMs" --set dpm.replication.ackTimeoutMs=6000
+expect_render_failure "automatic failover with a short Lease (lease_duration_secs=10)" \
+  "lease_duration_secs must be at least 15" -f "$chart/ci/replication-values.yaml" \
+  --set monitor.config.orchestrator.lease_duration_secs=10
 expect_failure "unknown anti-affinity (dpm.replication.antiAffinity=never)" \
   "/dpm/replication/antiAffinity" --set dpm.replication.antiAffinity=never
 expect_failure "the data-losing override as a string (dpm.acceptIncompleteCopy=yes)" \

@@ -358,6 +358,9 @@ tls.existingSecrets.<id>. Call with (dict "ctx" $ "id" "dpm"). */}}
 {{- if and (gt (int64 .Values.dpm.replication.backups) 0) (ne .Values.dpm.fabric.kind "tcp") -}}
 {{- fail "dpm.replication.backups needs dpm.fabric.kind: \"tcp\" (on verbs the RDMA NIC stores the KV nodes' writes, so the primary never sees them to ship them to its backups; docs/decisions/0007)" -}}
 {{- end -}}
+{{- if and (include "dinomo.dpm.autoFailover" .) (lt (int64 $o.lease_duration_secs) 15) -}}
+{{- fail "monitor.config.orchestrator.lease_duration_secs must be at least 15 with dpm.replication.automaticFailover: the monitor moves the primary label up to 7 s after renewing its Lease, which must stay within half of it" -}}
+{{- end -}}
 {{- if and (gt (int64 .Values.dpm.replication.backups) 0) (eq .Values.dpm.pm.type "devdax") -}}
 {{- fail "dpm.replication.backups with dpm.pm.type devdax is not offered: a backup's pool would be the node's device itself (one scheduled on the primary's node would zero the primary's pool when attached) and its term file would sit in the container's /dev, forgotten at restart" -}}
 {{- end -}}

@@ -558,14 +558,15 @@ impl Watcher {
             }
             Err(PromoteError::Refused(e)) => {
                 let why = format!("promoting {target}: refused: {e}");
-                tracing::error!("{why}; deciding again next round");
+                tracing::error!("{why}; another backup of the observation is tried next round");
+                self.memory.refused.push(member);
                 Outcome::Failed(why)
             }
             Err(PromoteError::Unknown(e)) => {
                 // It may be promoting itself: no other backup may be promoted beside it. It is
                 // the chosen one from now on (the plan counts it as serving once it answers as
                 // a primary), and the only one the observation may still promote (again: a
-                // second Promote of it is refused if the first got through).
+                // second Promote of it is answered ALREADY_EXISTS if the first got through).
                 let why = format!(
                     "promoting {target}: no answer that says whether it is promoting itself \
                      ({e}); waiting for it to serve, and promoting no other backup"
@@ -573,7 +574,7 @@ impl Watcher {
                 tracing::error!("{why}");
                 let now = Instant::now();
                 self.promoting = Some((member, now - down_for, now));
-                self.memory.promote_only = Some(member);
+                self.memory.promote_only = Some((member, now));
                 self.memory.pointed = Some(member);
                 self.labelled = None;
                 Outcome::Failed(why)

@@ -86,10 +86,14 @@ pub struct Memory {
     /// Since when no member has answered as a primary at all (for the stuck report when there
     /// is no observation to fail over from).
     pub no_primary_since: Option<Instant>,
-    /// A Promote whose outcome is not known (no answer, or "being promoted already"): only
-    /// that member may be promoted from this observation, and while it does not answer the
-    /// plan waits for it. Cleared once a primary serves.
-    pub promote_only: Option<usize>,
+    /// A Promote whose outcome is not known (no answer, or "being promoted already"), and
+    /// since when: only that member may be promoted from this observation, and while it does
+    /// not answer the plan waits for it (stuck after `failover_after`). Cleared once a
+    /// primary serves.
+    pub promote_only: Option<(usize, Instant)>,
+    /// Members whose Promote was refused (nothing changed there) since the last observation:
+    /// not tried again from it, so another backup is. Cleared once a primary serves.
+    pub refused: Vec<usize>,
 }
 
 /// The next step.
@@ -175,6 +179,7 @@ pub fn plan(
     if let Some((p, status, synced)) = with_backups.or(promoted) {
         mem.down_since = None;
         mem.promote_only = None;
+        mem.refused.clear();
         mem.serving = (!synced.is_empty()).then_some(Serving {
             member: p,
             term: status.term,
@@ -261,7 +266,13 @@ pub fn plan(
     // did not see served (the old one restarted and reached it, then died again; a promotion
     // elsewhere), and may have acknowledged writes the backups of the observation lack.
     let answered = || seen.iter().filter_map(|s| s.as_ref().ok());
-    if let Some(s) = answered().find(|s| s.term.max(s.copy_term) > last.term) {
+    let pinned = mem.promote_only.map(|(m, _)| m);
+    // The pinned member raised its term itself when the Promote reached it.
+    if let Some(s) = (0..members.len())
+        .filter(|&m| Some(m) != pinned)
+        .filter_map(|m| seen[m].as_ref().ok())
+        .find(|s| s.term.max(s.copy_term) > last.term)
+    {
         return Plan::Stuck(format!(
             "primary {} {why} for {} ms, and a replica holds term {} after its term {}: a \
              primary this monitor did not see served since; not promoting (a backup of the \
@@ -272,12 +283,25 @@ pub fn plan(
             last.term
         ));
     }
-    if let Some(only) = mem.promote_only.filter(|&m| seen[m].is_err()) {
-        return Plan::Wait(format!(
-            "{} does not answer; it may be promoting itself (an earlier Promote's outcome is \
-             not known): waiting for it, promoting no other backup",
-            members[only]
-        ));
+    if let Some((only, since)) = mem.promote_only {
+        let pinned_for = now.duration_since(since);
+        let why = format!(
+            "{} {}; it may be promoting itself (an earlier Promote's outcome is not known): \
+             waiting for it, promoting no other backup",
+            members[only],
+            match &seen[only] {
+                Err(_) => "does not answer".to_string(),
+                Ok(s) => format!("answers as a backup of term {}", s.term),
+            }
+        );
+        let promoted_again = matches!(&seen[only], Ok(s) if s.term == last.term);
+        if !promoted_again {
+            return if pinned_for >= failover_after {
+                Plan::Stuck(format!("{why} for {} ms", pinned_for.as_millis()))
+            } else {
+                Plan::Wait(why)
+            };
+        }
     }
     // The newest generation any replica was told: a backup removed since the observation is
     // older than the ones that stayed.
@@ -289,7 +313,7 @@ pub fn plan(
         .iter()
         .copied()
         .filter_map(|m| seen[m].as_ref().ok().map(|s| (m, s)))
-        .filter(|(m, _)| mem.promote_only.is_none_or(|only| only == *m))
+        .filter(|(m, _)| pinned.is_none_or(|only| only == *m) && !mem.refused.contains(m))
         .filter(|(_, s)| {
             s.role == Role::Backup
                 && s.copy_complete
@@ -668,12 +692,19 @@ mod tests {
         let seen = [silent(), backup(3, true, 3, 0), backup(3, true, 3, 0)];
         plan(&members(), &seen, &mut mem, t0, AFTER);
         // The watcher promoted b1 and got no answer.
-        mem.promote_only = Some(1);
+        mem.promote_only = Some((1, t0 + AFTER));
         mem.pointed = Some(1);
         // b1 opens its pool as the primary: it answers nothing; b2 is not promoted.
         let seen = [silent(), silent(), backup(3, true, 3, 0)];
         let p = plan(&members(), &seen, &mut mem, t0 + AFTER, AFTER);
         assert!(matches!(&p, Plan::Wait(w) if w.contains("b1:1")), "{p:?}");
+        // b1 raised its term (the Promote reached it): still a wait, not a newer-term alarm.
+        let seen = [silent(), backup(4, true, 3, 0), backup(3, true, 3, 0)];
+        let p = plan(&members(), &seen, &mut mem, t0 + AFTER, AFTER);
+        assert!(matches!(&p, Plan::Wait(w) if w.contains("b1:1")), "{p:?}");
+        // ... for as long as the delay: then reported stuck, still promoting nobody else.
+        let p = plan(&members(), &seen, &mut mem, t0 + 2 * AFTER, AFTER);
+        assert!(matches!(&p, Plan::Stuck(w) if w.contains("b1:1")), "{p:?}");
         // b1 still a backup (the call never arrived): promoted again, b1 only.
         let seen = [silent(), backup(3, true, 3, 0), backup(3, true, 3, 0)];
         let p = plan(&members(), &seen, &mut mem, t0 + AFTER, AFTER);
@@ -687,5 +718,18 @@ mod tests {
         let p = plan(&members(), &seen, &mut mem, t0 + AFTER, AFTER);
         assert_eq!(p, serving(1, 5, false, vec![]));
         assert_eq!(mem.promote_only, None);
+    }
+
+    #[test]
+    fn a_refused_promotion_tries_another_backup_of_the_observation() {
+        let mut mem = Memory::default();
+        let t0 = Instant::now();
+        steady(&mut mem, t0);
+        let seen = [silent(), backup(3, true, 3, 0), backup(3, true, 3, 0)];
+        plan(&members(), &seen, &mut mem, t0, AFTER);
+        // b1's Promote was refused (its marker names another copy, say).
+        mem.refused.push(1);
+        let p = plan(&members(), &seen, &mut mem, t0 + AFTER, AFTER);
+        assert!(matches!(p, Plan::Promote { member: 2, .. }), "{p:?}");
     }
 }
