@@ -21,6 +21,10 @@
 #   --warmup S        seconds of warm-up before each measured run (default 2)
 #   --duration S      seconds measured per workload (default 8)
 #   --workloads LIST  run workloads after the load (default a,b,c)
+#   --rounds N        measure each workload N times, Dinomo and Redis alternating (D R, R D,
+#                     D R, ...), and print each round's ratio and the median of the rounds
+#                     (default 1). This machine's speed drifts by tens of percent within minutes;
+#                     rounds spread that drift over both systems instead of one of them
 #   --kns N           KV nodes of the Dinomo cluster (default 2)
 #   --kv-transport T  how the SDK reaches the KV nodes: wire (default) or grpc, or a list
 #                     (wire,grpc): each is measured against the same cluster and the same
@@ -44,7 +48,7 @@ usage() { sed -n '2,/^set -euo/p' "$0" | sed -e '$d' -e 's/^# \{0,1\}//'; }
 
 dinomo=target/release/dinomo records=50000 value_size=1000 clients=8 outstanding=4 warmup=2 connections=1
 duration=8 workloads=a,b,c kns=2 base=27700 out=target/peer-bench threads="" kn_threads=""
-kv_transport=wire insecure=0 shards=""
+kv_transport=wire insecure=0 shards="" rounds=1
 while [ $# -gt 0 ]; do
   case "$1" in
     --dinomo) dinomo=$2; shift 2 ;;
@@ -59,6 +63,7 @@ while [ $# -gt 0 ]; do
     --warmup) warmup=$2; shift 2 ;;
     --duration) duration=$2; shift 2 ;;
     --workloads) workloads=$2; shift 2 ;;
+    --rounds) rounds=$2; shift 2 ;;
     --kns) kns=$2; shift 2 ;;
     --kv-transport) kv_transport=$2; shift 2 ;;
     --insecure) insecure=1; shift ;;
@@ -69,6 +74,7 @@ while [ $# -gt 0 ]; do
   esac
 done
 [ -x "$dinomo" ] || { echo "no $dinomo: cargo build --release -p dinomo-cli" >&2; exit 2; }
+[[ "$rounds" =~ ^[1-9][0-9]*$ ]] || { echo "--rounds must be a positive integer, not '$rounds'" >&2; exit 2; }
 command -v redis-server >/dev/null || { echo "needs redis-server (apt install redis-server)" >&2; exit 2; }
 
 mkdir -p "$out"
@@ -115,8 +121,8 @@ if [ "$insecure" = 1 ]; then export DINOMO_INSECURE=1; else export DINOMO_CREDEN
 common=(--records "$records" --value-size "$value_size" --clients "$clients" --outstanding "$outstanding"
   --connections "$connections")
 [ -n "$threads" ] && common+=(--threads "$threads")
-bench() { # system transport workload extra...
-  local sys=$1 tr=$2 wl=$3; shift 3
+bench() { # system transport workload round extra...
+  local sys=$1 tr=$2 wl=$3 round=$4; shift 4
   local target name=$sys
   if [ "$sys" = dinomo ]; then
     target="dinomo://$routing"
@@ -125,46 +131,78 @@ bench() { # system transport workload extra...
   else
     target="redis://127.0.0.1:$redis_port"
   fi
-  echo "== $name $wl" >&2
+  echo "== $name $wl (round $round)" >&2
   "$dinomo" bench --target "$target" --workload "$wl" "${common[@]}" "$@" \
-    --json "$out/$name-$wl.json" >"$out/$name-$wl.txt" 2>&1
+    --json "$out/$name-$wl-r$round.json" >"$out/$name-$wl-r$round.txt" 2>&1
 }
 IFS=, read -ra transports <<<"$kv_transport"
 IFS=, read -ra wls <<<"$workloads"
-bench dinomo "${transports[0]}" load --operations "$records"
-bench redis - load --operations "$records"
-for wl in "${wls[@]}"; do
+bench dinomo "${transports[0]}" load 1 --operations "$records"
+bench redis - load 1 --operations "$records"
+dinomo_runs() { # workload round
   for tr in "${transports[@]}"; do
-    bench dinomo "$tr" "$wl" --warmup "$warmup" --duration "$duration"
+    bench dinomo "$tr" "$1" "$2" --warmup "$warmup" --duration "$duration"
   done
-  bench redis - "$wl" --warmup "$warmup" --duration "$duration"
+}
+for wl in "${wls[@]}"; do
+  for round in $(seq 1 "$rounds"); do
+    # Odd rounds run Dinomo first, even rounds Redis first: neither always gets the warmer
+    # (or the more disturbed) slot.
+    if [ $((round % 2)) = 1 ]; then
+      dinomo_runs "$wl" "$round"
+      bench redis - "$wl" "$round" --warmup "$warmup" --duration "$duration"
+    else
+      bench redis - "$wl" "$round" --warmup "$warmup" --duration "$duration"
+      dinomo_runs "$wl" "$round"
+    fi
+  done
 done
 
 if [ "$insecure" = 1 ]; then mode="plain text"; else mode=TLS; fi
 echo "Dinomo: $kns KNs, $mode; Redis: plain text, AOF everysec; $clients clients x $outstanding outstanding over $connections connection(s)"
-python3 - "$out" "load,$workloads" "$kv_transport" <<'EOF'
-import json, os, sys
-out, wls, transports = sys.argv[1], sys.argv[2].split(","), sys.argv[3].split(",")
-def load(sys_, wl):
-    with open(f"{out}/{sys_}-{wl}.json") as f:
+python3 - "$out" "load,$workloads" "$kv_transport" "$rounds" <<'EOF'
+import json, os, statistics, sys
+out, wls, transports, rounds = sys.argv[1], sys.argv[2].split(","), sys.argv[3].split(","), int(sys.argv[4])
+def load(sys_, wl, r):
+    with open(f"{out}/{sys_}-{wl}-r{r}.json") as f:
         return json.load(f)
 def lat(s):
     all_ = [l for l in s["run"]["latency"] if l["op"] == "ALL"] or s["run"]["latency"]
     return all_[0]
-print("| workload | KV transport | Dinomo ops/s | Redis ops/s | ratio | Dinomo p50 / p99 us | Redis p50 / p99 us | RTs/op | client CPU us/op | KN CPU us/op (sum) | Redis client / server CPU us/op |")
-print("|---|---|---|---|---|---|---|---|---|---|---|")
-for wl, tr in [(w, t) for w in wls for t in transports]:
-    if not os.path.exists(f"{out}/dinomo-{tr}-{wl}.json"):
-        continue
-    d, r = load(f"dinomo-{tr}", wl), load("redis", wl)
+def row(d, r):
+    """One round's figures: both systems' ops/s and p50/p99, RTs/op, CPU us/op."""
     dl, rl = lat(d), lat(r)
-    dt, rt = d["run"]["throughput_ops_per_s"], r["run"]["throughput_ops_per_s"]
     cpu = {c["name"]: c["us_per_op"] for c in d.get("cpu", [])}
-    kn = sum(v for k, v in cpu.items() if k.startswith("kv-node"))
     rcpu = {c["name"]: c["us_per_op"] for c in r.get("cpu", [])}
-    rts = d["dinomo"]["rts_per_op"] if d.get("dinomo") else float("nan")
-    print(f"| {wl} | {tr} | {dt:,.0f} | {rt:,.0f} | {dt / rt:.2f} | {dl['p50_us']:.0f} / {dl['p99_us']:.0f} | "
-          f"{rl['p50_us']:.0f} / {rl['p99_us']:.0f} | {rts:.2f} | {cpu.get('client', float('nan')):.1f} | "
-          f"{kn:.1f} | {rcpu.get('client', float('nan')):.1f} / {rcpu.get('redis-server', float('nan')):.1f} |")
+    return {
+        "d": d["run"]["throughput_ops_per_s"], "r": r["run"]["throughput_ops_per_s"],
+        "dp50": dl["p50_us"], "dp99": dl["p99_us"], "rp50": rl["p50_us"], "rp99": rl["p99_us"],
+        "rts": d["dinomo"]["rts_per_op"] if d.get("dinomo") else float("nan"),
+        "client": cpu.get("client", float("nan")),
+        "kn": sum(v for k, v in cpu.items() if k.startswith("kv-node")),
+        "rclient": rcpu.get("client", float("nan")),
+        "rserver": rcpu.get("redis-server", float("nan")),
+    }
+many = rounds > 1
+print("| workload | KV transport | Dinomo ops/s | Redis ops/s | ratio | "
+      + ("ratio per round | " if many else "")
+      + "Dinomo p50 / p99 us | Redis p50 / p99 us | RTs/op | client CPU us/op | "
+      + "KN CPU us/op (sum) | Redis client / server CPU us/op |")
+print("|---|---|---|---|---|" + ("---|" if many else "") + "---|---|---|---|---|---|")
+for wl, tr in [(w, t) for w in wls for t in transports]:
+    if not os.path.exists(f"{out}/dinomo-{tr}-{wl}-r1.json"):
+        continue
+    n = 1 if wl == "load" else rounds
+    rs = [row(load(f"dinomo-{tr}", wl, i), load("redis", wl, i)) for i in range(1, n + 1)]
+    # With several rounds each column is the median of the rounds, and the ratio the median
+    # of the rounds' own ratios (a round's two runs are minutes apart at most).
+    m = {k: statistics.median([x[k] for x in rs]) for k in rs[0]}
+    ratios = [x["d"] / x["r"] for x in rs]
+    per_round = (" " + ", ".join(f"{q:.2f}" for q in ratios) + " |") if many else ""
+    print(f"| {wl} | {tr} | {m['d']:,.0f} | {m['r']:,.0f} | {statistics.median(ratios):.2f} |{per_round} "
+          f"{m['dp50']:.0f} / {m['dp99']:.0f} | {m['rp50']:.0f} / {m['rp99']:.0f} | {m['rts']:.2f} | "
+          f"{m['client']:.1f} | {m['kn']:.1f} | {m['rclient']:.1f} / {m['rserver']:.1f} |")
+if many:
+    print(f"(medians of {rounds} rounds per workload, Dinomo and Redis alternating; the load runs once)")
 EOF
 echo "logs, texts and JSON summaries: $out" >&2
