@@ -83,7 +83,9 @@ pub enum Action {
     /// its own addresses: it recovers the pool, takes a term later than any the named nodes
     /// report (which fences the old primary at every backup it attaches) and replicates to
     /// the --backup nodes. Point the KV nodes, routing node and monitor at it (on Kubernetes,
-    /// the dpm Service; see helm/README.md). Waits until it answers as the primary.
+    /// the dpm Service; see helm/README.md). Waits until it answers as the primary. A node
+    /// being promoted already, or the primary already, is waited for the same way (a retry is
+    /// safe; its --backup list is not applied then).
     PromoteBackup {
         /// The backup's gRPC address.
         backup: String,

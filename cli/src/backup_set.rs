@@ -100,20 +100,37 @@ pub(crate) async fn promote(
         .connect()
         .await
         .with_context(|| format!("cannot reach the backup at {backup}"))?;
-    let r = ReplicaServiceClient::new(ch)
+    let reply = ReplicaServiceClient::new(ch)
         .promote(PromoteRequest {
             backups: others.to_vec(),
             min_term,
         })
-        .await
-        .map_err(|s| anyhow::anyhow!("promoting {backup}: {}", s.message()))?
-        .into_inner();
-    println!(
-        "{backup} holds a complete copy made under term {} and is starting as the primary \
-         (after term {})",
-        r.copy_term,
-        r.accepted_term.max(min_term)
-    );
+        .await;
+    match reply {
+        Ok(r) => {
+            let r = r.into_inner();
+            println!(
+                "{backup} holds a complete copy made under term {} and is starting as the \
+                 primary (after term {})",
+                r.copy_term,
+                r.accepted_term.max(min_term)
+            );
+        }
+        // Being promoted by an earlier call (this one's retry after a lost answer, or the
+        // monitor's), or the primary already: what was asked for is under way or done, so
+        // wait for it as for our own promotion. That call's backups are the ones it attaches.
+        Err(s) if s.code() == tonic::Code::AlreadyExists => {
+            println!("{backup}: {}", s.message());
+            if !others.is_empty() {
+                println!(
+                    "  the --backup list of this call is not applied: the primary attaches the \
+                     backups it was started or promoted with (add-backup / remove-backup change \
+                     them)"
+                );
+            }
+        }
+        Err(s) => anyhow::bail!("promoting {backup}: {}", s.message()),
+    }
     let deadline = tokio::time::Instant::now() + timeout;
     loop {
         if let Ok(s) = crate::status::replica_status(backup).await {
