@@ -7,7 +7,8 @@
 //! A primary lost for good is replaced by a backup that was in sync, every acknowledged write
 //! is read back from it, it acknowledges new ones; the old primary, back, demotes itself and is
 //! attached as a backup; then the new primary is lost too and the set fails over again. A
-//! primary restarted in place is kept.
+//! primary restarted in place is kept. A monitor that takes over from a leader that died
+//! promoting a backup waits for that backup instead of promoting another.
 
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
@@ -16,7 +17,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use dinomo_monitor::dpm_replicas::{
-    Alone, DpmReplicasConfig, MemberConfig, Outcome, PrimaryPointer, Watcher,
+    Alone, DpmReplicasConfig, Leadership, MemberConfig, Outcome, PrimaryPointer, Watcher,
 };
 use dinomo_proto::dpm::dpm_service_client::DpmServiceClient;
 use dinomo_proto::dpm::replica_service_client::ReplicaServiceClient;
@@ -492,6 +493,158 @@ async fn the_monitor_fails_the_dpm_primary_over_twice_and_keeps_every_write() {
         killed.elapsed().as_millis(),
         keys.len(),
         pointer.0.lock().unwrap()
+    );
+}
+
+/// A Lease two watchers share, as two monitor pods share theirs: who leads, and the note the
+/// leader leaves ([`Leadership::leave_note`]).
+#[derive(Clone, Default)]
+struct SharedLease(Arc<Mutex<(usize, Option<String>)>>);
+
+/// One monitor's view of a [`SharedLease`].
+struct Holder {
+    lease: SharedLease,
+    me: usize,
+}
+
+#[async_trait]
+impl Leadership for Holder {
+    async fn leads(&self) -> bool {
+        self.lease.0.lock().unwrap().0 == self.me
+    }
+
+    async fn leave_note(&self, note: Option<String>) -> anyhow::Result<bool> {
+        let mut l = self.lease.0.lock().unwrap();
+        if l.0 != self.me {
+            return Ok(false);
+        }
+        l.1 = note;
+        Ok(true)
+    }
+
+    async fn note(&self) -> anyhow::Result<Option<String>> {
+        Ok(self.lease.0.lock().unwrap().1.clone())
+    }
+}
+
+/// The leading monitor promotes a backup and dies; the promoted backup answers nothing yet
+/// (here: it is down; on Kubernetes it may be opening a large pool). The standby that takes
+/// over holds the same observation, by which the other backup, in sync and complete, could
+/// be promoted: it must read its predecessor's note and wait for the promoted backup instead
+/// (two promoted backups take one term and stop each other, and the set serves nothing). Once
+/// the promoted backup is back and serving, the new leader follows it and removes the note.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_monitor_taking_over_mid_promotion_waits_for_the_backup_its_predecessor_promoted() {
+    let dir = tempfile::tempdir().unwrap();
+    let d = dir.path();
+    let [p, b1, b2] = replica_set(d);
+    let pods = [&p, &b1, &b2];
+    let lease = SharedLease::default();
+    let watcher_of = |me: usize| {
+        let holder = Holder {
+            lease: lease.clone(),
+            me,
+        };
+        Watcher::new(
+            watching(&pods),
+            Box::new(holder),
+            Box::new(Recorder::default()),
+        )
+    };
+    let (mut leader, mut standby) = (watcher_of(0), watcher_of(1));
+
+    // Both watch p serve with both backups in sync; only the leader acts.
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let o = leader.round().await;
+        assert_eq!(standby.round().await, Outcome::Standby);
+        if o == (Outcome::Serving { primary: 0 }) && in_sync_backups(&p.grpc).await == 2 {
+            // One more round each, so that both observed p with both backups in sync.
+            leader.round().await;
+            standby.round().await;
+            break;
+        }
+        if Instant::now() > deadline {
+            fail(&pods, d, "p serving with both backups in sync");
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+
+    // p's machine is lost; the leader promotes a backup, which is lost at once (before it
+    // serves), and so is the leader: the standby takes over.
+    p.kill(true);
+    let promoted = loop {
+        let o = leader.round().await;
+        standby.round().await;
+        if let Outcome::Promoted { member } = o {
+            break member;
+        }
+        if Instant::now() > deadline + Duration::from_secs(30) {
+            fail(
+                &pods,
+                d,
+                &format!("a promotion after p was lost; last round {o:?}"),
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    pods[promoted].kill(true);
+    let other = 3 - promoted;
+    let noted = lease.0.lock().unwrap().1.clone();
+    assert!(
+        noted
+            .as_deref()
+            .is_some_and(|n| n.starts_with(&format!("{} ", pods[promoted].grpc))),
+        "the leader noted its promotion before asking for it: {noted:?}"
+    );
+    drop(leader);
+    lease.0.lock().unwrap().0 = 1;
+
+    // Past the failover delay, twice over: the new leader promotes nobody else, and says why.
+    let waiting_since = Instant::now();
+    let mut last = None;
+    while waiting_since.elapsed() < Duration::from_secs(7) {
+        let o = standby.round().await;
+        assert!(
+            !matches!(o, Outcome::Promoted { .. }),
+            "the new leader promoted a second backup while {} was being promoted: {o:?}",
+            pods[promoted].name
+        );
+        last = Some(o);
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let Some(Outcome::Stuck(why)) = last else {
+        fail(
+            &pods,
+            d,
+            &format!("stuck waiting for the promoted backup; last round {last:?}"),
+        );
+    };
+    assert!(
+        why.contains(&pods[promoted].grpc) && why.contains("promoting no other backup"),
+        "{why}"
+    );
+    let s = status(&pods[other].grpc)
+        .await
+        .expect("the other backup answers");
+    assert_eq!(s.role, "backup", "{} was promoted too", pods[other].name);
+
+    // The promoted backup comes back: it starts as the primary it was made, attaches the
+    // other backup, and the new leader follows it and removes the note.
+    pods[promoted].release();
+    rounds_until(
+        &mut standby,
+        &pods,
+        d,
+        Duration::from_secs(90),
+        "the promoted backup serving under the new leader",
+        |o| *o == Outcome::Serving { primary: promoted },
+    )
+    .await;
+    assert_eq!(
+        lease.0.lock().unwrap().1,
+        None,
+        "the note is removed once it serves"
     );
 }
 

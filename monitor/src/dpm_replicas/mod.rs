@@ -10,6 +10,9 @@
 //! - Only the leading monitor acts ([`Leadership`]: the Kubernetes Lease); standbys watch too,
 //!   so one that takes over a dead leader's Lease already holds the observation a failover
 //!   needs. Leadership comes from the platform, not from the DPM (the DPM is what failed).
+//!   Before it promotes, the leader notes which backup beside its leadership
+//!   ([`promotion_note`]); a monitor that takes over reads the note before it acts, and waits
+//!   for that backup instead of promoting another.
 //! - How clients follow the primary is the platform's ([`PrimaryPointer`]): on Kubernetes the
 //!   chart's primary Service selects the pod this watcher labels
 //!   ([`pod_labels::PodLabels`]); elsewhere the clients must reach the primary by a name that
@@ -19,6 +22,7 @@
 
 pub mod plan;
 pub mod pod_labels;
+pub mod promotion_note;
 
 use std::time::{Duration, Instant};
 
@@ -154,10 +158,21 @@ impl DpmReplicasConfig {
     }
 }
 
-/// Whether this monitor may act now.
+/// Whether this monitor may act now, and the note a leader leaves for the next.
 #[async_trait]
 pub trait Leadership: Send + Sync {
     async fn leads(&self) -> bool;
+
+    /// Leaves `note` for whoever leads next (`None` removes it); false if this monitor does
+    /// not lead. The default keeps nothing: a monitor that is the only one has no successor.
+    async fn leave_note(&self, _note: Option<String>) -> anyhow::Result<bool> {
+        Ok(true)
+    }
+
+    /// The note the last leader left.
+    async fn note(&self) -> anyhow::Result<Option<String>> {
+        Ok(None)
+    }
 }
 
 /// A monitor that always leads (the only one).
@@ -215,6 +230,14 @@ impl Leadership for ByOrchestrator {
         *self.led_at.lock() = leads.then_some(asked);
         leads
     }
+
+    async fn leave_note(&self, note: Option<String>) -> anyhow::Result<bool> {
+        Ok(self.orchestrator.set_leader_note(note.as_deref()).await?)
+    }
+
+    async fn note(&self) -> anyhow::Result<Option<String>> {
+        Ok(self.orchestrator.leader_note().await?)
+    }
 }
 
 /// How clients are pointed at the primary.
@@ -266,6 +289,11 @@ pub struct Watcher {
     labelled: Option<(usize, u64, Instant)>,
     /// When the last label patch failed ([`LABEL_RETRY`]).
     label_failed: Option<Instant>,
+    /// Whether the note the last leader left was read since this monitor leads: a monitor
+    /// acts only once it has ([`promotion_note`]).
+    note_read: bool,
+    /// A promotion note is (or may be) left: removed once a primary serves.
+    note_left: bool,
 }
 
 /// What a round did (for tests and logs).
@@ -331,6 +359,8 @@ impl Watcher {
             said: String::new(),
             labelled: None,
             label_failed: None,
+            note_read: false,
+            note_left: false,
         }
     }
 
@@ -354,9 +384,20 @@ impl Watcher {
             futures::future::join_all(self.addresses.iter().map(|a| status(a, timeout))).await;
         let leads = self.leadership.leads().await;
         if leads != self.led {
-            // Whoever led meanwhile may have pointed elsewhere: point again.
+            // Whoever led meanwhile may have pointed elsewhere: point again; and may have
+            // promoted a backup: read its note before acting.
             self.memory.pointed = None;
             self.led = leads;
+            self.note_read = false;
+        }
+        if leads && !self.note_read {
+            if let Err(why) = self.read_note().await {
+                let why = format!(
+                    "reading the last leader's promotion note: {why}; not acting until it is read"
+                );
+                tracing::warn!("{why}");
+                return Outcome::Failed(why);
+            }
         }
         let plan = plan::plan(
             &self.addresses,
@@ -408,6 +449,54 @@ impl Watcher {
         }
     }
 
+    /// Reads the note the last leader left: a fresh one pins the observation to the backup it
+    /// names (that leader may have promoted it, and it may still be opening its pool).
+    async fn read_note(&mut self) -> Result<(), String> {
+        let note = match tokio::time::timeout(LEADS_TIMEOUT, self.leadership.note()).await {
+            Ok(Ok(note)) => note,
+            Ok(Err(e)) => return Err(format!("{e:#}")),
+            Err(_) => return Err(format!("no answer within {} s", LEADS_TIMEOUT.as_secs())),
+        };
+        self.note_read = true;
+        let Some(note) = note else {
+            return Ok(());
+        };
+        // Removed once a primary serves, pinning or not.
+        self.note_left = true;
+        match promotion_note::pinned(&note, &self.addresses, promotion_note::unix_now_ms()) {
+            Ok(member) => {
+                tracing::warn!(
+                    backup = %self.addresses[member],
+                    "the last leader noted a promotion of this backup: waiting for it to serve, \
+                     promoting no other backup"
+                );
+                if self.memory.promote_only.is_none() {
+                    self.memory.promote_only = Some((member, Instant::now()));
+                }
+            }
+            Err(why) => {
+                tracing::info!(%note, "the last leader's promotion note pins nothing: {why}")
+            }
+        }
+        Ok(())
+    }
+
+    /// Removes the promotion note once a primary serves (a failure is retried next round).
+    async fn remove_note(&mut self) {
+        if !self.note_left {
+            return;
+        }
+        match tokio::time::timeout(LEADS_TIMEOUT, self.leadership.leave_note(None)).await {
+            // Not leading any more: the next leader reads it, and removes it once it sees a
+            // primary serve.
+            Ok(Ok(_)) => self.note_left = false,
+            Ok(Err(e)) => {
+                tracing::debug!(error = %format!("{e:#}"), "removing the promotion note; retrying")
+            }
+            Err(_) => tracing::debug!("removing the promotion note: no answer; retrying"),
+        }
+    }
+
     fn say(&mut self, what: &str, error: bool) {
         if self.said != what {
             if error {
@@ -444,6 +533,7 @@ impl Watcher {
         add: Vec<usize>,
     ) -> Outcome {
         metrics::gauge!("dinomo_monitor_dpm_failover_stuck").set(0.0);
+        self.remove_note().await;
         if let Some((member, detected, promoted)) = self.promoting {
             if member == primary {
                 let ms = detected.elapsed().as_millis() as u64;
@@ -537,6 +627,27 @@ impl Watcher {
         if !self.leadership.leads().await {
             return Outcome::Standby;
         }
+        // Noted first: a monitor that takes over while the backup opens its pool (it answers
+        // nothing meanwhile) must wait for it, not promote another backup of the observation.
+        let note = promotion_note::encode(&target, promotion_note::unix_now_ms());
+        match tokio::time::timeout(LEADS_TIMEOUT, self.leadership.leave_note(Some(note))).await {
+            Ok(Ok(true)) => self.note_left = true,
+            Ok(Ok(false)) => return Outcome::Standby,
+            Ok(Err(e)) => {
+                let why = format!("noting the promotion of {target} for a next leader: {e:#}; not promoting this round");
+                tracing::warn!("{why}");
+                return Outcome::Failed(why);
+            }
+            Err(_) => {
+                let why = format!(
+                    "noting the promotion of {target} for a next leader: no answer within {} s; \
+                     not promoting this round",
+                    LEADS_TIMEOUT.as_secs()
+                );
+                tracing::warn!("{why}");
+                return Outcome::Failed(why);
+            }
+        }
         match promote(&target, backups, min_term).await {
             Ok(()) => {
                 metrics::counter!("dinomo_monitor_dpm_failovers_total").increment(1);
@@ -560,6 +671,8 @@ impl Watcher {
                 let why = format!("promoting {target}: refused: {e}");
                 tracing::error!("{why}; another backup of the observation is tried next round");
                 self.memory.refused.push(member);
+                // Nothing changed there: a next leader must not wait for it.
+                self.remove_note().await;
                 Outcome::Failed(why)
             }
             Err(PromoteError::Unknown(e)) => {

@@ -568,7 +568,58 @@ impl Orchestrator for KubernetesOrchestrator {
         lease.spec = Some(self.lease_spec(now, now, transitions.saturating_add(1)));
         self.write_lease(&lease, "taking over").await
     }
+
+    async fn set_leader_note(&self, note: Option<&str>) -> Result<bool> {
+        let _one_write_at_a_time = self.lease_round.lock().await;
+        let name = &self.config.lease_name;
+        let Some(mut lease) = self
+            .leases
+            .get_opt(name)
+            .await
+            .map_err(|e| platform(&format!("reading Lease {}/{name}", self.namespace), e))?
+        else {
+            return Ok(false);
+        };
+        let holder = lease
+            .spec
+            .as_ref()
+            .and_then(|s| s.holder_identity.as_deref());
+        if holder != Some(self.identity.as_str()) {
+            return Ok(false);
+        }
+        let annotations = lease
+            .metadata
+            .annotations
+            .get_or_insert_with(Default::default);
+        match note {
+            Some(note) => {
+                annotations.insert(LEADER_NOTE.to_string(), note.to_string());
+            }
+            None => {
+                if annotations.remove(LEADER_NOTE).is_none() {
+                    return Ok(true);
+                }
+            }
+        }
+        // Conditional on the resourceVersion read: a monitor that took the Lease meanwhile
+        // makes it a conflict (false), not an overwrite of its renewal.
+        self.write_lease(&lease, "writing the leader's note on")
+            .await
+    }
+
+    async fn leader_note(&self) -> Result<Option<String>> {
+        let name = &self.config.lease_name;
+        let lease = self
+            .leases
+            .get_opt(name)
+            .await
+            .map_err(|e| platform(&format!("reading Lease {}/{name}", self.namespace), e))?;
+        Ok(lease.and_then(|l| l.metadata.annotations?.remove(LEADER_NOTE)))
+    }
 }
+
+/// The Lease annotation that carries the leader's note ([`Orchestrator::set_leader_note`]).
+pub const LEADER_NOTE: &str = "dinomo.io/leader-note";
 
 /// A Platform error: `what` was being done and the API server (or transport) said `err`.
 fn platform(what: &str, err: kube::Error) -> OrchestratorError {
@@ -1242,6 +1293,95 @@ mod tests {
         let result = orch.is_leader().await;
         finish(orch, server).await;
         assert!(!result.expect("a conflict is not an error"));
+    }
+
+    /// `lease` with the leader's note `note` (`Some("")`: an empty annotations map).
+    fn noted(mut lease: Value, note: Option<&str>) -> Value {
+        lease["metadata"]["annotations"] = match note {
+            Some("") => json!({}),
+            Some(n) => json!({ LEADER_NOTE: n }),
+            None => return lease,
+        };
+        lease
+    }
+
+    #[tokio::test]
+    async fn the_leader_writes_its_note_on_its_lease() {
+        let held = lease("monitor-a", "7", EARLIER, NOW_MINUS_5S, 2);
+        let (orch, server) = with_script(vec![
+            expect("GET", LEASE).reply(200, held.clone()),
+            expect("PUT", LEASE)
+                .body(noted(held, Some("b1:7700 1700000000000")))
+                .reply(200, lease("monitor-a", "8", EARLIER, NOW_MINUS_5S, 2)),
+        ]);
+        let result = orch.set_leader_note(Some("b1:7700 1700000000000")).await;
+        finish(orch, server).await;
+        assert!(result.expect("set_leader_note"));
+    }
+
+    #[tokio::test]
+    async fn a_monitor_that_does_not_hold_the_lease_writes_no_note() {
+        let (orch, server) = with_script(vec![
+            expect("GET", LEASE).reply(200, lease("monitor-b", "7", EARLIER, NOW_MINUS_5S, 2)),
+            expect("GET", LEASE).reply(404, status(404, "NotFound", "not found")),
+        ]);
+        let theirs = orch.set_leader_note(Some("b1:7700 1")).await;
+        let none = orch.set_leader_note(Some("b1:7700 1")).await;
+        finish(orch, server).await;
+        assert!(!theirs.expect("another's Lease"));
+        assert!(!none.expect("no Lease"));
+    }
+
+    #[tokio::test]
+    async fn the_note_survives_renewals_and_takeovers_and_is_read_and_removed() {
+        let note = "b2:7700 1700000000000";
+        let (orch, server) = with_script(vec![
+            // Renewed: the note stays.
+            expect("GET", LEASE).reply(
+                200,
+                noted(
+                    lease("monitor-a", "7", EARLIER, NOW_MINUS_5S, 2),
+                    Some(note),
+                ),
+            ),
+            expect("PUT", LEASE)
+                .body(noted(lease("monitor-a", "7", EARLIER, NOW, 2), Some(note)))
+                .reply(200, lease("monitor-a", "8", EARLIER, NOW, 2)),
+            // Another monitor's expired Lease taken over: its note stays, for the new leader.
+            expect("GET", LEASE).reply(
+                200,
+                noted(
+                    lease("monitor-b", "9", EARLIER, NOW_MINUS_20S, 2),
+                    Some(note),
+                ),
+            ),
+            expect("PUT", LEASE)
+                .body(noted(lease("monitor-a", "9", NOW, NOW, 3), Some(note)))
+                .reply(200, lease("monitor-a", "10", NOW, NOW, 3)),
+            // Read by the new leader, then removed.
+            expect("GET", LEASE).reply(
+                200,
+                noted(lease("monitor-a", "10", NOW, NOW, 3), Some(note)),
+            ),
+            expect("GET", LEASE).reply(
+                200,
+                noted(lease("monitor-a", "10", NOW, NOW, 3), Some(note)),
+            ),
+            expect("PUT", LEASE)
+                .body(noted(lease("monitor-a", "10", NOW, NOW, 3), Some("")))
+                .reply(200, lease("monitor-a", "11", NOW, NOW, 3)),
+            // Nothing to remove: no write.
+            expect("GET", LEASE).reply(200, lease("monitor-a", "11", NOW, NOW, 3)),
+        ]);
+        let renewed = orch.is_leader().await;
+        let taken = orch.is_leader().await;
+        let read = orch.leader_note().await;
+        let removed = orch.set_leader_note(None).await;
+        let again = orch.set_leader_note(None).await;
+        finish(orch, server).await;
+        assert!(renewed.expect("renewal") && taken.expect("takeover"));
+        assert_eq!(read.expect("leader_note").as_deref(), Some(note));
+        assert!(removed.expect("removal") && again.expect("nothing to remove"));
     }
 
     #[tokio::test]

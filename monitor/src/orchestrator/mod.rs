@@ -74,4 +74,18 @@ pub trait Orchestrator: Send + Sync + Debug {
     async fn is_leader(&self) -> Result<bool> {
         Ok(true)
     }
+
+    /// Leaves `note` beside the leadership for whoever leads next (`None` removes it): on
+    /// Kubernetes an annotation of the Lease, written only while this monitor holds it (false:
+    /// it does not, or another monitor wrote the Lease first). The dpm replica set's watcher
+    /// records there the promotion it is about to ask for (monitor/src/dpm_replicas). A
+    /// platform with one monitor keeps nothing: nobody takes over from it.
+    async fn set_leader_note(&self, _note: Option<&str>) -> Result<bool> {
+        Ok(true)
+    }
+
+    /// The note the last leader left ([`Orchestrator::set_leader_note`]), if any.
+    async fn leader_note(&self) -> Result<Option<String>> {
+        Ok(None)
+    }
 }
