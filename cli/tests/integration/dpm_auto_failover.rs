@@ -496,10 +496,11 @@ async fn the_monitor_fails_the_dpm_primary_over_twice_and_keeps_every_write() {
     );
 }
 
-/// A Lease two watchers share, as two monitor pods share theirs: who leads, and the note the
-/// leader leaves ([`Leadership::leave_note`]).
+/// A Lease two watchers share, as two monitor pods share theirs: who leads, the note the
+/// leader leaves ([`Leadership::leave_note`]), and whether writing a note fails (an API server
+/// that does not answer).
 #[derive(Clone, Default)]
-struct SharedLease(Arc<Mutex<(usize, Option<String>)>>);
+struct SharedLease(Arc<Mutex<(usize, Option<String>, bool)>>);
 
 /// One monitor's view of a [`SharedLease`].
 struct Holder {
@@ -515,6 +516,9 @@ impl Leadership for Holder {
 
     async fn leave_note(&self, note: Option<String>) -> anyhow::Result<bool> {
         let mut l = self.lease.0.lock().unwrap();
+        if l.2 {
+            anyhow::bail!("the API server does not answer");
+        }
         if l.0 != self.me {
             return Ok(false);
         }
@@ -570,15 +574,45 @@ async fn a_monitor_taking_over_mid_promotion_waits_for_the_backup_its_predecesso
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
 
-    // p's machine is lost; the leader promotes a backup, which is lost at once (before it
-    // serves), and so is the leader: the standby takes over.
+    // p's machine is lost. While the note cannot be written, the leader promotes nothing.
+    lease.0.lock().unwrap().2 = true;
     p.kill(true);
-    let promoted = loop {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
         let o = leader.round().await;
         standby.round().await;
+        assert!(
+            !matches!(o, Outcome::Promoted { .. }),
+            "promoted without a note: {o:?}"
+        );
+        if matches!(&o, Outcome::Failed(why) if why.contains("noting the promotion")) {
+            break;
+        }
+        if Instant::now() > deadline {
+            fail(
+                &pods,
+                d,
+                &format!("a promotion held back for its note; last round {o:?}"),
+            );
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    for b in [&b1, &b2] {
+        assert_eq!(
+            status(&b.grpc).await.map(|s| s.role).as_deref(),
+            Some("backup")
+        );
+    }
+    // Then the leader promotes a backup, which is lost at once (before it serves, before the
+    // standby's next round), and so is the leader: the standby takes over.
+    lease.0.lock().unwrap().2 = false;
+    let promoted = loop {
+        let o = leader.round().await;
         if let Outcome::Promoted { member } = o {
+            pods[member].kill(true);
             break member;
         }
+        standby.round().await;
         if Instant::now() > deadline + Duration::from_secs(30) {
             fail(
                 &pods,
@@ -588,7 +622,6 @@ async fn a_monitor_taking_over_mid_promotion_waits_for_the_backup_its_predecesso
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
     };
-    pods[promoted].kill(true);
     let other = 3 - promoted;
     let noted = lease.0.lock().unwrap().1.clone();
     assert!(

@@ -331,7 +331,10 @@ const LABEL_RETRY: Duration = Duration::from_secs(2);
 const LEADS_FOR: Duration = Duration::from_secs(1);
 /// Deadline of one leadership check: an API server that does not answer means "not leading".
 /// With [`LEADS_FOR`] and [`POINT_TIMEOUT`], a label moves at most 7 s after the Lease was
-/// last renewed: within half of the Lease's 15 s minimum (config validation).
+/// last renewed: within half of the Lease's 15 s minimum (config validation). A Promote is
+/// sent at most about 6.5 s after (a check, the note's write, also bounded by this, and the
+/// connection), and only after the note's write, conditional on the Lease this monitor holds,
+/// succeeded: that write is the guard against a monitor that took the Lease over meanwhile.
 const LEADS_TIMEOUT: Duration = Duration::from_secs(3);
 /// Deadline of one pointing (the label patches): well within half a Lease, so a monitor that
 /// lost its Lease meanwhile does not move the label long after.
@@ -390,15 +393,11 @@ impl Watcher {
             self.led = leads;
             self.note_read = false;
         }
-        if leads && !self.note_read {
-            if let Err(why) = self.read_note().await {
-                let why = format!(
-                    "reading the last leader's promotion note: {why}; not acting until it is read"
-                );
-                tracing::warn!("{why}");
-                return Outcome::Failed(why);
-            }
-        }
+        // Read against the observation held before this round (the one a failover would use).
+        let note_unread = match leads && !self.note_read {
+            true => self.read_note().await.err(),
+            false => None,
+        };
         let plan = plan::plan(
             &self.addresses,
             &seen,
@@ -409,6 +408,14 @@ impl Watcher {
         if !leads {
             metrics::gauge!("dinomo_monitor_dpm_failover_stuck").set(0.0);
             return Outcome::Standby;
+        }
+        if let Some(why) = note_unread {
+            // Watched like a standby (the plan above), acting on nothing until it is read.
+            let why = format!(
+                "reading the last leader's promotion note: {why}; not acting until it is read"
+            );
+            self.say(&why, true);
+            return Outcome::Failed(why);
         }
         match plan {
             Plan::Serving {
@@ -463,16 +470,20 @@ impl Watcher {
         };
         // Removed once a primary serves, pinning or not.
         self.note_left = true;
-        match promotion_note::pinned(&note, &self.addresses, promotion_note::unix_now_ms()) {
+        match promotion_note::pinned(&note, &self.addresses, self.memory.serving.as_ref()) {
             Ok(member) => {
                 tracing::warn!(
                     backup = %self.addresses[member],
-                    "the last leader noted a promotion of this backup: waiting for it to serve, \
-                     promoting no other backup"
+                    %note,
+                    "the last leader noted a promotion of this backup from the observation this \
+                     monitor holds: waiting for it to serve, promoting no other backup"
                 );
-                if self.memory.promote_only.is_none() {
-                    self.memory.promote_only = Some((member, Instant::now()));
-                }
+                // As after a Promote of unknown outcome of its own (see `promote`): the only
+                // member the observation may still promote, and the chosen primary, pointed at
+                // as soon as it answers as one. A pin of its own is older than the takeover
+                // and cannot be of this observation's failover too: the note's wins.
+                self.memory.promote_only = Some((member, Instant::now()));
+                self.memory.pointed = Some(member);
             }
             Err(why) => {
                 tracing::info!(%note, "the last leader's promotion note pins nothing: {why}")
@@ -487,9 +498,12 @@ impl Watcher {
             return;
         }
         match tokio::time::timeout(LEADS_TIMEOUT, self.leadership.leave_note(None)).await {
-            // Not leading any more: the next leader reads it, and removes it once it sees a
-            // primary serve.
-            Ok(Ok(_)) => self.note_left = false,
+            Ok(Ok(true)) => self.note_left = false,
+            // Not leading any more (the next leader reads the note and removes it once it sees
+            // a primary serve), or the Lease changed under the write (retried next round).
+            Ok(Ok(false)) => {
+                tracing::debug!("removing the promotion note: the Lease changed; retrying")
+            }
             Ok(Err(e)) => {
                 tracing::debug!(error = %format!("{e:#}"), "removing the promotion note; retrying")
             }
@@ -533,7 +547,6 @@ impl Watcher {
         add: Vec<usize>,
     ) -> Outcome {
         metrics::gauge!("dinomo_monitor_dpm_failover_stuck").set(0.0);
-        self.remove_note().await;
         if let Some((member, detected, promoted)) = self.promoting {
             if member == primary {
                 let ms = detected.elapsed().as_millis() as u64;
@@ -603,6 +616,8 @@ impl Watcher {
             });
             self.adding[m] = Some((call, Instant::now()));
         }
+        // Last: not urgent, and its write waits for the Lease's renewals.
+        self.remove_note().await;
         outcome
     }
 
@@ -615,24 +630,28 @@ impl Watcher {
     ) -> Outcome {
         let target = self.addresses[member].clone();
         let backups: Vec<String> = others.iter().map(|&m| self.addresses[m].clone()).collect();
-        tracing::warn!(
-            backup = %target,
-            down_ms = down_for.as_millis() as u64,
-            min_term,
-            others = ?backups,
-            "the dpm primary is down: promoting a backup that was in sync"
-        );
         // The round began with this monitor leading; a Lease lost since (a slow round) must
         // not promote beside the new leader.
         if !self.leadership.leads().await {
             return Outcome::Standby;
         }
+        let Some(observed) = self.memory.serving.as_ref().map(|s| s.term) else {
+            // The plan promotes only from an observation.
+            return Outcome::Failed("no observation to promote from".into());
+        };
         // Noted first: a monitor that takes over while the backup opens its pool (it answers
         // nothing meanwhile) must wait for it, not promote another backup of the observation.
-        let note = promotion_note::encode(&target, promotion_note::unix_now_ms());
+        // The write is conditional on the Lease this monitor holds: a monitor that took it
+        // over meanwhile makes it fail, so no Promote follows. Marked left before the write:
+        // a write whose answer is lost may have landed.
+        self.note_left = true;
+        let note = promotion_note::encode(&target, observed, promotion_note::unix_now_ms());
         match tokio::time::timeout(LEADS_TIMEOUT, self.leadership.leave_note(Some(note))).await {
-            Ok(Ok(true)) => self.note_left = true,
-            Ok(Ok(false)) => return Outcome::Standby,
+            Ok(Ok(true)) => {}
+            Ok(Ok(false)) => {
+                tracing::warn!(backup = %target, "not promoting: the Lease changed while noting the promotion (another monitor leads?)");
+                return Outcome::Standby;
+            }
             Ok(Err(e)) => {
                 let why = format!("noting the promotion of {target} for a next leader: {e:#}; not promoting this round");
                 tracing::warn!("{why}");
@@ -648,6 +667,13 @@ impl Watcher {
                 return Outcome::Failed(why);
             }
         }
+        tracing::warn!(
+            backup = %target,
+            down_ms = down_for.as_millis() as u64,
+            min_term,
+            others = ?backups,
+            "the dpm primary is down: promoting a backup that was in sync"
+        );
         match promote(&target, backups, min_term).await {
             Ok(()) => {
                 metrics::counter!("dinomo_monitor_dpm_failovers_total").increment(1);
@@ -671,8 +697,12 @@ impl Watcher {
                 let why = format!("promoting {target}: refused: {e}");
                 tracing::error!("{why}; another backup of the observation is tried next round");
                 self.memory.refused.push(member);
-                // Nothing changed there: a next leader must not wait for it.
-                self.remove_note().await;
+                // Nothing changed there: a next leader must not wait for it; unless it was
+                // pinned (an earlier Promote of it, or the last leader's, may still be under
+                // way), which this monitor goes on waiting for too.
+                if self.memory.promote_only.map(|(m, _)| m) != Some(member) {
+                    self.remove_note().await;
+                }
                 Outcome::Failed(why)
             }
             Err(PromoteError::Unknown(e)) => {

@@ -8,44 +8,56 @@
 //! noted backup ([`super::plan::Memory::promote_only`]): it waits for it and promotes no other.
 //!
 //! Invariants:
-//! - a note older than [`FRESH_FOR`] (its leader died long ago, or it was left behind by a
-//!   leader that could not remove it) pins nothing; neither does one naming no member;
-//! - the format is `<member address> <unix milliseconds>`; anything else pins nothing (and is
-//!   logged by the caller).
+//! - a note is about one failover: the one from the serving primary observed under `term`. It
+//!   pins a reader's observation only if that observation is of the same term (every start of
+//!   a primary takes a new term) and lists the noted member in sync; a note of an earlier
+//!   failover, never removed, pins nothing later, whatever its age. Its time is for logs only
+//!   (clocks of two monitor pods need not agree);
+//! - the format is `<member address> <term> <unix milliseconds>`; anything else pins nothing
+//!   (and the caller logs why).
 
-use std::time::Duration;
+use super::plan::Serving;
 
-/// How long a note pins a new leader's observation. A promotion answers as soon as the backup
-/// has recorded its term and role; opening the pool as a primary then takes seconds, or
-/// minutes for a pool of hundreds of GiB. Longer than that, the noted backup has long served
-/// (and the note was removed) or failed, and an operator decides.
-pub const FRESH_FOR: Duration = Duration::from_secs(10 * 60);
-
-/// The note for a promotion of `member`, written at `unix_ms`.
-pub fn encode(member: &str, unix_ms: u64) -> String {
-    format!("{member} {unix_ms}")
+/// The note for a promotion of `member` from the observation of a primary of `term`, written
+/// at `unix_ms`.
+pub fn encode(member: &str, term: u64, unix_ms: u64) -> String {
+    format!("{member} {term} {unix_ms}")
 }
 
-/// The member a note pins, if it is well formed, names a member and is fresh at `now_unix_ms`.
-/// `Err` says why a note pins nothing.
-pub fn pinned(note: &str, members: &[String], now_unix_ms: u64) -> Result<usize, String> {
+/// The member a note pins in the observation `serving` (the last serving primary this monitor
+/// saw, if any). `Err` says why it pins nothing.
+pub fn pinned(note: &str, members: &[String], serving: Option<&Serving>) -> Result<usize, String> {
+    let malformed = || format!("not `<address> <term> <unix ms>`: {note:?}");
     let mut parts = note.split_whitespace();
-    let (Some(address), Some(at), None) = (parts.next(), parts.next(), parts.next()) else {
-        return Err(format!("not `<address> <unix ms>`: {note:?}"));
+    let (Some(address), Some(term), Some(at), None) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return Err(malformed());
     };
-    let at: u64 = at
-        .parse()
-        .map_err(|_| format!("not `<address> <unix ms>`: {note:?}"))?;
+    let (Ok(term), Ok(_)) = (term.parse::<u64>(), at.parse::<u64>()) else {
+        return Err(malformed());
+    };
     let member = members
         .iter()
         .position(|m| m == address)
         .ok_or_else(|| format!("{address} is no member of [dpm_replicas]"))?;
-    let age = Duration::from_millis(now_unix_ms.saturating_sub(at));
-    if age > FRESH_FOR {
+    let Some(serving) = serving else {
+        return Err(
+            "this monitor holds no observation of a serving primary (it promotes \
+                    nothing from none)"
+                .into(),
+        );
+    };
+    if serving.term != term {
         return Err(format!(
-            "written {} s ago, longer than {} s",
-            age.as_secs(),
-            FRESH_FOR.as_secs()
+            "it is about a failover from a primary of term {term}; this monitor last saw one \
+             of term {} serve",
+            serving.term
+        ));
+    }
+    if !serving.in_sync.contains(&member) {
+        return Err(format!(
+            "{address} was not in sync when this monitor last saw the primary serve"
         ));
     }
     Ok(member)
@@ -66,26 +78,52 @@ mod tests {
         ["p:1", "b1:1", "b2:1"].map(String::from).to_vec()
     }
 
-    #[test]
-    fn a_fresh_note_pins_the_member_it_names() {
-        let now = 1_800_000_000_000;
-        assert_eq!(pinned(&encode("b2:1", now - 5_000), &members(), now), Ok(2));
-        // A clock a little behind the writer's: not "from the future", just fresh.
-        assert_eq!(pinned(&encode("b1:1", now + 2_000), &members(), now), Ok(1));
+    /// p served under term 3 with b1 and b2 in sync.
+    fn observed() -> Serving {
+        Serving {
+            member: 0,
+            term: 3,
+            generation: 0,
+            in_sync: vec![1, 2],
+        }
     }
 
     #[test]
-    fn a_stale_malformed_or_foreign_note_pins_nothing() {
-        let now = 1_800_000_000_000;
-        let stale = now - FRESH_FOR.as_millis() as u64 - 1;
-        assert!(pinned(&encode("b1:1", stale), &members(), now)
-            .unwrap_err()
-            .contains("ago"));
-        assert!(pinned(&encode("x:1", now), &members(), now)
+    fn a_note_of_the_observed_failover_pins_the_member_it_names() {
+        let s = observed();
+        assert_eq!(pinned(&encode("b2:1", 3, 1), &members(), Some(&s)), Ok(2));
+        // Its time says nothing: a leader may die long after its Promote (a large pool).
+        assert_eq!(pinned(&encode("b1:1", 3, 0), &members(), Some(&s)), Ok(1));
+    }
+
+    #[test]
+    fn a_note_of_another_failover_pins_nothing() {
+        let s = observed();
+        // Left over from the failover of an earlier primary (term 2).
+        let e = pinned(&encode("b1:1", 2, 1), &members(), Some(&s)).unwrap_err();
+        assert!(e.contains("term 2"), "{e}");
+        // No observation: nothing would be promoted anyway.
+        assert!(pinned(&encode("b1:1", 3, 1), &members(), None).is_err());
+        // The primary itself, or a member that was not in sync.
+        let e = pinned(&encode("p:1", 3, 1), &members(), Some(&s)).unwrap_err();
+        assert!(e.contains("not in sync"), "{e}");
+    }
+
+    #[test]
+    fn a_malformed_or_foreign_note_pins_nothing() {
+        let s = observed();
+        assert!(pinned(&encode("x:1", 3, 1), &members(), Some(&s))
             .unwrap_err()
             .contains("no member"));
-        for bad in ["", "b1:1", "b1:1 soon", "b1:1 1 2"] {
-            assert!(pinned(bad, &members(), now).is_err(), "{bad:?}");
+        for bad in [
+            "",
+            "b1:1",
+            "b1:1 3",
+            "b1:1 3 soon",
+            "b1:1 three 1",
+            "b1:1 3 1 2",
+        ] {
+            assert!(pinned(bad, &members(), Some(&s)).is_err(), "{bad:?}");
         }
     }
 }

@@ -1333,6 +1333,20 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_note_written_over_a_changed_lease_is_not_written() {
+        let held = lease("monitor-a", "7", EARLIER, NOW_MINUS_5S, 2);
+        let (orch, server) = with_script(vec![
+            expect("GET", LEASE).reply(200, held.clone()),
+            expect("PUT", LEASE)
+                .body(noted(held, Some("b1:7700 3 1")))
+                .reply(409, status(409, "Conflict", "the object has been modified")),
+        ]);
+        let result = orch.set_leader_note(Some("b1:7700 3 1")).await;
+        finish(orch, server).await;
+        assert!(!result.expect("a conflict is not an error"));
+    }
+
+    #[tokio::test]
     async fn the_note_survives_renewals_and_takeovers_and_is_read_and_removed() {
         let note = "b2:7700 1700000000000";
         let (orch, server) = with_script(vec![
