@@ -232,18 +232,21 @@ async fn put(addr: &str, name: &str) -> Result<(), String> {
         .map_err(|_| "no answer within 5 s".to_string())?
 }
 
-async fn get(addr: &str, name: &str) -> Option<Vec<u8>> {
-    within(async {
+/// `name`'s value at `addr` (`Ok(None)`: the node answered that it holds none), or why the
+/// call failed.
+async fn get(addr: &str, name: &str) -> Result<Option<Vec<u8>>, String> {
+    let get = async {
         let mut c = DpmServiceClient::connect(format!("http://{addr}"))
             .await
-            .ok()?;
+            .map_err(|e| e.to_string())?;
         c.get_metadata(GetMetadataRequest { name: name.into() })
             .await
-            .ok()?
-            .into_inner()
-            .value
-    })
-    .await
+            .map(|r| r.into_inner().value)
+            .map_err(|s| s.message().to_string())
+    };
+    tokio::time::timeout(Duration::from_secs(5), get)
+        .await
+        .map_err(|_| "no answer within 5 s".to_string())?
 }
 
 /// Runs watcher rounds until `done` says so (or panics after `limit`, with the pods' logs).
@@ -314,10 +317,23 @@ async fn write_keys(primary: &str, prefix: &str, n: u32) -> Vec<String> {
     keys
 }
 
+/// Every key of `keys` reads back at `primary`. A call that fails (a loaded machine, a node
+/// still starting) is asked again for up to 30 s; an answer without the value fails at once.
 async fn assert_all_read(primary: &str, keys: &[String]) {
     for k in keys {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        let value = loop {
+            match get(primary, k).await {
+                Ok(v) => break v,
+                Err(e) if Instant::now() < deadline => {
+                    println!("reading {k} at {primary}: {e}; asking again");
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                Err(e) => panic!("reading {k} at {primary}: {e}, for 30 s"),
+            }
+        };
         assert_eq!(
-            get(primary, k).await.as_deref(),
+            value.as_deref(),
             Some(k.as_bytes()),
             "{k}, acknowledged before the failover, is missing at {primary}"
         );
