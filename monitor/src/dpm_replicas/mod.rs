@@ -163,8 +163,8 @@ impl DpmReplicasConfig {
 pub trait Leadership: Send + Sync {
     async fn leads(&self) -> bool;
 
-    /// Leaves `note` for whoever leads next (`None` removes it); false if this monitor does
-    /// not lead. The default keeps nothing: a monitor that is the only one has no successor.
+    /// Leaves `note` for whoever leads next (`None` removes it); false if it was not written
+    /// (this monitor does not lead, or the Lease changed under the write). The default keeps nothing: a monitor that is the only one has no successor.
     async fn leave_note(&self, _note: Option<String>) -> anyhow::Result<bool> {
         Ok(true)
     }
@@ -294,6 +294,10 @@ pub struct Watcher {
     note_read: bool,
     /// A promotion note is (or may be) left: removed once a primary serves.
     note_left: bool,
+    /// That note's text, as read or written: checked against the observation before every
+    /// round's plan while it is left (the observation it is about may be taken after it is
+    /// read).
+    note: Option<String>,
 }
 
 /// What a round did (for tests and logs).
@@ -364,6 +368,7 @@ impl Watcher {
             label_failed: None,
             note_read: false,
             note_left: false,
+            note: None,
         }
     }
 
@@ -393,11 +398,14 @@ impl Watcher {
             self.led = leads;
             self.note_read = false;
         }
-        // Read against the observation held before this round (the one a failover would use).
         let note_unread = match leads && !self.note_read {
             true => self.read_note().await.err(),
             false => None,
         };
+        if leads {
+            // Against the observation held before this round (the one a failover would use).
+            self.apply_note();
+        }
         let plan = plan::plan(
             &self.addresses,
             &seen,
@@ -409,10 +417,12 @@ impl Watcher {
             metrics::gauge!("dinomo_monitor_dpm_failover_stuck").set(0.0);
             return Outcome::Standby;
         }
-        if let Some(why) = note_unread {
-            // Watched like a standby (the plan above), acting on nothing until it is read.
+        if let (Some(why), Plan::Promote { .. }) = (note_unread, &plan) {
+            // Serving, waiting and stuck need no note (a serving primary ends any pin); a
+            // promotion does: the last leader may have promoted another backup.
             let why = format!(
-                "reading the last leader's promotion note: {why}; not acting until it is read"
+                "reading the last leader's promotion note: {why}; promoting nothing until it \
+                 is read"
             );
             self.say(&why, true);
             return Outcome::Failed(why);
@@ -456,8 +466,7 @@ impl Watcher {
         }
     }
 
-    /// Reads the note the last leader left: a fresh one pins the observation to the backup it
-    /// names (that leader may have promoted it, and it may still be opening its pool).
+    /// Reads the note the last leader left (see [`Watcher::apply_note`]).
     async fn read_note(&mut self) -> Result<(), String> {
         let note = match tokio::time::timeout(LEADS_TIMEOUT, self.leadership.note()).await {
             Ok(Ok(note)) => note,
@@ -465,31 +474,43 @@ impl Watcher {
             Err(_) => return Err(format!("no answer within {} s", LEADS_TIMEOUT.as_secs())),
         };
         self.note_read = true;
-        let Some(note) = note else {
-            return Ok(());
-        };
-        // Removed once a primary serves, pinning or not.
-        self.note_left = true;
-        match promotion_note::pinned(&note, &self.addresses, self.memory.serving.as_ref()) {
-            Ok(member) => {
-                tracing::warn!(
-                    backup = %self.addresses[member],
-                    %note,
-                    "the last leader noted a promotion of this backup from the observation this \
-                     monitor holds: waiting for it to serve, promoting no other backup"
-                );
-                // As after a Promote of unknown outcome of its own (see `promote`): the only
-                // member the observation may still promote, and the chosen primary, pointed at
-                // as soon as it answers as one. A pin of its own is older than the takeover
-                // and cannot be of this observation's failover too: the note's wins.
-                self.memory.promote_only = Some((member, Instant::now()));
-                self.memory.pointed = Some(member);
-            }
-            Err(why) => {
-                tracing::info!(%note, "the last leader's promotion note pins nothing: {why}")
-            }
+        if let Some(note) = note {
+            tracing::info!(%note, "the last leader left a promotion note");
+            // Removed once a primary serves, pinning or not.
+            self.note_left = true;
+            self.note = Some(note);
         }
         Ok(())
+    }
+
+    /// A note of the failover of the primary this monitor last saw serve pins its observation
+    /// to the backup it names: that leader (or this monitor, before it lost the Lease) may have
+    /// promoted it, and it may still be opening its pool.
+    fn apply_note(&mut self) {
+        let Some(note) = &self.note else {
+            return;
+        };
+        let Ok(member) =
+            promotion_note::pinned(note, &self.addresses, self.memory.serving.as_ref())
+        else {
+            return;
+        };
+        if self.memory.promote_only.map(|(m, _)| m) == Some(member) {
+            return;
+        }
+        tracing::warn!(
+            backup = %self.addresses[member],
+            %note,
+            "a promotion note of the failover this monitor would make: waiting for that backup \
+             to serve, promoting no other"
+        );
+        // As after a Promote of unknown outcome of its own (see `promote`): the only member
+        // the observation may still promote (a refusal this monitor saw of it was of another
+        // call), and the chosen primary, labelled as soon as it answers as one.
+        self.memory.promote_only = Some((member, Instant::now()));
+        self.memory.refused.retain(|&m| m != member);
+        self.memory.pointed = Some(member);
+        self.labelled = None;
     }
 
     /// Removes the promotion note once a primary serves (a failure is retried next round).
@@ -498,7 +519,10 @@ impl Watcher {
             return;
         }
         match tokio::time::timeout(LEADS_TIMEOUT, self.leadership.leave_note(None)).await {
-            Ok(Ok(true)) => self.note_left = false,
+            Ok(Ok(true)) => {
+                self.note_left = false;
+                self.note = None;
+            }
             // Not leading any more (the next leader reads the note and removes it once it sees
             // a primary serve), or the Lease changed under the write (retried next round).
             Ok(Ok(false)) => {
@@ -646,6 +670,7 @@ impl Watcher {
         // a write whose answer is lost may have landed.
         self.note_left = true;
         let note = promotion_note::encode(&target, observed, promotion_note::unix_now_ms());
+        self.note = Some(note.clone());
         match tokio::time::timeout(LEADS_TIMEOUT, self.leadership.leave_note(Some(note))).await {
             Ok(Ok(true)) => {}
             Ok(Ok(false)) => {
@@ -697,12 +722,20 @@ impl Watcher {
                 let why = format!("promoting {target}: refused: {e}");
                 tracing::error!("{why}; another backup of the observation is tried next round");
                 self.memory.refused.push(member);
-                // Nothing changed there: a next leader must not wait for it; unless it was
-                // pinned (an earlier Promote of it, or the last leader's, may still be under
-                // way), which this monitor goes on waiting for too.
-                if self.memory.promote_only.map(|(m, _)| m) != Some(member) {
-                    self.remove_note().await;
+                // Nothing changed there, and nothing is under way there either (a Promote in
+                // progress answers ALREADY_EXISTS): no pin on it, and a next leader must not
+                // wait for it.
+                if self.memory.promote_only.map(|(m, _)| m) == Some(member) {
+                    self.memory.promote_only = None;
                 }
+                self.remove_note().await;
+                Outcome::Failed(why)
+            }
+            Err(PromoteError::NotSent(e)) => {
+                // Asked again next round (the note stays: it names the backup this monitor
+                // will ask again, and a successor may as well).
+                let why = format!("promoting {target}: not sent: {e}; asking again");
+                tracing::warn!("{why}");
                 Outcome::Failed(why)
             }
             Err(PromoteError::Unknown(e)) => {
@@ -794,6 +827,8 @@ enum PromoteError {
     /// No answer, or an answer that does not say: the promotion may be under way (it goes on
     /// after the caller's deadline).
     Unknown(String),
+    /// No connection: the call was never sent (asked again next round).
+    NotSent(String),
 }
 
 async fn promote(
@@ -804,7 +839,7 @@ async fn promote(
     let mut client = replica_client(backup, Duration::from_secs(30))
         .await
         // Not connected: the call was never sent.
-        .map_err(|e| PromoteError::Refused(format!("{e:#}")))?;
+        .map_err(|e| PromoteError::NotSent(format!("{e:#}")))?;
     let answer = client
         .promote(PromoteRequest {
             backups: others,

@@ -11,8 +11,9 @@
 //!   (promoted, or labelled before) counts as serving as soon as it answers as a primary,
 //!   whatever term a restarted old primary took meanwhile (its backups are copied meanwhile;
 //!   it acknowledges once one backup accepted its term, but nothing is promoted without an
-//!   observation of backups in sync). A Promote whose outcome is not known pins the
-//!   observation to its target ([`Memory::promote_only`]).
+//!   observation of backups in sync). A Promote whose outcome is not known, this monitor's
+//!   or the last leader's (its note), pins the observation to its target
+//!   ([`Memory::promote_only`]).
 //! - **A failover** needs an observation of the serving primary: which backups were in sync
 //!   with it, under which term and generation. It happens once that primary has stopped
 //!   answering as a primary for `failover_after`, and promotes a backup that was in sync at
@@ -76,8 +77,8 @@ pub struct Serving {
 /// What the watcher carries from one round to the next.
 #[derive(Debug, Default)]
 pub struct Memory {
-    /// The member clients were last pointed at by this watcher (`None`: not known, so point
-    /// again).
+    /// The member clients were last pointed at by this watcher, or the one it (or the last
+    /// leader, by its note) promoted (`None`: not known, so point again).
     pub pointed: Option<usize>,
     /// The last observation of a serving primary with backups in sync.
     pub serving: Option<Serving>,
@@ -86,8 +87,8 @@ pub struct Memory {
     /// Since when no member has answered as a primary at all (for the stuck report when there
     /// is no observation to fail over from).
     pub no_primary_since: Option<Instant>,
-    /// A Promote whose outcome is not known (no answer, or "being promoted already"), and
-    /// since when: only that member may be promoted from this observation, and while it does
+    /// A Promote whose outcome is not known (no answer, or "being promoted already"; or the
+    /// last leader's, by its note: `promotion_note`), and since when: only that member may be promoted from this observation, and while it does
     /// not answer the plan waits for it (stuck after `failover_after`). Cleared once a
     /// primary serves.
     pub promote_only: Option<(usize, Instant)>,

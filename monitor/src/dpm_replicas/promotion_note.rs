@@ -10,9 +10,12 @@
 //! Invariants:
 //! - a note is about one failover: the one from the serving primary observed under `term`. It
 //!   pins a reader's observation only if that observation is of the same term (every start of
-//!   a primary takes a new term) and lists the noted member in sync; a note of an earlier
-//!   failover, never removed, pins nothing later, whatever its age. Its time is for logs only
-//!   (clocks of two monitor pods need not agree);
+//!   a primary takes a new term) and names another member than that primary; a note of an
+//!   earlier failover, never removed, pins nothing later, whatever its age. Its time is for
+//!   logs only (clocks of two monitor pods need not agree). A pin can only hold a monitor
+//!   back, never make it promote: a noted member the reader did not see in sync (its
+//!   observation is a round newer than the writer's) is not promoted by it, and it is stuck
+//!   instead of promoting another;
 //! - the format is `<member address> <term> <unix milliseconds>`; anything else pins nothing
 //!   (and the caller logs why).
 
@@ -55,10 +58,8 @@ pub fn pinned(note: &str, members: &[String], serving: Option<&Serving>) -> Resu
             serving.term
         ));
     }
-    if !serving.in_sync.contains(&member) {
-        return Err(format!(
-            "{address} was not in sync when this monitor last saw the primary serve"
-        ));
+    if member == serving.member {
+        return Err(format!("{address} is the primary it fails over from"));
     }
     Ok(member)
 }
@@ -104,9 +105,15 @@ mod tests {
         assert!(e.contains("term 2"), "{e}");
         // No observation: nothing would be promoted anyway.
         assert!(pinned(&encode("b1:1", 3, 1), &members(), None).is_err());
-        // The primary itself, or a member that was not in sync.
+        // The primary itself.
         let e = pinned(&encode("p:1", 3, 1), &members(), Some(&s)).unwrap_err();
-        assert!(e.contains("not in sync"), "{e}");
+        assert!(e.contains("the primary"), "{e}");
+        // A member this monitor did not see in sync still pins: it holds this monitor back.
+        let one = Serving {
+            in_sync: vec![1],
+            ..observed()
+        };
+        assert_eq!(pinned(&encode("b2:1", 3, 1), &members(), Some(&one)), Ok(2));
     }
 
     #[test]

@@ -1311,10 +1311,10 @@ mod tests {
         let (orch, server) = with_script(vec![
             expect("GET", LEASE).reply(200, held.clone()),
             expect("PUT", LEASE)
-                .body(noted(held, Some("b1:7700 1700000000000")))
+                .body(noted(held, Some("b1:7700 3 1700000000000")))
                 .reply(200, lease("monitor-a", "8", EARLIER, NOW_MINUS_5S, 2)),
         ]);
-        let result = orch.set_leader_note(Some("b1:7700 1700000000000")).await;
+        let result = orch.set_leader_note(Some("b1:7700 3 1700000000000")).await;
         finish(orch, server).await;
         assert!(result.expect("set_leader_note"));
     }
@@ -1325,8 +1325,8 @@ mod tests {
             expect("GET", LEASE).reply(200, lease("monitor-b", "7", EARLIER, NOW_MINUS_5S, 2)),
             expect("GET", LEASE).reply(404, status(404, "NotFound", "not found")),
         ]);
-        let theirs = orch.set_leader_note(Some("b1:7700 1")).await;
-        let none = orch.set_leader_note(Some("b1:7700 1")).await;
+        let theirs = orch.set_leader_note(Some("b1:7700 3 1")).await;
+        let none = orch.set_leader_note(Some("b1:7700 3 1")).await;
         finish(orch, server).await;
         assert!(!theirs.expect("another's Lease"));
         assert!(!none.expect("no Lease"));
@@ -1348,7 +1348,7 @@ mod tests {
 
     #[tokio::test]
     async fn the_note_survives_renewals_and_takeovers_and_is_read_and_removed() {
-        let note = "b2:7700 1700000000000";
+        let note = "b2:7700 3 1700000000000";
         let (orch, server) = with_script(vec![
             // Renewed: the note stays.
             expect("GET", LEASE).reply(
