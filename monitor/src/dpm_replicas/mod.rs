@@ -164,7 +164,8 @@ pub trait Leadership: Send + Sync {
     async fn leads(&self) -> bool;
 
     /// Leaves `note` for whoever leads next (`None` removes it); false if it was not written
-    /// (this monitor does not lead, or the Lease changed under the write). The default keeps nothing: a monitor that is the only one has no successor.
+    /// (this monitor does not lead, or the Lease changed under the write). The default keeps
+    /// nothing: a monitor that is the only one has no successor.
     async fn leave_note(&self, _note: Option<String>) -> anyhow::Result<bool> {
         Ok(true)
     }
@@ -294,9 +295,9 @@ pub struct Watcher {
     note_read: bool,
     /// A promotion note is (or may be) left: removed once a primary serves.
     note_left: bool,
-    /// That note's text, as read or written: checked against the observation before every
-    /// round's plan while it is left (the observation it is about may be taken after it is
-    /// read).
+    /// That note's text, as read from the Lease (or written there, answered): checked against
+    /// the observation before every round's plan (the observation it is about may be taken
+    /// after it is read). `None` after a refusal or a Promote not sent: nothing is under way.
     note: Option<String>,
 }
 
@@ -474,12 +475,13 @@ impl Watcher {
             Err(_) => return Err(format!("no answer within {} s", LEADS_TIMEOUT.as_secs())),
         };
         self.note_read = true;
-        if let Some(note) = note {
+        if let Some(note) = &note {
             tracing::info!(%note, "the last leader left a promotion note");
             // Removed once a primary serves, pinning or not.
             self.note_left = true;
-            self.note = Some(note);
         }
+        // A copy from an earlier time as leader says nothing once the Lease holds none.
+        self.note = note;
         Ok(())
     }
 
@@ -511,6 +513,15 @@ impl Watcher {
         self.memory.refused.retain(|&m| m != member);
         self.memory.pointed = Some(member);
         self.labelled = None;
+    }
+
+    /// Forgets the note this monitor wrote for a promotion that did not happen (refused, not
+    /// sent) and removes it from the Lease; a removal that fails is retried once a primary
+    /// serves (a next leader reading it meanwhile asks that backup again, is refused or not
+    /// connected too, and moves on).
+    async fn forget_note(&mut self) {
+        self.note = None;
+        self.remove_note().await;
     }
 
     /// Removes the promotion note once a primary serves (a failure is retried next round).
@@ -670,9 +681,13 @@ impl Watcher {
         // a write whose answer is lost may have landed.
         self.note_left = true;
         let note = promotion_note::encode(&target, observed, promotion_note::unix_now_ms());
-        self.note = Some(note.clone());
-        match tokio::time::timeout(LEADS_TIMEOUT, self.leadership.leave_note(Some(note))).await {
-            Ok(Ok(true)) => {}
+        match tokio::time::timeout(
+            LEADS_TIMEOUT,
+            self.leadership.leave_note(Some(note.clone())),
+        )
+        .await
+        {
+            Ok(Ok(true)) => self.note = Some(note),
             Ok(Ok(false)) => {
                 tracing::warn!(backup = %target, "not promoting: the Lease changed while noting the promotion (another monitor leads?)");
                 return Outcome::Standby;
@@ -728,14 +743,26 @@ impl Watcher {
                 if self.memory.promote_only.map(|(m, _)| m) == Some(member) {
                     self.memory.promote_only = None;
                 }
-                self.remove_note().await;
+                self.forget_note().await;
+                Outcome::Failed(why)
+            }
+            Err(PromoteError::NotSent(e))
+                if self.memory.promote_only.map(|(m, _)| m) == Some(member) =>
+            {
+                // Pinned before this call (an earlier Promote of unknown outcome, or the last
+                // leader's): it may still be promoting itself, so it is the only one asked,
+                // again next round; the note stays.
+                let why = format!("promoting {target}: not sent: {e}; asking it again");
+                tracing::warn!("{why}");
                 Outcome::Failed(why)
             }
             Err(PromoteError::NotSent(e)) => {
-                // Asked again next round (the note stays: it names the backup this monitor
-                // will ask again, and a successor may as well).
-                let why = format!("promoting {target}: not sent: {e}; asking again");
-                tracing::warn!("{why}");
+                // Nothing was sent: as a refusal, another backup of the observation is tried
+                // next round, and a next leader must not wait for this one.
+                let why = format!("promoting {target}: not sent: {e}");
+                tracing::error!("{why}; another backup of the observation is tried next round");
+                self.memory.refused.push(member);
+                self.forget_note().await;
                 Outcome::Failed(why)
             }
             Err(PromoteError::Unknown(e)) => {

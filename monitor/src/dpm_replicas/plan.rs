@@ -88,9 +88,9 @@ pub struct Memory {
     /// is no observation to fail over from).
     pub no_primary_since: Option<Instant>,
     /// A Promote whose outcome is not known (no answer, or "being promoted already"; or the
-    /// last leader's, by its note: `promotion_note`), and since when: only that member may be promoted from this observation, and while it does
-    /// not answer the plan waits for it (stuck after `failover_after`). Cleared once a
-    /// primary serves.
+    /// last leader's, by its note: `promotion_note`), and since when: only that member may be
+    /// promoted from this observation, and while it does not answer the plan waits for it
+    /// (stuck after `failover_after`). Cleared once a primary serves.
     pub promote_only: Option<(usize, Instant)>,
     /// Members whose Promote was refused (nothing changed there) since the last observation:
     /// not tried again from it, so another backup is. Cleared once a primary serves.

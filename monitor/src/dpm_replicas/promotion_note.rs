@@ -12,10 +12,11 @@
 //!   pins a reader's observation only if that observation is of the same term (every start of
 //!   a primary takes a new term) and names another member than that primary; a note of an
 //!   earlier failover, never removed, pins nothing later, whatever its age. Its time is for
-//!   logs only (clocks of two monitor pods need not agree). A pin can only hold a monitor
-//!   back, never make it promote: a noted member the reader did not see in sync (its
-//!   observation is a round newer than the writer's) is not promoted by it, and it is stuck
-//!   instead of promoting another;
+//!   logs only (clocks of two monitor pods need not agree). A pin never makes a monitor
+//!   promote a backup it would not have: it waits for the noted one (asking it again if it
+//!   answers as a backup of the observation's term and was in sync; a noted member the reader
+//!   did not see in sync, its observation being a round newer than the writer's, leaves it
+//!   stuck) and points the clients at it once it answers as a primary;
 //! - the format is `<member address> <term> <unix milliseconds>`; anything else pins nothing
 //!   (and the caller logs why).
 
