@@ -3,8 +3,8 @@
 //! may act.
 //!
 //! It owns the mapping between KN ids and pods, the scaling requests, the reading of pod status
-//! and the Lease. It owns no KN state: the KNs register with the DPM themselves, and the
-//! monitor publishes the cluster map.
+//! and, through its `lease` module, the Lease. It owns no KN state: the KNs register with the
+//! DPM themselves, and the monitor publishes the cluster map.
 //!
 //! Conventions and invariants:
 //! - **KN id = pod ordinal + 1.** Pod `{statefulset}-0` is KN 1, `{statefulset}-{i}` is KN
@@ -26,33 +26,31 @@
 //!   `ready_timeout_ms`, the scale-up is rolled back so no half-started KN is left behind.
 //! - A restarted pod keeps its ordinal and so its KN id: it is a new incarnation of the same
 //!   KN, which the DPM fences by KN id and epoch.
-//! - **Leadership:** a monitor acts only while its last `is_leader()` returned true less than
-//!   `lease_duration_secs / 2` ago; the monitor calls it every epoch, which must be shorter
-//!   than that. A rival takes the Lease over only after `renewTime + leaseDurationSeconds` has
-//!   passed, by which time the old leader stopped acting half a lease earlier (this assumes
-//!   the monitors' clocks agree to within that margin). Every write of the Lease carries the
-//!   `resourceVersion` it read, so of two monitors racing for it exactly one wins; the loser
-//!   gets 409 Conflict and is not leader. The clock assumption is not load-bearing for
-//!   safety: a new leader starts a new monitor term at the DPM, which refuses the old
-//!   leader's fences, merges and map publishes from then on (see `Monitor::lead`).
+//! - **Leadership** belongs to the `lease` module (`kubernetes/lease.rs`): a monitor acts only
+//!   while it holds the Lease, and every write of the Lease carries the `resourceVersion` it
+//!   read; its docs give the timing, the Lease's fields, the leader's note and the invariants.
 
 use std::collections::BTreeMap;
-use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
 use dinomo_placement::{KnId, KnInfo};
 use k8s_openapi::api::apps::v1::StatefulSet;
-use k8s_openapi::api::coordination::v1::{Lease, LeaseSpec};
 use k8s_openapi::api::core::v1::Pod;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::{MicroTime, ObjectMeta};
 use k8s_openapi::jiff::{SignedDuration, Timestamp};
-use kube::api::{DeleteParams, ListParams, Patch, PatchParams, PostParams};
+use kube::api::{DeleteParams, ListParams, Patch, PatchParams};
 use kube::{Api, Client};
 use serde::Deserialize;
 use serde_json::json;
 
 use super::{Orchestrator, OrchestratorError, Result};
+use lease::LeaderLease;
+
+mod lease;
+#[cfg(test)]
+mod test_support;
+
+pub use lease::LEADER_NOTE;
 
 /// Where the KN StatefulSet lives and how this monitor identifies itself in the Lease.
 ///
@@ -109,17 +107,13 @@ pub struct KubernetesOrchestrator {
     config: KubernetesConfig,
     /// The namespace actually used (the config's, or the client's default).
     namespace: String,
-    /// The Lease holder identity actually used.
-    identity: String,
     statefulsets: Api<StatefulSet>,
     pods: Api<Pod>,
-    leases: Api<Lease>,
-    /// Wall clock for Lease times and pod ages; a plain fn so tests can pin it.
+    /// Wall clock for pod ages (the Lease has the same one for its times); a plain fn so tests
+    /// can pin it.
     now: fn() -> Timestamp,
-    /// Held across one read-and-renew of the Lease: the monitor's loops and the dpm replica
-    /// watcher ask concurrently, and two interleaved renewals make the second PUT conflict
-    /// (read as "not the leader", which drops the monitor's term at the DPM).
-    lease_round: Arc<tokio::sync::Mutex<()>>,
+    /// The Lease that elects the one monitor that may act, and its leader's note.
+    lease: LeaderLease,
 }
 
 impl std::fmt::Debug for KubernetesOrchestrator {
@@ -127,7 +121,7 @@ impl std::fmt::Debug for KubernetesOrchestrator {
         // The kube `Api`s carry a client whose Debug output says nothing useful.
         f.debug_struct("KubernetesOrchestrator")
             .field("namespace", &self.namespace)
-            .field("identity", &self.identity)
+            .field("identity", &self.lease.identity())
             .field("config", &self.config)
             .finish_non_exhaustive()
     }
@@ -136,28 +130,23 @@ impl std::fmt::Debug for KubernetesOrchestrator {
 impl KubernetesOrchestrator {
     /// An orchestrator that talks to the API server through `client`.
     pub fn new(client: Client, config: KubernetesConfig) -> Self {
+        Self::with_clock(client, config, Timestamp::now)
+    }
+
+    /// [`KubernetesOrchestrator::new`] with the wall clock `now` (tests pin it).
+    fn with_clock(client: Client, config: KubernetesConfig, now: fn() -> Timestamp) -> Self {
         let namespace = if config.namespace.is_empty() {
             client.default_namespace().to_string()
         } else {
             config.namespace.clone()
         };
-        let identity = if !config.identity.is_empty() {
-            config.identity.clone()
-        } else {
-            std::env::var("HOSTNAME")
-                .ok()
-                .filter(|h| !h.is_empty())
-                .unwrap_or_else(|| format!("monitor-{}", std::process::id()))
-        };
         Self {
             statefulsets: Api::namespaced(client.clone(), &namespace),
             pods: Api::namespaced(client.clone(), &namespace),
-            leases: Api::namespaced(client, &namespace),
+            lease: LeaderLease::new(client, &namespace, &config, now),
             namespace,
-            identity,
             config,
-            now: Timestamp::now,
-            lease_round: Arc::new(tokio::sync::Mutex::new(())),
+            now,
         }
     }
 
@@ -177,7 +166,7 @@ impl KubernetesOrchestrator {
 
     /// The identity this monitor holds the Lease under.
     pub fn identity(&self) -> &str {
-        &self.identity
+        self.lease.identity()
     }
 
     /// The pod that runs KN `kn` (`kn` >= 1; KN 0 does not exist, every caller checks).
@@ -349,40 +338,6 @@ impl KubernetesOrchestrator {
         });
         not_ready && started_long_ago
     }
-
-    /// The Lease we write to take or keep leadership.
-    fn lease_spec(&self, now: Timestamp, acquired: Timestamp, transitions: i32) -> LeaseSpec {
-        LeaseSpec {
-            holder_identity: Some(self.identity.clone()),
-            lease_duration_seconds: Some(
-                i32::try_from(self.config.lease_duration_secs).unwrap_or(i32::MAX),
-            ),
-            acquire_time: Some(MicroTime(acquired)),
-            renew_time: Some(MicroTime(now)),
-            lease_transitions: Some(transitions),
-            ..LeaseSpec::default()
-        }
-    }
-
-    /// Replaces the Lease (conditional on its resourceVersion); a conflict means another
-    /// monitor wrote it first, so we are not leader.
-    async fn write_lease(&self, lease: &Lease, doing: &str) -> Result<bool> {
-        match self
-            .leases
-            .replace(&self.config.lease_name, &PostParams::default(), lease)
-            .await
-        {
-            Ok(_) => Ok(true),
-            Err(kube::Error::Api(s)) if s.is_conflict() => Ok(false),
-            Err(e) => Err(platform(
-                &format!(
-                    "{doing} Lease {}/{}",
-                    self.namespace, self.config.lease_name
-                ),
-                e,
-            )),
-        }
-    }
 }
 
 #[async_trait]
@@ -519,107 +474,17 @@ impl Orchestrator for KubernetesOrchestrator {
     }
 
     async fn is_leader(&self) -> Result<bool> {
-        let _one_renewal_at_a_time = self.lease_round.lock().await;
-        let name = &self.config.lease_name;
-        let what = format!("Lease {}/{name}", self.namespace);
-        let now = (self.now)();
-        let existing = self
-            .leases
-            .get_opt(name)
-            .await
-            .map_err(|e| platform(&format!("reading {what}"), e))?;
-        let Some(mut lease) = existing else {
-            let lease = Lease {
-                metadata: ObjectMeta {
-                    name: Some(name.clone()),
-                    ..ObjectMeta::default()
-                },
-                spec: Some(self.lease_spec(now, now, 0)),
-            };
-            return match self.leases.create(&PostParams::default(), &lease).await {
-                Ok(_) => Ok(true),
-                // Another monitor created it first: it leads.
-                Err(kube::Error::Api(s)) if s.is_already_exists() || s.is_conflict() => Ok(false),
-                Err(e) => Err(platform(&format!("creating {what}"), e)),
-            };
-        };
-        let spec = lease.spec.clone().unwrap_or_default();
-        let holder = spec.holder_identity.as_deref().unwrap_or("");
-        let transitions = spec.lease_transitions.unwrap_or(0);
-        if holder == self.identity {
-            let acquired = spec.acquire_time.map_or(now, |t| t.0);
-            lease.spec = Some(self.lease_spec(now, acquired, transitions));
-            return self.write_lease(&lease, "renewing").await;
-        }
-        // A Lease with no holder was released; otherwise it is free once its last renewal
-        // is older than its duration (the holder's duration, as it wrote it).
-        let free = holder.is_empty() || {
-            let renewed = spec.renew_time.or(spec.acquire_time).map(|t| t.0);
-            let duration = spec
-                .lease_duration_seconds
-                .unwrap_or(i32::try_from(self.config.lease_duration_secs).unwrap_or(i32::MAX));
-            renewed.is_none_or(|r| {
-                now.duration_since(r) > SignedDuration::from_secs(i64::from(duration))
-            })
-        };
-        if !free {
-            return Ok(false);
-        }
-        lease.spec = Some(self.lease_spec(now, now, transitions.saturating_add(1)));
-        self.write_lease(&lease, "taking over").await
+        self.lease.is_leader().await
     }
 
     async fn set_leader_note(&self, note: Option<&str>) -> Result<bool> {
-        let _one_write_at_a_time = self.lease_round.lock().await;
-        let name = &self.config.lease_name;
-        let Some(mut lease) = self
-            .leases
-            .get_opt(name)
-            .await
-            .map_err(|e| platform(&format!("reading Lease {}/{name}", self.namespace), e))?
-        else {
-            return Ok(false);
-        };
-        let holder = lease
-            .spec
-            .as_ref()
-            .and_then(|s| s.holder_identity.as_deref());
-        if holder != Some(self.identity.as_str()) {
-            return Ok(false);
-        }
-        let annotations = lease
-            .metadata
-            .annotations
-            .get_or_insert_with(Default::default);
-        match note {
-            Some(note) => {
-                annotations.insert(LEADER_NOTE.to_string(), note.to_string());
-            }
-            None => {
-                if annotations.remove(LEADER_NOTE).is_none() {
-                    return Ok(true);
-                }
-            }
-        }
-        // Conditional on the resourceVersion read: a monitor that took the Lease meanwhile
-        // makes it a conflict (false), not an overwrite of its renewal.
-        self.write_lease(&lease, "writing the leader's note on")
-            .await
+        self.lease.set_leader_note(note).await
     }
 
     async fn leader_note(&self) -> Result<Option<String>> {
-        let name = &self.config.lease_name;
-        let lease = self
-            .leases
-            .get_opt(name)
-            .await
-            .map_err(|e| platform(&format!("reading Lease {}/{name}", self.namespace), e))?;
-        Ok(lease.and_then(|l| l.metadata.annotations?.remove(LEADER_NOTE)))
+        self.lease.leader_note().await
     }
 }
-
-/// The Lease annotation that carries the leader's note ([`Orchestrator::set_leader_note`]).
-pub const LEADER_NOTE: &str = "dinomo.io/leader-note";
 
 /// A Platform error: `what` was being done and the API server (or transport) said `err`.
 fn platform(what: &str, err: kube::Error) -> OrchestratorError {
@@ -665,164 +530,15 @@ fn is_ready(pod: &Pod) -> bool {
     pod.metadata.deletion_timestamp.is_none() && ready_condition(pod) == Some(true)
 }
 
-/// Tests against a mock API server: a `tower_test` service behind a real `kube::Client`, with a
-/// task that checks every request in order (method, path, query, body) and answers it, then
-/// checks that no request follows the script.
+/// Tests against a mock API server (`test_support`); the Lease's own are in `lease`.
 #[cfg(test)]
 mod tests {
+    use super::test_support::*;
     use super::*;
-    use http::{Request, Response};
-    use kube::client::Body;
     use serde_json::Value;
-    use tokio::task::JoinHandle;
-
-    type Handle = tower_test::mock::Handle<Request<Body>, Response<Body>>;
 
     const STS: &str = "/apis/apps/v1/namespaces/dinomo/statefulsets/dinomo-kn";
     const PODS: &str = "/api/v1/namespaces/dinomo/pods";
-    const LEASES: &str = "/apis/coordination.k8s.io/v1/namespaces/dinomo/leases";
-    const LEASE: &str = "/apis/coordination.k8s.io/v1/namespaces/dinomo/leases/dinomo-monitor";
-    /// `fixed_now()` and offsets from it, as Kubernetes writes MicroTime.
-    const NOW: &str = "2023-11-14T22:13:20.000000Z";
-    const NOW_MINUS_5S: &str = "2023-11-14T22:13:15.000000Z";
-    const NOW_MINUS_20S: &str = "2023-11-14T22:13:00.000000Z";
-    const EARLIER: &str = "2023-11-14T20:00:00.000000Z";
-
-    fn fixed_now() -> Timestamp {
-        Timestamp::from_second(1_700_000_000).expect("valid timestamp")
-    }
-
-    fn config() -> KubernetesConfig {
-        KubernetesConfig {
-            namespace: "dinomo".into(),
-            identity: "monitor-a".into(),
-            ready_timeout_ms: 30_000,
-            stop_timeout_ms: 30_000,
-            poll_interval_ms: 1,
-            ..KubernetesConfig::default()
-        }
-    }
-
-    /// One expected request and the answer to it.
-    struct Exchange {
-        method: &'static str,
-        /// Path and query, e.g. `/api/v1/namespaces/dinomo/pods?labelSelector=...`.
-        uri: String,
-        /// The exact JSON body expected; `None` means an empty body.
-        body: Option<Value>,
-        status: u16,
-        reply: Value,
-    }
-
-    fn expect(method: &'static str, uri: impl Into<String>) -> Exchange {
-        Exchange {
-            method,
-            uri: uri.into(),
-            body: None,
-            status: 200,
-            reply: json!({}),
-        }
-    }
-
-    impl Exchange {
-        fn body(mut self, body: Value) -> Self {
-            self.body = Some(body);
-            self
-        }
-        fn reply(mut self, status: u16, reply: Value) -> Self {
-            self.status = status;
-            self.reply = reply;
-            self
-        }
-    }
-
-    /// Checks one request against `ex` and answers it.
-    async fn answer(
-        i: usize,
-        req: Request<Body>,
-        send: tower_test::mock::SendResponse<Response<Body>>,
-        ex: Exchange,
-    ) {
-        // kube may leave empty components in the query ("?&labelSelector=..."), which the API
-        // server ignores; drop them so the assertion compares the parameters themselves.
-        let query = req
-            .uri()
-            .query()
-            .unwrap_or("")
-            .split('&')
-            .filter(|p| !p.is_empty())
-            .collect::<Vec<_>>()
-            .join("&");
-        let uri = if query.is_empty() {
-            req.uri().path().to_string()
-        } else {
-            format!("{}?{query}", req.uri().path())
-        };
-        assert_eq!(
-            (req.method().as_str(), uri.as_str()),
-            (ex.method, ex.uri.as_str()),
-            "request {i}"
-        );
-        let content_type = req
-            .headers()
-            .get(http::header::CONTENT_TYPE)
-            .map(|v| v.to_str().expect("ascii content type").to_string());
-        let bytes = req.into_body().collect_bytes().await.expect("request body");
-        match ex.body {
-            None => assert!(bytes.is_empty(), "request {i}: unexpected body {bytes:?}"),
-            Some(expected) => {
-                let got: Value = serde_json::from_slice(&bytes).expect("JSON request body");
-                assert_eq!(got, expected, "request {i} ({} {}) body", ex.method, ex.uri);
-                let want_type = if ex.method == "PATCH" {
-                    "application/merge-patch+json"
-                } else {
-                    "application/json"
-                };
-                assert_eq!(content_type.as_deref(), Some(want_type), "request {i}");
-            }
-        }
-        let response = Response::builder()
-            .status(ex.status)
-            .header(http::header::CONTENT_TYPE, "application/json")
-            .body(Body::from(serde_json::to_vec(&ex.reply).expect("JSON")))
-            .expect("response");
-        send.send_response(response);
-    }
-
-    /// Plays `script` in order, then insists that no further request comes.
-    async fn serve(mut handle: Handle, script: Vec<Exchange>) {
-        for (i, ex) in script.into_iter().enumerate() {
-            let Some((req, send)) = handle.next_request().await else {
-                panic!("request {i} ({} {}) never came", ex.method, ex.uri);
-            };
-            answer(i, req, send, ex).await;
-        }
-        if let Some((req, _)) = handle.next_request().await {
-            panic!("unexpected request {} {}", req.method(), req.uri());
-        }
-    }
-
-    fn orchestrator_with(config: KubernetesConfig) -> (KubernetesOrchestrator, Handle) {
-        let (service, handle) = tower_test::mock::pair::<Request<Body>, Response<Body>>();
-        let client = Client::new(service, "default");
-        let mut orch = KubernetesOrchestrator::new(client, config);
-        orch.now = fixed_now;
-        (orch, handle)
-    }
-
-    fn with_script(script: Vec<Exchange>) -> (KubernetesOrchestrator, JoinHandle<()>) {
-        let (orch, handle) = orchestrator_with(config());
-        (orch, tokio::spawn(serve(handle, script)))
-    }
-
-    /// Drops the client (which ends the mock service) and waits for the server's verdict.
-    async fn finish(orch: KubernetesOrchestrator, server: JoinHandle<()>) {
-        drop(orch);
-        tokio::time::timeout(Duration::from_secs(10), server)
-            .await
-            .expect("mock API server did not finish")
-            .expect("mock API server assertion failed");
-    }
 
     fn sts(replicas: u32, version: &str) -> Value {
         json!({
@@ -858,18 +574,6 @@ mod tests {
                 { "type": "PodScheduled", "status": "True" },
                 { "type": "Ready", "status": if ready { "True" } else { "False" } },
             ],
-        })
-    }
-
-    fn status(code: u16, reason: &str, message: &str) -> Value {
-        json!({
-            "apiVersion": "v1",
-            "kind": "Status",
-            "metadata": {},
-            "status": "Failure",
-            "code": code,
-            "reason": reason,
-            "message": message,
         })
     }
 
@@ -1164,259 +868,6 @@ mod tests {
         let result = orch.failed_kns().await;
         finish(orch, server).await;
         assert_eq!(result.expect("failed_kns"), Vec::<KnId>::new());
-    }
-
-    fn lease(
-        holder: &str,
-        version: &str,
-        acquired: &str,
-        renewed: &str,
-        transitions: i32,
-    ) -> Value {
-        json!({
-            "apiVersion": "coordination.k8s.io/v1",
-            "kind": "Lease",
-            "metadata": { "name": "dinomo-monitor", "namespace": "dinomo", "resourceVersion": version },
-            "spec": {
-                "holderIdentity": holder,
-                "leaseDurationSeconds": 15,
-                "acquireTime": acquired,
-                "renewTime": renewed,
-                "leaseTransitions": transitions,
-            },
-        })
-    }
-
-    #[tokio::test]
-    async fn lease_is_created_when_absent() {
-        let created = json!({
-            "apiVersion": "coordination.k8s.io/v1",
-            "kind": "Lease",
-            "metadata": { "name": "dinomo-monitor" },
-            "spec": {
-                "holderIdentity": "monitor-a",
-                "leaseDurationSeconds": 15,
-                "acquireTime": NOW,
-                "renewTime": NOW,
-                "leaseTransitions": 0,
-            },
-        });
-        let (orch, server) = with_script(vec![
-            expect("GET", LEASE).reply(
-                404,
-                status(404, "NotFound", "leases \"dinomo-monitor\" not found"),
-            ),
-            expect("POST", LEASES)
-                .body(created)
-                .reply(201, lease("monitor-a", "1", NOW, NOW, 0)),
-        ]);
-        let result = orch.is_leader().await;
-        finish(orch, server).await;
-        assert!(result.expect("is_leader"));
-    }
-
-    #[tokio::test]
-    async fn lease_created_concurrently_by_another_monitor_is_not_ours() {
-        let (orch, server) = with_script(vec![
-            expect("GET", LEASE).reply(404, status(404, "NotFound", "not found")),
-            expect("POST", LEASES)
-                .body(json!({
-                    "apiVersion": "coordination.k8s.io/v1",
-                    "kind": "Lease",
-                    "metadata": { "name": "dinomo-monitor" },
-                    "spec": {
-                        "holderIdentity": "monitor-a", "leaseDurationSeconds": 15,
-                        "acquireTime": NOW, "renewTime": NOW, "leaseTransitions": 0,
-                    },
-                }))
-                .reply(
-                    409,
-                    status(
-                        409,
-                        "AlreadyExists",
-                        "leases \"dinomo-monitor\" already exists",
-                    ),
-                ),
-        ]);
-        let result = orch.is_leader().await;
-        finish(orch, server).await;
-        assert!(!result.expect("is_leader"));
-    }
-
-    #[tokio::test]
-    async fn own_lease_is_renewed() {
-        let (orch, server) = with_script(vec![
-            expect("GET", LEASE).reply(200, lease("monitor-a", "7", EARLIER, NOW_MINUS_5S, 2)),
-            expect("PUT", LEASE)
-                .body(lease("monitor-a", "7", EARLIER, NOW, 2))
-                .reply(200, lease("monitor-a", "8", EARLIER, NOW, 2)),
-        ]);
-        let result = orch.is_leader().await;
-        finish(orch, server).await;
-        assert!(result.expect("is_leader"));
-    }
-
-    #[tokio::test]
-    async fn fresh_lease_of_another_monitor_is_left_alone() {
-        let (orch, server) = with_script(vec![
-            expect("GET", LEASE).reply(200, lease("monitor-b", "7", EARLIER, NOW_MINUS_5S, 2))
-        ]);
-        let result = orch.is_leader().await;
-        finish(orch, server).await;
-        assert!(!result.expect("is_leader"));
-    }
-
-    #[tokio::test]
-    async fn expired_lease_of_another_monitor_is_taken_over() {
-        let (orch, server) = with_script(vec![
-            expect("GET", LEASE).reply(200, lease("monitor-b", "7", EARLIER, NOW_MINUS_20S, 2)),
-            expect("PUT", LEASE)
-                .body(lease("monitor-a", "7", NOW, NOW, 3))
-                .reply(200, lease("monitor-a", "8", NOW, NOW, 3)),
-        ]);
-        let result = orch.is_leader().await;
-        finish(orch, server).await;
-        assert!(result.expect("is_leader"));
-    }
-
-    #[tokio::test]
-    async fn conflict_on_lease_replace_means_not_leader() {
-        let (orch, server) = with_script(vec![
-            expect("GET", LEASE).reply(200, lease("monitor-a", "7", EARLIER, NOW_MINUS_5S, 2)),
-            expect("PUT", LEASE)
-                .body(lease("monitor-a", "7", EARLIER, NOW, 2))
-                .reply(
-                    409,
-                    status(409, "Conflict", "Operation cannot be fulfilled on leases.coordination.k8s.io \"dinomo-monitor\": the object has been modified"),
-                ),
-        ]);
-        let result = orch.is_leader().await;
-        finish(orch, server).await;
-        assert!(!result.expect("a conflict is not an error"));
-    }
-
-    /// `lease` with the leader's note `note` (`Some("")`: an empty annotations map).
-    fn noted(mut lease: Value, note: Option<&str>) -> Value {
-        lease["metadata"]["annotations"] = match note {
-            Some("") => json!({}),
-            Some(n) => json!({ LEADER_NOTE: n }),
-            None => return lease,
-        };
-        lease
-    }
-
-    #[tokio::test]
-    async fn the_leader_writes_its_note_on_its_lease() {
-        let held = lease("monitor-a", "7", EARLIER, NOW_MINUS_5S, 2);
-        let (orch, server) = with_script(vec![
-            expect("GET", LEASE).reply(200, held.clone()),
-            expect("PUT", LEASE)
-                .body(noted(held, Some("b1:7700 3 1700000000000")))
-                .reply(200, lease("monitor-a", "8", EARLIER, NOW_MINUS_5S, 2)),
-        ]);
-        let result = orch.set_leader_note(Some("b1:7700 3 1700000000000")).await;
-        finish(orch, server).await;
-        assert!(result.expect("set_leader_note"));
-    }
-
-    #[tokio::test]
-    async fn a_monitor_that_does_not_hold_the_lease_writes_no_note() {
-        let (orch, server) = with_script(vec![
-            expect("GET", LEASE).reply(200, lease("monitor-b", "7", EARLIER, NOW_MINUS_5S, 2)),
-            expect("GET", LEASE).reply(404, status(404, "NotFound", "not found")),
-        ]);
-        let theirs = orch.set_leader_note(Some("b1:7700 3 1")).await;
-        let none = orch.set_leader_note(Some("b1:7700 3 1")).await;
-        finish(orch, server).await;
-        assert!(!theirs.expect("another's Lease"));
-        assert!(!none.expect("no Lease"));
-    }
-
-    #[tokio::test]
-    async fn a_note_written_over_a_changed_lease_is_not_written() {
-        let held = lease("monitor-a", "7", EARLIER, NOW_MINUS_5S, 2);
-        let (orch, server) = with_script(vec![
-            expect("GET", LEASE).reply(200, held.clone()),
-            expect("PUT", LEASE)
-                .body(noted(held, Some("b1:7700 3 1")))
-                .reply(409, status(409, "Conflict", "the object has been modified")),
-        ]);
-        let result = orch.set_leader_note(Some("b1:7700 3 1")).await;
-        finish(orch, server).await;
-        assert!(!result.expect("a conflict is not an error"));
-    }
-
-    #[tokio::test]
-    async fn the_note_survives_renewals_and_takeovers_and_is_read_and_removed() {
-        let note = "b2:7700 3 1700000000000";
-        let (orch, server) = with_script(vec![
-            // Renewed: the note stays.
-            expect("GET", LEASE).reply(
-                200,
-                noted(
-                    lease("monitor-a", "7", EARLIER, NOW_MINUS_5S, 2),
-                    Some(note),
-                ),
-            ),
-            expect("PUT", LEASE)
-                .body(noted(lease("monitor-a", "7", EARLIER, NOW, 2), Some(note)))
-                .reply(200, lease("monitor-a", "8", EARLIER, NOW, 2)),
-            // Another monitor's expired Lease taken over: its note stays, for the new leader.
-            expect("GET", LEASE).reply(
-                200,
-                noted(
-                    lease("monitor-b", "9", EARLIER, NOW_MINUS_20S, 2),
-                    Some(note),
-                ),
-            ),
-            expect("PUT", LEASE)
-                .body(noted(lease("monitor-a", "9", NOW, NOW, 3), Some(note)))
-                .reply(200, lease("monitor-a", "10", NOW, NOW, 3)),
-            // Read by the new leader, then removed.
-            expect("GET", LEASE).reply(
-                200,
-                noted(lease("monitor-a", "10", NOW, NOW, 3), Some(note)),
-            ),
-            expect("GET", LEASE).reply(
-                200,
-                noted(lease("monitor-a", "10", NOW, NOW, 3), Some(note)),
-            ),
-            expect("PUT", LEASE)
-                .body(noted(lease("monitor-a", "10", NOW, NOW, 3), Some("")))
-                .reply(200, lease("monitor-a", "11", NOW, NOW, 3)),
-            // Nothing to remove: no write.
-            expect("GET", LEASE).reply(200, lease("monitor-a", "11", NOW, NOW, 3)),
-        ]);
-        let renewed = orch.is_leader().await;
-        let taken = orch.is_leader().await;
-        let read = orch.leader_note().await;
-        let removed = orch.set_leader_note(None).await;
-        let again = orch.set_leader_note(None).await;
-        finish(orch, server).await;
-        assert!(renewed.expect("renewal") && taken.expect("takeover"));
-        assert_eq!(read.expect("leader_note").as_deref(), Some(note));
-        assert!(removed.expect("removal") && again.expect("nothing to remove"));
-    }
-
-    #[tokio::test]
-    async fn lease_read_failure_is_a_platform_error() {
-        let (orch, server) = with_script(vec![expect("GET", LEASE).reply(
-            403,
-            status(
-                403,
-                "Forbidden",
-                "leases is forbidden: User cannot get resource",
-            ),
-        )]);
-        let result = orch.is_leader().await;
-        finish(orch, server).await;
-        match result {
-            Err(OrchestratorError::Platform(msg)) => {
-                assert!(msg.contains("reading Lease dinomo/dinomo-monitor"), "{msg}");
-                assert!(msg.contains("403 Forbidden: leases is forbidden"), "{msg}");
-            }
-            other => panic!("expected a Platform error, got {other:?}"),
-        }
     }
 
     #[tokio::test]
