@@ -377,6 +377,9 @@ fn watching(pods: &[&Pod]) -> DpmReplicasConfig {
         // The default: a debug-build restart in place must answer within it, on a loaded CI
         // machine too.
         failover_after_ms: 3000,
+        // A debug-build pool of these tests opens within a second: a promoted backup still
+        // silent after 3 s is reported stuck (the mid-promotion test waits for that report).
+        promotion_stuck_after_ms: 3000,
         ..DpmReplicasConfig::default()
     };
     cfg.validate(true).unwrap();

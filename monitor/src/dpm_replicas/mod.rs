@@ -6,7 +6,8 @@
 //!
 //! - What it decides is [`plan::plan`], a pure function; this module asks the members and does
 //!   what the plan says. A round asks every member at once, each call bounded by
-//!   `status_timeout_ms`.
+//!   `status_timeout_ms`. The calls to the members go through [`replicas::Replicas`] (gRPC,
+//!   [`GrpcReplicas`]; scripted in this module's tests of its rounds, `watcher_tests.rs`).
 //! - Only the leading monitor acts ([`Leadership`]: the Kubernetes Lease); standbys watch too,
 //!   so one that takes over a dead leader's Lease already holds the observation a failover
 //!   needs. Leadership comes from the platform, not from the DPM (the DPM is what failed).
@@ -23,16 +24,19 @@
 pub mod plan;
 pub mod pod_labels;
 pub mod promotion_note;
+pub mod replicas;
+#[cfg(test)]
+mod watcher_tests;
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use dinomo_proto::dpm::replica_service_client::ReplicaServiceClient;
-use dinomo_proto::dpm::{BackupRequest, PromoteRequest, ReplicaStatusRequest};
 use serde::Deserialize;
 
 use dinomo_node_common::config::{invalid, ConfigError};
-use plan::{MemberStatus, Memory, Plan, Role, Seen};
+use plan::{Memory, Plan, Seen};
+pub use replicas::{GrpcReplicas, PromoteError, Replicas};
 
 /// `[dpm_replicas]`: the dpm-node replica set this monitor fails over. Off when `members` is
 /// empty (the default: `dinomo up` fails over its local set itself).
@@ -49,6 +53,11 @@ pub struct DpmReplicasConfig {
     pub failover_after_ms: u64,
     /// Deadline of one Status call.
     pub status_timeout_ms: u64,
+    /// How long a backup promoted by this monitor, or perhaps promoted (a Promote of unknown
+    /// outcome, the last leader's note), may take to answer as the primary (it opens and
+    /// recovers its pool first: minutes for a large pool) before the failover is reported
+    /// stuck. Nothing else is promoted meanwhile either way.
+    pub promotion_stuck_after_ms: u64,
     /// Kubernetes: the pod label (value "true") the primary Service selects.
     pub primary_label: String,
 }
@@ -71,6 +80,7 @@ impl Default for DpmReplicasConfig {
             check_every_ms: 500,
             failover_after_ms: 3000,
             status_timeout_ms: 1000,
+            promotion_stuck_after_ms: 120_000,
             primary_label: "dinomo.io/dpm-primary".into(),
         }
     }
@@ -91,6 +101,10 @@ impl DpmReplicasConfig {
 
     pub fn status_timeout(&self) -> Duration {
         Duration::from_millis(self.status_timeout_ms)
+    }
+
+    pub fn promotion_stuck_after(&self) -> Duration {
+        Duration::from_millis(self.promotion_stuck_after_ms)
     }
 
     /// Checks the section; `pods` says whether every member must name its pod.
@@ -133,6 +147,10 @@ impl DpmReplicasConfig {
         for (field, v) in [
             ("dpm_replicas.check_every_ms", self.check_every_ms),
             ("dpm_replicas.status_timeout_ms", self.status_timeout_ms),
+            (
+                "dpm_replicas.promotion_stuck_after_ms",
+                self.promotion_stuck_after_ms,
+            ),
         ] {
             if v == 0 {
                 return Err(invalid(field, "must be above 0".to_string()));
@@ -270,6 +288,9 @@ impl PrimaryPointer for Unpointed {
 pub struct Watcher {
     cfg: DpmReplicasConfig,
     addresses: Vec<String>,
+    /// How the members are asked ([`GrpcReplicas`] but in tests); shared with the AddBackup
+    /// tasks.
+    replicas: Arc<dyn Replicas>,
     leadership: Box<dyn Leadership>,
     pointer: Box<dyn PrimaryPointer>,
     memory: Memory,
@@ -297,7 +318,8 @@ pub struct Watcher {
     note_left: bool,
     /// That note's text, as read from the Lease (or written there, answered): checked against
     /// the observation before every round's plan (the observation it is about may be taken
-    /// after it is read). `None` after a refusal or a Promote not sent: nothing is under way.
+    /// after it is read). `None` after a refusal or a Promote not sent (nothing is under way),
+    /// and after a lead change until the Lease's note is read.
     note: Option<String>,
 }
 
@@ -359,6 +381,7 @@ impl Watcher {
             adding: addresses.iter().map(|_| None).collect(),
             addresses,
             cfg,
+            replicas: Arc::new(GrpcReplicas),
             leadership,
             pointer,
             memory: Memory::default(),
@@ -371,6 +394,12 @@ impl Watcher {
             note_left: false,
             note: None,
         }
+    }
+
+    /// Asks the members through `replicas` instead of gRPC (tests script them).
+    pub fn with_replicas(mut self, replicas: Arc<dyn Replicas>) -> Self {
+        self.replicas = replicas;
+        self
     }
 
     /// Runs rounds until the task is dropped.
@@ -389,8 +418,12 @@ impl Watcher {
     /// Asks every member, then does what [`plan::plan`] says if this monitor leads.
     pub async fn round(&mut self) -> Outcome {
         let timeout = self.cfg.status_timeout();
-        let seen: Vec<Seen> =
-            futures::future::join_all(self.addresses.iter().map(|a| status(a, timeout))).await;
+        let seen: Vec<Seen> = futures::future::join_all(
+            self.addresses
+                .iter()
+                .map(|a| self.replicas.status(a, timeout)),
+        )
+        .await;
         let leads = self.leadership.leads().await;
         if leads != self.led {
             // Whoever led meanwhile may have pointed elsewhere: point again; and may have
@@ -398,6 +431,9 @@ impl Watcher {
             self.memory.pointed = None;
             self.led = leads;
             self.note_read = false;
+            // Only the Lease's note counts, once read: a copy from an earlier time as leader
+            // must not pin while the read fails.
+            self.note = None;
         }
         let note_unread = match leads && !self.note_read {
             true => self.read_note().await.err(),
@@ -509,16 +545,18 @@ impl Watcher {
         // As after a Promote of unknown outcome of its own (see `promote`): the only member
         // the observation may still promote (a refusal this monitor saw of it was of another
         // call), and the chosen primary, labelled as soon as it answers as one.
-        self.memory.promote_only = Some((member, Instant::now()));
+        self.memory.promote_only =
+            Some((member, Instant::now() + self.cfg.promotion_stuck_after()));
         self.memory.refused.retain(|&m| m != member);
+        self.memory.not_reached.retain(|&(m, _)| m != member);
         self.memory.pointed = Some(member);
         self.labelled = None;
     }
 
     /// Forgets the note this monitor wrote for a promotion that did not happen (refused, not
     /// sent) and removes it from the Lease; a removal that fails is retried once a primary
-    /// serves (a next leader reading it meanwhile asks that backup again, is refused or not
-    /// connected too, and moves on).
+    /// serves (a next leader reading it meanwhile is pinned to that backup: refused, it moves
+    /// on; not connected, it asks that backup again every round, as for its own pin).
     async fn forget_note(&mut self) {
         self.note = None;
         self.remove_note().await;
@@ -637,10 +675,11 @@ impl Watcher {
                 }
             }
             let (p, b) = (self.addresses[primary].clone(), self.addresses[m].clone());
+            let replicas = self.replicas.clone();
             // Its own task: an attach digests the backup's whole pool first, and the rounds
             // must go on meanwhile.
             let call = tokio::spawn(async move {
-                match add_backup(&p, &b).await {
+                match replicas.add_backup(&p, &b).await {
                     Ok(()) => {
                         tracing::info!(primary = %p, backup = %b, "added a member that answered as a backup to the primary's set")
                     }
@@ -714,13 +753,14 @@ impl Watcher {
             others = ?backups,
             "the dpm primary is down: promoting a backup that was in sync"
         );
-        match promote(&target, backups, min_term).await {
+        match self.replicas.promote(&target, backups, min_term).await {
             Ok(()) => {
                 metrics::counter!("dinomo_monitor_dpm_failovers_total").increment(1);
                 let now = Instant::now();
                 self.promoting = Some((member, now - down_for, now));
                 self.memory.serving = None;
                 self.memory.down_since = None;
+                self.memory.promoted = Some((member, now + self.cfg.promotion_stuck_after()));
                 // The chosen primary from now on, labelled or not: the plan counts it as
                 // serving once it answers as a primary, and a failed label is retried then.
                 self.memory.pointed = Some(member);
@@ -757,11 +797,15 @@ impl Watcher {
                 Outcome::Failed(why)
             }
             Err(PromoteError::NotSent(e)) => {
-                // Nothing was sent: as a refusal, another backup of the observation is tried
-                // next round, and a next leader must not wait for this one.
+                // Nothing reached it: another backup of the observation is tried first, this
+                // one again after `failover_after` (it may be the only one in sync), and a
+                // next leader must not wait for it.
                 let why = format!("promoting {target}: not sent: {e}");
-                tracing::error!("{why}; another backup of the observation is tried next round");
-                self.memory.refused.push(member);
+                tracing::error!(
+                    "{why}; another backup of the observation is tried first, this one again later"
+                );
+                self.memory.not_reached.retain(|&(m, _)| m != member);
+                self.memory.not_reached.push((member, Instant::now()));
                 self.forget_note().await;
                 Outcome::Failed(why)
             }
@@ -777,122 +821,16 @@ impl Watcher {
                 tracing::error!("{why}");
                 let now = Instant::now();
                 self.promoting = Some((member, now - down_for, now));
-                self.memory.promote_only = Some((member, now));
+                // Asked again (pinned already): the wait counts from the first pin.
+                let stuck_at = match self.memory.promote_only {
+                    Some((m, at)) if m == member => at,
+                    _ => now + self.cfg.promotion_stuck_after(),
+                };
+                self.memory.promote_only = Some((member, stuck_at));
                 self.memory.pointed = Some(member);
                 self.labelled = None;
                 Outcome::Failed(why)
             }
         }
-    }
-}
-
-/// A ReplicaService client for `addr`, as this process's identity.
-async fn replica_client(
-    addr: &str,
-    timeout: Duration,
-) -> anyhow::Result<ReplicaServiceClient<tonic::transport::Channel>> {
-    let ch = dinomo_security::Security::of_process()
-        .endpoint(addr, dinomo_security::Service::Dpm)?
-        .connect_timeout(timeout.min(Duration::from_millis(500)))
-        .timeout(timeout)
-        .connect()
-        .await?;
-    Ok(ReplicaServiceClient::new(ch))
-}
-
-/// `addr`'s ReplicaService.Status, as [`plan`] reads it.
-async fn status(addr: &str, timeout: Duration) -> Seen {
-    let ask = async {
-        let s = replica_client(addr, timeout)
-            .await?
-            .status(ReplicaStatusRequest {})
-            .await?
-            .into_inner();
-        let role = match s.role.as_str() {
-            "primary" => Role::Primary,
-            "backup" => Role::Backup,
-            other => anyhow::bail!("answers with an unknown role {other:?}"),
-        };
-        Ok(MemberStatus {
-            role,
-            term: s.term,
-            generation: s.generation,
-            copy_complete: s.copy_state == "complete",
-            copy_term: s.copy_term,
-            backups: s
-                .backups
-                .into_iter()
-                .map(|b| (b.address, b.state))
-                .collect(),
-        })
-    };
-    match tokio::time::timeout(timeout, ask).await {
-        Ok(r) => r.map_err(|e: anyhow::Error| format!("{e:#}")),
-        Err(_) => Err(format!("no answer within {} ms", timeout.as_millis())),
-    }
-}
-
-async fn add_backup(primary: &str, backup: &str) -> anyhow::Result<()> {
-    // An attach digests the backup's whole pool first: the primary allows 30 s + 4 s per GiB
-    // of pool, and a call given up here would leave the attach half done. 15 minutes covers
-    // pools of 200 GiB.
-    replica_client(primary, Duration::from_secs(15 * 60))
-        .await?
-        .add_backup(BackupRequest {
-            address: backup.to_string(),
-        })
-        .await
-        .map_err(|s| anyhow::anyhow!("{}", s.message()))?;
-    Ok(())
-}
-
-/// Why a Promote failed.
-enum PromoteError {
-    /// The backup refused it (its copy is not complete, no backups named, ...): nothing
-    /// changed there.
-    Refused(String),
-    /// No answer, or an answer that does not say: the promotion may be under way (it goes on
-    /// after the caller's deadline).
-    Unknown(String),
-    /// No connection: the call was never sent (asked again next round).
-    NotSent(String),
-}
-
-async fn promote(
-    backup: &str,
-    others: Vec<String>,
-    min_term: u64,
-) -> std::result::Result<(), PromoteError> {
-    let mut client = replica_client(backup, Duration::from_secs(30))
-        .await
-        // Not connected: the call was never sent.
-        .map_err(|e| PromoteError::NotSent(format!("{e:#}")))?;
-    let answer = client
-        .promote(PromoteRequest {
-            backups: others,
-            min_term,
-        })
-        .await;
-    // ALREADY_EXISTS (being promoted, or a primary already), UNAVAILABLE, a deadline: the
-    // promotion may be under way.
-    match answer {
-        Ok(_) => Ok(()),
-        Err(s)
-            if matches!(
-                s.code(),
-                tonic::Code::FailedPrecondition
-                    | tonic::Code::InvalidArgument
-                    | tonic::Code::PermissionDenied
-                    | tonic::Code::Unauthenticated
-                    | tonic::Code::Unimplemented
-            ) =>
-        {
-            Err(PromoteError::Refused(s.message().to_string()))
-        }
-        Err(s) => Err(PromoteError::Unknown(format!(
-            "{:?}: {}",
-            s.code(),
-            s.message()
-        ))),
     }
 }

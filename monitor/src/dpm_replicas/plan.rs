@@ -33,7 +33,12 @@
 //!   newest generation any replica reports (a backup removed since is older). Replicas that do
 //!   not answer cannot show such traces: the rule cannot see what they hold.
 //! - Without an observation nothing is promoted; once no member has answered as a primary for
-//!   `failover_after`, the plan says it is stuck, for an operator.
+//!   `failover_after`, the plan says it is stuck, for an operator. After a Promote answered OK
+//!   (the observation is dropped then), and while pinned to a backup that may be promoting
+//!   itself, it waits for that backup instead, stuck only once `promotion_stuck_after` passed
+//!   and it does not answer as a primary.
+//! - A Promote that could not be sent (no connection) is tried on the other backups in sync
+//!   first, and on the same backup again once `failover_after` passed.
 //! - Members answering as backups that the serving primary does not list are to be added to
 //!   it (the old primary, demoted after a failover, comes back that way), unless the primary
 //!   lists a backup no member names (a member under another name would be attached twice).
@@ -88,13 +93,24 @@ pub struct Memory {
     /// is no observation to fail over from).
     pub no_primary_since: Option<Instant>,
     /// A Promote whose outcome is not known (no answer, or "being promoted already"; or the
-    /// last leader's, by its note: `promotion_note`), and since when: only that member may be
-    /// promoted from this observation, and while it does not answer the plan waits for it
-    /// (stuck after `failover_after`). Cleared once a primary serves.
+    /// last leader's, by its note: `promotion_note`), and until when it is waited for: only
+    /// that member may be promoted from this observation, and while it does not answer the
+    /// plan waits for it (it may be opening its pool as the primary), stuck from that time on
+    /// (`promotion_stuck_after_ms` after the pin). Cleared once a primary serves.
     pub promote_only: Option<(usize, Instant)>,
     /// Members whose Promote was refused (nothing changed there) since the last observation:
     /// not tried again from it, so another backup is. Cleared once a primary serves.
     pub refused: Vec<usize>,
+    /// Members whose Promote could not be sent (no connection: nothing reached them), and
+    /// when: the other backups of the observation are tried first, and each is asked again
+    /// once `failover_after` passed (a connection that failed once must not leave a set whose
+    /// only backup in sync it was without a primary). Cleared once a primary serves.
+    pub not_reached: Vec<(usize, Instant)>,
+    /// A Promote this watcher sent that was answered (the backup promotes itself; it opens and
+    /// recovers its pool before it answers as the primary, minutes for a large pool), and until
+    /// when that is waited for before the failover is reported stuck. Cleared once a primary
+    /// serves.
+    pub promoted: Option<(usize, Instant)>,
 }
 
 /// The next step.
@@ -181,6 +197,8 @@ pub fn plan(
         mem.down_since = None;
         mem.promote_only = None;
         mem.refused.clear();
+        mem.not_reached.clear();
+        mem.promoted = None;
         mem.serving = (!synced.is_empty()).then_some(Serving {
             member: p,
             term: status.term,
@@ -213,6 +231,17 @@ pub fn plan(
     }
     let Some(last) = mem.serving.clone() else {
         mem.down_since = None;
+        if let Some((m, stuck_at)) = mem.promoted {
+            // Promoted, and (no primary serves) not answering as one yet: it recovers its pool
+            // first. Nothing else may be promoted meanwhile (the observation is gone).
+            let why = format!(
+                "{} was promoted and {}: waiting for it to open its pool and serve, promoting \
+                 no other backup",
+                members[m],
+                how(&seen[m])
+            );
+            return wait_for_promoted(why, &seen[m], now, stuck_at);
+        }
         let quiet = mem.no_primary_since.map(|t| now.duration_since(t));
         let why = "no member serves as the primary with a backup in sync, and none was seen \
                    serving since this monitor started watching (or since the primary last \
@@ -284,24 +313,21 @@ pub fn plan(
             last.term
         ));
     }
-    if let Some((only, since)) = mem.promote_only {
-        let pinned_for = now.duration_since(since);
+    if let Some((only, stuck_at)) = mem.promote_only {
         let why = format!(
             "{} {}; it may be promoting itself (an earlier Promote's outcome is not known): \
              waiting for it, promoting no other backup",
             members[only],
             match &seen[only] {
                 Err(_) => "does not answer".to_string(),
-                Ok(s) => format!("answers as a backup of term {}", s.term),
+                Ok(s) if s.role == Role::Backup =>
+                    format!("answers as a backup of term {}", s.term),
+                Ok(s) => format!("answers as a primary of term {}", s.term),
             }
         );
         let promoted_again = matches!(&seen[only], Ok(s) if s.term == last.term);
         if !promoted_again {
-            return if pinned_for >= failover_after {
-                Plan::Stuck(format!("{why} for {} ms", pinned_for.as_millis()))
-            } else {
-                Plan::Wait(why)
-            };
+            return wait_for_promoted(why, &seen[only], now, stuck_at);
         }
     }
     // The newest generation any replica was told: a backup removed since the observation is
@@ -309,12 +335,18 @@ pub fn plan(
     let generation = answered()
         .map(|s| s.generation)
         .fold(last.generation, u64::max);
+    let recently_not_reached = |m: usize| {
+        mem.not_reached
+            .iter()
+            .any(|&(n, at)| n == m && now.duration_since(at) < failover_after)
+    };
     let candidate = last
         .in_sync
         .iter()
         .copied()
         .filter_map(|m| seen[m].as_ref().ok().map(|s| (m, s)))
         .filter(|(m, _)| pinned.is_none_or(|only| only == *m) && !mem.refused.contains(m))
+        .filter(|(m, _)| !recently_not_reached(*m))
         .filter(|(_, s)| {
             s.role == Role::Backup
                 && s.copy_complete
@@ -323,6 +355,42 @@ pub fn plan(
         })
         .max_by_key(|(m, _)| std::cmp::Reverse(*m));
     let Some((member, _)) = candidate else {
+        if let Some(only) = pinned {
+            // Only the pinned member may be promoted from this observation (it may be
+            // promoting itself): the message is about it, not about the others in sync.
+            return Plan::Stuck(pinned_stuck(
+                members, seen, &last, only, &why, down_for, generation,
+            ));
+        }
+        if let Some(&m) = last.in_sync.iter().find(|&&m| recently_not_reached(m)) {
+            return Plan::Wait(format!(
+                "primary {} {why} for {} ms; a Promote of {} could not be sent (no \
+                 connection): asking it again after {} ms unless another backup in sync can \
+                 be promoted",
+                members[last.member],
+                down_for.as_millis(),
+                members[m],
+                failover_after.as_millis()
+            ));
+        }
+        let refused: Vec<&str> = last
+            .in_sync
+            .iter()
+            .filter(|m| mem.refused.contains(m))
+            .map(|&m| members[m].as_str())
+            .collect();
+        if !refused.is_empty() {
+            return Plan::Stuck(format!(
+                "primary {} {why} for {} ms; of the backups in sync when it last served, {} \
+                 refused to be promoted and no other answers with a complete copy of its term \
+                 {}: not promoting. The refusals are logged; bring the primary back, or \
+                 promote a backup by hand (helm/README.md, \"Backups\")",
+                members[last.member],
+                down_for.as_millis(),
+                refused.join(", "),
+                last.term
+            ));
+        }
         let names: Vec<&str> = last.in_sync.iter().map(|&m| members[m].as_str()).collect();
         return Plan::Stuck(format!(
             "primary {} {why} for {} ms, and none of the backups in sync when it last served \
@@ -342,6 +410,66 @@ pub fn plan(
         min_term,
         down_for,
     }
+}
+
+/// Waiting for a backup promoted (or perhaps promoted) to serve: stuck from `stuck_at` on,
+/// unless it answers as a primary by then (it copies its backups before it serves: minutes for
+/// a large pool; a monitor that no longer points at it does not count it as serving until a
+/// backup is in sync).
+fn wait_for_promoted(why: String, seen: &Seen, now: Instant, stuck_at: Instant) -> Plan {
+    if now >= stuck_at && primary(seen).is_none() {
+        Plan::Stuck(format!(
+            "{why}, for longer than `promotion_stuck_after_ms`: did it die? Bring it back, or \
+             promote a backup by hand (helm/README.md, \"Backups\")"
+        ))
+    } else {
+        Plan::Wait(why)
+    }
+}
+
+/// Why a failover pinned to `only` ([`Memory::promote_only`]) cannot promote it, though it
+/// answers with the observation's term.
+fn pinned_stuck(
+    members: &[String],
+    seen: &[Seen],
+    last: &Serving,
+    only: usize,
+    why: &str,
+    down_for: Duration,
+    generation: u64,
+) -> String {
+    let in_sync: Vec<&str> = last.in_sync.iter().map(|&m| members[m].as_str()).collect();
+    let unfit = match &seen[only] {
+        _ if !last.in_sync.contains(&only) => format!(
+            "it was not in sync when {} last served as this monitor saw it (in sync: {}), so \
+             its copy may lack acknowledged writes",
+            members[last.member],
+            in_sync.join(", ")
+        ),
+        Ok(s) if s.role == Role::Backup => {
+            let state = if s.copy_complete {
+                "complete"
+            } else {
+                "incomplete"
+            };
+            format!(
+                "its copy is {state} of term {}, generation {} (a promotion needs a complete \
+                 copy of term {}, generation {generation})",
+                s.copy_term, s.generation, last.term
+            )
+        }
+        other => how(other),
+    };
+    format!(
+        "primary {} {why} for {} ms; {} is the only backup this failover may promote (the \
+         last leader's note, or a Promote of this monitor whose outcome is not known, names \
+         it: it may be promoting itself), and it is not promoted: {unfit}. Waiting for it to \
+         serve; or bring the primary back, or promote a backup by hand (helm/README.md, \
+         \"Backups\")",
+        members[last.member],
+        down_for.as_millis(),
+        members[only],
+    )
 }
 
 #[cfg(test)]
@@ -693,7 +821,7 @@ mod tests {
         let seen = [silent(), backup(3, true, 3, 0), backup(3, true, 3, 0)];
         plan(&members(), &seen, &mut mem, t0, AFTER);
         // The watcher promoted b1 and got no answer.
-        mem.promote_only = Some((1, t0 + AFTER));
+        mem.promote_only = Some((1, t0 + 2 * AFTER));
         mem.pointed = Some(1);
         // b1 opens its pool as the primary: it answers nothing; b2 is not promoted.
         let seen = [silent(), silent(), backup(3, true, 3, 0)];
@@ -732,5 +860,104 @@ mod tests {
         mem.refused.push(1);
         let p = plan(&members(), &seen, &mut mem, t0 + AFTER, AFTER);
         assert!(matches!(p, Plan::Promote { member: 2, .. }), "{p:?}");
+    }
+
+    #[test]
+    fn a_pin_on_a_member_not_seen_in_sync_is_stuck_on_that_member() {
+        // The last leader's note names b2, which this monitor last saw failed, not in sync
+        // (its observation is newer than the writer's): b2 is not promoted, nor is b1 (the
+        // pin), and the message says it waits for b2 and why.
+        let mut mem = Memory::default();
+        let t0 = Instant::now();
+        let seen = [
+            primary_of(3, &[("b1:1", "in-sync"), ("b2:1", "failed")]),
+            backup(3, true, 3, 0),
+            backup(3, true, 3, 0),
+        ];
+        plan(&members(), &seen, &mut mem, t0, AFTER);
+        let seen = [silent(), backup(3, true, 3, 0), backup(3, true, 3, 0)];
+        plan(&members(), &seen, &mut mem, t0, AFTER);
+        mem.promote_only = Some((2, t0));
+        let p = plan(&members(), &seen, &mut mem, t0 + AFTER, AFTER);
+        let Plan::Stuck(why) = &p else {
+            panic!("{p:?}")
+        };
+        assert!(
+            why.contains("b2:1 is the only backup") && why.contains("not in sync"),
+            "{why}"
+        );
+        // Pinned to b1, in sync, whose copy is now incomplete: named, with its copy's state.
+        mem.promote_only = Some((1, t0));
+        let seen = [silent(), backup(3, false, 3, 0), backup(3, true, 3, 0)];
+        let p = plan(&members(), &seen, &mut mem, t0 + AFTER, AFTER);
+        assert!(
+            matches!(&p, Plan::Stuck(w) if w.contains("b1:1 is the only backup") && w.contains("incomplete")),
+            "{p:?}"
+        );
+    }
+
+    #[test]
+    fn a_backup_not_reached_is_tried_after_the_others_and_again_after_the_delay() {
+        let mut mem = Memory::default();
+        let t0 = Instant::now();
+        steady(&mut mem, t0);
+        let seen = [silent(), backup(3, true, 3, 0), backup(3, true, 3, 0)];
+        plan(&members(), &seen, &mut mem, t0, AFTER);
+        let t1 = t0 + AFTER;
+        // b1's Promote could not be sent: b2 is promoted first.
+        mem.not_reached.push((1, t1));
+        let p = plan(&members(), &seen, &mut mem, t1, AFTER);
+        assert!(matches!(p, Plan::Promote { member: 2, .. }), "{p:?}");
+        // b2 refused: b1 is waited for until the delay passed since its try, then asked again.
+        mem.refused.push(2);
+        let p = plan(&members(), &seen, &mut mem, t1 + AFTER / 2, AFTER);
+        assert!(
+            matches!(&p, Plan::Wait(w) if w.contains("b1:1") && w.contains("could not be sent")),
+            "{p:?}"
+        );
+        let p = plan(&members(), &seen, &mut mem, t1 + AFTER, AFTER);
+        assert!(matches!(p, Plan::Promote { member: 1, .. }), "{p:?}");
+        // A primary serves: forgotten.
+        let seen = [
+            silent(),
+            primary_of(4, &[("b2:1", "in-sync")]),
+            backup(4, true, 4, 0),
+        ];
+        plan(&members(), &seen, &mut mem, t1 + AFTER, AFTER);
+        assert!(mem.not_reached.is_empty() && mem.refused.is_empty());
+    }
+
+    #[test]
+    fn a_promoted_backup_is_waited_for_until_its_stuck_time_unless_it_answers_as_a_primary() {
+        let mut mem = Memory::default();
+        let t0 = Instant::now();
+        // Promoted (answered): the observation is dropped, the promotion remembered.
+        mem.promoted = Some((1, t0 + 10 * AFTER));
+        let seen = [silent(), silent(), backup(3, true, 3, 0)];
+        // Long past failover_after, nothing else is promoted and it is no alarm yet.
+        let p = plan(&members(), &seen, &mut mem, t0 + 5 * AFTER, AFTER);
+        assert!(matches!(&p, Plan::Wait(w) if w.contains("b1:1")), "{p:?}");
+        let p = plan(&members(), &seen, &mut mem, t0 + 10 * AFTER, AFTER);
+        assert!(
+            matches!(&p, Plan::Stuck(w) if w.contains("b1:1") && w.contains("promotion_stuck_after_ms")),
+            "{p:?}"
+        );
+        // Answering as a primary that copies its backups (not pointed at: not serving yet).
+        let seen = [
+            silent(),
+            primary_of(4, &[("b2:1", "syncing")]),
+            backup(4, false, 4, 0),
+        ];
+        let p = plan(&members(), &seen, &mut mem, t0 + 20 * AFTER, AFTER);
+        assert!(matches!(&p, Plan::Wait(w) if w.contains("b1:1")), "{p:?}");
+        // In sync: serving, and the promotion is forgotten.
+        let seen = [
+            silent(),
+            primary_of(4, &[("b2:1", "in-sync")]),
+            backup(4, true, 4, 0),
+        ];
+        let p = plan(&members(), &seen, &mut mem, t0 + 20 * AFTER, AFTER);
+        assert_eq!(p, serving(1, 4, true, vec![]));
+        assert_eq!(mem.promoted, None);
     }
 }

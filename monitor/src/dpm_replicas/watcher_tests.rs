@@ -1,0 +1,735 @@
+//! Rounds of [`Watcher`] against scripted members ([`Replicas`]), a scripted Lease
+//! ([`Leadership`]) and a recording [`PrimaryPointer`]: what the watcher sends, in which
+//! order, and what it refrains from. The plan's rules are tested in `plan.rs`; here, what the
+//! watcher does with its answers (the note before every Promote, refusals, Promotes not sent,
+//! pins read from a note, standbys), which only real dpm-nodes exercised before
+//! (cli/tests/integration/dpm_auto_failover.rs).
+//!
+//! Time is real: the plan reads `std::time::Instant`, which tokio's paused clock does not move.
+//! `failover_after` is [`AFTER`] and a test sleeps past it at most twice.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use parking_lot::Mutex;
+
+use super::plan::{MemberStatus, Role, Seen};
+use super::*;
+
+const AFTER: Duration = Duration::from_millis(200);
+/// `promotion_stuck_after_ms` of the watchers here.
+/// Well above [`AFTER`]: a check that a round comes before it must hold on a loaded machine.
+const STUCK_AFTER_PROMOTE: Duration = Duration::from_millis(1500);
+const P: &str = "p:1";
+const B1: &str = "b1:1";
+const B2: &str = "b2:1";
+
+/// What the watcher did to the members, the Lease and the clients, in order.
+#[derive(Debug, Clone, PartialEq)]
+enum Call {
+    NoteWritten(String),
+    NoteRemoved,
+    Promote {
+        backup: String,
+        others: Vec<String>,
+        min_term: u64,
+    },
+    AddBackup {
+        primary: String,
+        backup: String,
+    },
+    PointAt(String),
+}
+
+/// How the Lease answers a write of the note.
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Write {
+    Done,
+    /// `Ok(false)`: the Lease changed under the write.
+    NotWritten,
+    Fails,
+}
+
+#[derive(Debug)]
+struct State {
+    /// Each member's Status answer; a member not here does not answer.
+    status: HashMap<String, Seen>,
+    /// Each member's next Promote answers; none left: `Ok`.
+    promote: HashMap<String, VecDeque<Result<(), PromoteError>>>,
+    leads: bool,
+    note_write: Write,
+    note_removal: Write,
+    note_read_fails: bool,
+    /// The note the Lease holds.
+    lease_note: Option<String>,
+    calls: Vec<Call>,
+}
+
+/// The members, the Lease and the clients at once, so that one record orders their calls.
+#[derive(Debug, Clone)]
+struct World(Arc<Mutex<State>>);
+
+impl World {
+    fn new(leads: bool) -> Self {
+        World(Arc::new(Mutex::new(State {
+            status: HashMap::new(),
+            promote: HashMap::new(),
+            leads,
+            note_write: Write::Done,
+            note_removal: Write::Done,
+            note_read_fails: false,
+            lease_note: None,
+            calls: Vec::new(),
+        })))
+    }
+
+    fn watcher(&self) -> Watcher {
+        let members = [P, B1, B2]
+            .map(|a| MemberConfig {
+                address: a.into(),
+                pod: String::new(),
+            })
+            .to_vec();
+        let cfg = DpmReplicasConfig {
+            members,
+            check_every_ms: 50,
+            failover_after_ms: AFTER.as_millis() as u64,
+            status_timeout_ms: 100,
+            promotion_stuck_after_ms: STUCK_AFTER_PROMOTE.as_millis() as u64,
+            ..DpmReplicasConfig::default()
+        };
+        cfg.validate(false).unwrap();
+        Watcher::new(cfg, Box::new(self.clone()), Box::new(self.clone()))
+            .with_replicas(Arc::new(self.clone()))
+    }
+
+    fn answers(&self, addr: &str, seen: Seen) {
+        self.0.lock().status.insert(addr.into(), seen);
+    }
+
+    fn silent(&self, addr: &str) {
+        self.0.lock().status.remove(addr);
+    }
+
+    fn promote_answers(&self, addr: &str, answers: Vec<Result<(), PromoteError>>) {
+        self.0.lock().promote.insert(addr.into(), answers.into());
+    }
+
+    fn with<R>(&self, f: impl FnOnce(&mut State) -> R) -> R {
+        f(&mut self.0.lock())
+    }
+
+    fn calls(&self) -> Vec<Call> {
+        self.0.lock().calls.clone()
+    }
+
+    /// The calls made since the last `take`.
+    fn take(&self) -> Vec<Call> {
+        std::mem::take(&mut self.0.lock().calls)
+    }
+
+    /// p serves under term 3 with b1 and b2 in sync.
+    fn steady(&self) {
+        self.answers(P, primary_of(3, &[(B1, "in-sync"), (B2, "in-sync")]));
+        self.answers(B1, backup(3));
+        self.answers(B2, backup(3));
+    }
+}
+
+#[async_trait]
+impl Replicas for World {
+    async fn status(&self, addr: &str, _timeout: Duration) -> Seen {
+        let s = self.0.lock();
+        s.status
+            .get(addr)
+            .cloned()
+            .unwrap_or_else(|| Err("connection refused".into()))
+    }
+
+    async fn promote(
+        &self,
+        backup: &str,
+        others: Vec<String>,
+        min_term: u64,
+    ) -> Result<(), PromoteError> {
+        let mut s = self.0.lock();
+        let answer = s
+            .promote
+            .get_mut(backup)
+            .and_then(|a| a.pop_front())
+            .unwrap_or(Ok(()));
+        // A Promote that was not sent reached nobody: not recorded.
+        if !matches!(answer, Err(PromoteError::NotSent(_))) {
+            s.calls.push(Call::Promote {
+                backup: backup.into(),
+                others,
+                min_term,
+            });
+        }
+        answer
+    }
+
+    async fn add_backup(&self, primary: &str, backup: &str) -> anyhow::Result<()> {
+        self.0.lock().calls.push(Call::AddBackup {
+            primary: primary.into(),
+            backup: backup.into(),
+        });
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Leadership for World {
+    async fn leads(&self) -> bool {
+        self.0.lock().leads
+    }
+
+    async fn leave_note(&self, note: Option<String>) -> anyhow::Result<bool> {
+        let mut s = self.0.lock();
+        let answer = match note {
+            Some(_) => s.note_write,
+            None => s.note_removal,
+        };
+        match answer {
+            Write::Done => {
+                s.calls.push(match &note {
+                    Some(n) => Call::NoteWritten(n.clone()),
+                    None => Call::NoteRemoved,
+                });
+                s.lease_note = note;
+                Ok(true)
+            }
+            Write::NotWritten => Ok(false),
+            Write::Fails => anyhow::bail!("the API server answers 500"),
+        }
+    }
+
+    async fn note(&self) -> anyhow::Result<Option<String>> {
+        let s = self.0.lock();
+        if s.note_read_fails {
+            anyhow::bail!("the API server answers 500");
+        }
+        Ok(s.lease_note.clone())
+    }
+}
+
+#[async_trait]
+impl PrimaryPointer for World {
+    async fn point_at(&self, members: &[MemberConfig], to: usize) -> anyhow::Result<()> {
+        self.0
+            .lock()
+            .calls
+            .push(Call::PointAt(members[to].address.clone()));
+        Ok(())
+    }
+}
+
+fn primary_of(term: u64, backups: &[(&str, &str)]) -> Seen {
+    Ok(MemberStatus {
+        role: Role::Primary,
+        term,
+        generation: 0,
+        copy_complete: false,
+        copy_term: 0,
+        backups: backups
+            .iter()
+            .map(|(a, s)| (a.to_string(), s.to_string()))
+            .collect(),
+    })
+}
+
+/// A backup holding a complete copy made under `term`.
+fn backup(term: u64) -> Seen {
+    Ok(MemberStatus {
+        role: Role::Backup,
+        term,
+        generation: 0,
+        copy_complete: true,
+        copy_term: term,
+        backups: Vec::new(),
+    })
+}
+
+fn promote_of(backup: &str, others: [&str; 2]) -> Call {
+    Call::Promote {
+        backup: backup.into(),
+        others: others.map(String::from).to_vec(),
+        min_term: 3,
+    }
+}
+
+/// Whose Promotes were sent, in order.
+fn promoted(calls: &[Call]) -> Vec<String> {
+    calls
+        .iter()
+        .filter_map(|c| match c {
+            Call::Promote { backup, .. } => Some(backup.clone()),
+            _ => None,
+        })
+        .collect()
+}
+
+fn is_note_of(call: &Call, backup: &str) -> bool {
+    matches!(call, Call::NoteWritten(n) if n.starts_with(&format!("{backup} 3 ")))
+}
+
+/// The leader has seen p serve, then p stopped answering for longer than [`AFTER`]: the next
+/// round fails over.
+async fn leader_past_failover(w: &World) -> Watcher {
+    let mut watcher = w.watcher();
+    w.steady();
+    assert_eq!(watcher.round().await, Outcome::Serving { primary: 0 });
+    w.silent(P);
+    assert!(matches!(watcher.round().await, Outcome::Waiting(_)));
+    tokio::time::sleep(AFTER + Duration::from_millis(20)).await;
+    w.take();
+    watcher
+}
+
+#[tokio::test]
+async fn a_serving_primary_is_pointed_at_once_and_nothing_is_promoted() {
+    let w = World::new(true);
+    let mut watcher = w.watcher();
+    w.steady();
+    assert_eq!(watcher.round().await, Outcome::Serving { primary: 0 });
+    assert_eq!(w.take(), vec![Call::PointAt(P.into())]);
+    // Labelled already: not patched again every round; no note was left, none removed.
+    assert_eq!(watcher.round().await, Outcome::Serving { primary: 0 });
+    assert_eq!(w.take(), vec![]);
+}
+
+#[tokio::test]
+async fn a_silent_primary_is_failed_over_with_the_note_written_before_the_promote() {
+    let w = World::new(true);
+    let mut watcher = leader_past_failover(&w).await;
+    assert_eq!(watcher.round().await, Outcome::Promoted { member: 1 });
+    let calls = w.take();
+    assert_eq!(calls.len(), 3, "{calls:?}");
+    assert!(is_note_of(&calls[0], B1), "{calls:?}");
+    assert_eq!(calls[1], promote_of(B1, [P, B2]));
+    // Pointed at once: the clients' next connection finds it as soon as it serves.
+    assert_eq!(calls[2], Call::PointAt(B1.into()));
+    // b1 opens its pool: it answers nothing, it is waited for, and nobody else is promoted.
+    w.silent(B1);
+    let o = watcher.round().await;
+    assert!(
+        matches!(&o, Outcome::Waiting(why) if why.contains("b1:1")),
+        "{o:?}"
+    );
+    assert_eq!(w.take(), vec![]);
+    // b1 serves under its new term, b2 not in sync yet: labelled again under that term, and
+    // the note is removed.
+    w.answers(B1, primary_of(4, &[(B2, "syncing")]));
+    assert_eq!(watcher.round().await, Outcome::Serving { primary: 1 });
+    assert_eq!(w.take(), vec![Call::PointAt(B1.into()), Call::NoteRemoved]);
+    assert_eq!(w.with(|s| s.lease_note.clone()), None);
+    assert_eq!(watcher.round().await, Outcome::Serving { primary: 1 });
+    assert_eq!(w.take(), vec![]);
+}
+
+#[tokio::test]
+async fn no_promote_is_sent_in_a_round_whose_note_was_not_written() {
+    let w = World::new(true);
+    let mut watcher = leader_past_failover(&w).await;
+    w.with(|s| s.note_write = Write::Fails);
+    let o = watcher.round().await;
+    assert!(
+        matches!(&o, Outcome::Failed(why) if why.contains("noting the promotion of b1:1")),
+        "{o:?}"
+    );
+    assert_eq!(w.take(), vec![]);
+    // The Lease changed under the write: another monitor may lead.
+    w.with(|s| s.note_write = Write::NotWritten);
+    assert_eq!(watcher.round().await, Outcome::Standby);
+    assert_eq!(w.take(), vec![]);
+    w.with(|s| s.note_write = Write::Done);
+    assert_eq!(watcher.round().await, Outcome::Promoted { member: 1 });
+    assert_eq!(promoted(&w.take()), vec![B1]);
+}
+
+#[tokio::test]
+async fn a_refused_promote_forgets_its_note_and_the_other_backup_is_promoted() {
+    let w = World::new(true);
+    let mut watcher = leader_past_failover(&w).await;
+    w.promote_answers(
+        B1,
+        vec![Err(PromoteError::Refused("copy incomplete".into()))],
+    );
+    let o = watcher.round().await;
+    assert!(
+        matches!(&o, Outcome::Failed(why) if why.contains("refused")),
+        "{o:?}"
+    );
+    let calls = w.take();
+    assert_eq!(calls.len(), 3, "{calls:?}");
+    assert!(is_note_of(&calls[0], B1), "{calls:?}");
+    assert_eq!(calls[1..], [promote_of(B1, [P, B2]), Call::NoteRemoved]);
+    assert_eq!(w.with(|s| s.lease_note.clone()), None);
+    assert_eq!(watcher.round().await, Outcome::Promoted { member: 2 });
+    let calls = w.take();
+    assert!(is_note_of(&calls[0], B2), "{calls:?}");
+    assert_eq!(
+        calls[1..],
+        [promote_of(B2, [P, B1]), Call::PointAt(B2.into())]
+    );
+}
+
+#[tokio::test]
+async fn a_refused_backup_is_not_asked_again_from_the_same_observation() {
+    let w = World::new(true);
+    let mut watcher = leader_past_failover(&w).await;
+    for b in [B1, B2] {
+        w.promote_answers(b, vec![Err(PromoteError::Refused("no".into()))]);
+    }
+    for _ in 0..2 {
+        let o = watcher.round().await;
+        assert!(matches!(o, Outcome::Failed(_)), "{o:?}");
+    }
+    // Both refused: stuck, for an operator; neither is asked again.
+    for _ in 0..2 {
+        let o = watcher.round().await;
+        assert!(
+            matches!(&o, Outcome::Stuck(why) if why.contains("b1:1, b2:1 refused")),
+            "{o:?}"
+        );
+    }
+    assert_eq!(promoted(&w.calls()), vec![B1, B2]);
+    assert_eq!(w.with(|s| s.lease_note.clone()), None);
+}
+
+#[tokio::test]
+async fn a_note_whose_removal_failed_after_a_refusal_pins_nothing_and_goes_once_a_primary_serves() {
+    let w = World::new(true);
+    let mut watcher = leader_past_failover(&w).await;
+    w.promote_answers(B1, vec![Err(PromoteError::Refused("no".into()))]);
+    w.with(|s| s.note_removal = Write::Fails);
+    let o = watcher.round().await;
+    assert!(matches!(o, Outcome::Failed(_)), "{o:?}");
+    assert!(w.with(|s| s.lease_note.clone()).is_some());
+    // Forgotten though still on the Lease: b2 is promoted, not waited for b1.
+    assert_eq!(watcher.round().await, Outcome::Promoted { member: 2 });
+    w.with(|s| s.note_removal = Write::Done);
+    w.answers(B2, primary_of(4, &[(B1, "syncing")]));
+    w.take();
+    assert_eq!(watcher.round().await, Outcome::Serving { primary: 2 });
+    assert_eq!(w.take(), vec![Call::PointAt(B2.into()), Call::NoteRemoved]);
+}
+
+#[tokio::test]
+async fn a_promote_not_sent_to_a_backup_not_pinned_tries_the_other_backup_first() {
+    let w = World::new(true);
+    let mut watcher = leader_past_failover(&w).await;
+    w.promote_answers(B1, vec![Err(PromoteError::NotSent("refused".into()))]);
+    let o = watcher.round().await;
+    assert!(
+        matches!(&o, Outcome::Failed(why) if why.contains("not sent")),
+        "{o:?}"
+    );
+    let calls = w.take();
+    assert!(is_note_of(&calls[0], B1), "{calls:?}");
+    assert_eq!(calls[1..], [Call::NoteRemoved]);
+    assert_eq!(watcher.round().await, Outcome::Promoted { member: 2 });
+    assert_eq!(promoted(&w.take()), vec![B2]);
+}
+
+#[tokio::test]
+async fn a_promote_not_sent_to_a_pinned_backup_asks_it_again() {
+    let w = World::new(true);
+    let mut watcher = leader_past_failover(&w).await;
+    w.promote_answers(
+        B1,
+        vec![
+            Err(PromoteError::Unknown("DeadlineExceeded".into())),
+            Err(PromoteError::NotSent("connection refused".into())),
+        ],
+    );
+    // No answer: b1 may be promoting itself; it is pinned.
+    let o = watcher.round().await;
+    assert!(matches!(o, Outcome::Failed(_)), "{o:?}");
+    // The call did not arrive (b1 still a backup of term 3): asked again, not sent this time.
+    let o = watcher.round().await;
+    assert!(
+        matches!(&o, Outcome::Failed(why) if why.contains("asking it again")),
+        "{o:?}"
+    );
+    let calls = w.take();
+    assert!(!calls.contains(&Call::NoteRemoved), "{calls:?}");
+    assert!(w
+        .with(|s| s.lease_note.clone())
+        .is_some_and(|n| n.starts_with("b1:1 3 ")));
+    // Still b1, never b2.
+    assert_eq!(watcher.round().await, Outcome::Promoted { member: 1 });
+    assert_eq!(promoted(&calls), vec![B1]);
+    assert_eq!(promoted(&w.take()), vec![B1]);
+}
+
+#[tokio::test]
+async fn a_promote_of_unknown_outcome_is_waited_for_and_followed() {
+    let w = World::new(true);
+    let mut watcher = leader_past_failover(&w).await;
+    w.promote_answers(B1, vec![Err(PromoteError::Unknown("AlreadyExists".into()))]);
+    let o = watcher.round().await;
+    assert!(matches!(o, Outcome::Failed(_)), "{o:?}");
+    w.silent(B1);
+    let o = watcher.round().await;
+    assert!(
+        matches!(&o, Outcome::Waiting(why) if why.contains("b1:1")),
+        "{o:?}"
+    );
+    // Past failover_after it may still be opening its pool: waited for, no alarm...
+    tokio::time::sleep(AFTER).await;
+    let o = watcher.round().await;
+    assert!(
+        matches!(&o, Outcome::Waiting(why) if why.contains("b1:1")),
+        "{o:?}"
+    );
+    // ...stuck only after promotion_stuck_after_ms.
+    tokio::time::sleep(STUCK_AFTER_PROMOTE).await;
+    let o = watcher.round().await;
+    assert!(
+        matches!(&o, Outcome::Stuck(why) if why.contains("b1:1")),
+        "{o:?}"
+    );
+    assert_eq!(promoted(&w.take()), vec![B1]);
+    w.answers(B1, primary_of(4, &[(B2, "syncing")]));
+    assert_eq!(watcher.round().await, Outcome::Serving { primary: 1 });
+    assert_eq!(w.take(), vec![Call::PointAt(B1.into()), Call::NoteRemoved]);
+}
+
+/// A standby that saw p serve; the Lease holds `note`; p and b1 stop answering and the
+/// standby takes the Lease over.
+async fn new_leader_with_note(w: &World, note: &str) -> Watcher {
+    let mut watcher = w.watcher();
+    w.steady();
+    assert_eq!(watcher.round().await, Outcome::Standby);
+    w.with(|s| s.lease_note = Some(note.into()));
+    w.silent(P);
+    w.silent(B1);
+    assert_eq!(watcher.round().await, Outcome::Standby);
+    w.with(|s| s.leads = true);
+    watcher
+}
+
+#[tokio::test]
+async fn a_new_leader_waits_for_the_backup_the_last_leader_noted() {
+    let w = World::new(false);
+    let mut watcher = new_leader_with_note(&w, "b1:1 3 1").await;
+    let o = watcher.round().await;
+    assert!(matches!(o, Outcome::Waiting(_)), "{o:?}");
+    tokio::time::sleep(AFTER + Duration::from_millis(20)).await;
+    // b2 was in sync and answers, but b1 may be opening its pool as the primary: waited
+    // for, and reported stuck only after promotion_stuck_after_ms.
+    let o = watcher.round().await;
+    assert!(
+        matches!(&o, Outcome::Waiting(why) if why.contains("b1:1")),
+        "{o:?}"
+    );
+    tokio::time::sleep(STUCK_AFTER_PROMOTE).await;
+    let o = watcher.round().await;
+    assert!(
+        matches!(&o, Outcome::Stuck(why) if why.contains("b1:1")),
+        "{o:?}"
+    );
+    assert_eq!(w.take(), vec![]);
+    w.answers(B1, primary_of(4, &[(P, "attaching"), (B2, "syncing")]));
+    assert_eq!(watcher.round().await, Outcome::Serving { primary: 1 });
+    assert_eq!(w.take(), vec![Call::PointAt(B1.into()), Call::NoteRemoved]);
+    assert_eq!(w.with(|s| s.lease_note.clone()), None);
+}
+
+#[tokio::test]
+async fn a_note_of_another_failover_pins_nothing() {
+    let w = World::new(false);
+    // Left over from the failover of a primary of term 2.
+    let mut watcher = new_leader_with_note(&w, "b1:1 2 1").await;
+    watcher.round().await;
+    tokio::time::sleep(AFTER + Duration::from_millis(20)).await;
+    assert_eq!(watcher.round().await, Outcome::Promoted { member: 2 });
+    let calls = w.take();
+    assert!(is_note_of(&calls[0], B2), "{calls:?}");
+    assert_eq!(promoted(&calls), vec![B2]);
+}
+
+#[tokio::test]
+async fn a_noted_backup_this_monitor_did_not_see_in_sync_is_stuck_on_not_replaced() {
+    // This monitor's observation is a round newer than the writer's: b2 was failed since.
+    let w = World::new(false);
+    let mut watcher = w.watcher();
+    w.steady();
+    w.answers(P, primary_of(3, &[(B1, "in-sync"), (B2, "failed")]));
+    assert_eq!(watcher.round().await, Outcome::Standby);
+    w.with(|s| s.lease_note = Some("b2:1 3 1".into()));
+    w.silent(P);
+    watcher.round().await;
+    w.with(|s| s.leads = true);
+    watcher.round().await;
+    tokio::time::sleep(AFTER + Duration::from_millis(20)).await;
+    let o = watcher.round().await;
+    // Neither b1 (the note pins b2) nor b2 (not seen in sync) is promoted, and the message
+    // says it is b2 that is waited for.
+    assert!(
+        matches!(&o, Outcome::Stuck(why) if why.contains("b2:1") && why.contains("not in sync")),
+        "{o:?}"
+    );
+    assert_eq!(w.take(), vec![]);
+}
+
+#[tokio::test]
+async fn a_note_that_cannot_be_read_holds_back_only_a_promotion() {
+    let w = World::new(true);
+    // The last leader noted b2 (it may be promoting itself); this monitor cannot read that.
+    w.with(|s| {
+        s.note_read_fails = true;
+        s.lease_note = Some("b2:1 3 1".into());
+    });
+    let mut watcher = w.watcher();
+    w.steady();
+    // Serving and labelling go on.
+    assert_eq!(watcher.round().await, Outcome::Serving { primary: 0 });
+    assert_eq!(w.take(), vec![Call::PointAt(P.into())]);
+    w.silent(P);
+    watcher.round().await;
+    tokio::time::sleep(AFTER + Duration::from_millis(20)).await;
+    let o = watcher.round().await;
+    assert!(
+        matches!(&o, Outcome::Failed(why) if why.contains("promotion note")),
+        "{o:?}"
+    );
+    assert_eq!(w.take(), vec![]);
+    // Read at last: b2 (a backup of the observation's term, so its Promote did not arrive)
+    // is the one asked, not b1.
+    w.with(|s| s.note_read_fails = false);
+    assert_eq!(watcher.round().await, Outcome::Promoted { member: 2 });
+    assert_eq!(promoted(&w.take()), vec![B2]);
+}
+
+#[tokio::test]
+async fn a_standby_never_promotes_points_adds_or_writes_notes() {
+    let w = World::new(false);
+    let mut watcher = w.watcher();
+    w.steady();
+    // b2 is missing from p's set: a leader would add it.
+    w.answers(P, primary_of(3, &[(B1, "in-sync")]));
+    assert_eq!(watcher.round().await, Outcome::Standby);
+    w.silent(P);
+    assert_eq!(watcher.round().await, Outcome::Standby);
+    tokio::time::sleep(AFTER + Duration::from_millis(20)).await;
+    assert_eq!(watcher.round().await, Outcome::Standby);
+    assert_eq!(w.calls(), vec![]);
+}
+
+#[tokio::test]
+async fn a_member_missing_from_the_primarys_set_is_added_once() {
+    let w = World::new(true);
+    let mut watcher = w.watcher();
+    w.steady();
+    w.answers(P, primary_of(3, &[(B1, "in-sync")]));
+    assert_eq!(watcher.round().await, Outcome::Serving { primary: 0 });
+    // The add runs in its own task.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    assert_eq!(watcher.round().await, Outcome::Serving { primary: 0 });
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let adds: Vec<Call> = w
+        .calls()
+        .into_iter()
+        .filter(|c| matches!(c, Call::AddBackup { .. }))
+        .collect();
+    assert_eq!(
+        adds,
+        vec![Call::AddBackup {
+            primary: P.into(),
+            backup: B2.into()
+        }]
+    );
+}
+
+// Found by writing these tests: each failed before its fix (docs/decisions/0007, thirteenth
+// session).
+
+#[tokio::test]
+async fn a_backup_opening_its_pool_after_its_promote_is_waited_for_not_reported_stuck() {
+    let w = World::new(true);
+    let mut watcher = leader_past_failover(&w).await;
+    assert_eq!(watcher.round().await, Outcome::Promoted { member: 1 });
+    w.take();
+    // b1 opens its pool (minutes for a large one): a normal failover in progress.
+    w.silent(B1);
+    let o = watcher.round().await;
+    assert!(
+        matches!(&o, Outcome::Waiting(why) if why.contains("b1:1")),
+        "{o:?}"
+    );
+    // Past failover_after (no primary answers) it is still waited for, not an alarm...
+    tokio::time::sleep(AFTER + Duration::from_millis(20)).await;
+    let o = watcher.round().await;
+    assert!(
+        matches!(&o, Outcome::Waiting(why) if why.contains("b1:1")),
+        "{o:?}"
+    );
+    // ...until promotion_stuck_after_ms: then stuck, and still nothing else promoted.
+    tokio::time::sleep(STUCK_AFTER_PROMOTE).await;
+    let o = watcher.round().await;
+    assert!(
+        matches!(&o, Outcome::Stuck(why) if why.contains("b1:1") && why.contains("promotion_stuck_after_ms")),
+        "{o:?}"
+    );
+    assert!(
+        !w.take().iter().any(|c| matches!(c, Call::Promote { .. })),
+        "nothing else may be promoted while b1 opens its pool"
+    );
+}
+
+#[tokio::test]
+async fn a_promote_not_sent_to_the_only_backup_in_sync_is_sent_again() {
+    let w = World::new(true);
+    let mut watcher = w.watcher();
+    w.steady();
+    w.answers(P, primary_of(3, &[(B1, "in-sync"), (B2, "syncing")]));
+    assert_eq!(watcher.round().await, Outcome::Serving { primary: 0 });
+    w.silent(P);
+    watcher.round().await;
+    tokio::time::sleep(AFTER + Duration::from_millis(20)).await;
+    w.promote_answers(
+        B1,
+        vec![Err(PromoteError::NotSent("connect timeout".into()))],
+    );
+    let o = watcher.round().await;
+    let not_sent = std::time::Instant::now();
+    assert!(matches!(o, Outcome::Failed(_)), "{o:?}");
+    // Not asked again at once (each try writes and removes a note on the Lease)...
+    let o = watcher.round().await;
+    if not_sent.elapsed() < AFTER {
+        assert!(
+            matches!(&o, Outcome::Waiting(why) if why.contains("b1:1") && why.contains("could not be sent")),
+            "{o:?}"
+        );
+    }
+    // ...but once failover_after passed: it is the only backup in sync.
+    tokio::time::sleep(AFTER + Duration::from_millis(20)).await;
+    let o = watcher.round().await;
+    assert_eq!(o, Outcome::Promoted { member: 1 });
+}
+
+#[tokio::test]
+async fn a_promoted_backup_copying_its_backups_after_a_lead_flap_is_not_reported_stuck() {
+    let w = World::new(true);
+    let mut watcher = leader_past_failover(&w).await;
+    assert_eq!(watcher.round().await, Outcome::Promoted { member: 1 });
+    // The Lease lost and taken back: the monitor no longer counts b1 as its chosen primary.
+    w.with(|s| s.leads = false);
+    assert_eq!(watcher.round().await, Outcome::Standby);
+    w.with(|s| s.leads = true);
+    // b1 serves as a primary and copies b2 (minutes for a large pool): not serving for the
+    // plan until b2 is in sync, but not stuck either, however long it takes.
+    w.answers(B1, primary_of(4, &[(B2, "syncing")]));
+    tokio::time::sleep(STUCK_AFTER_PROMOTE + Duration::from_millis(20)).await;
+    let o = watcher.round().await;
+    assert!(
+        matches!(&o, Outcome::Waiting(why) if why.contains("b1:1")),
+        "{o:?}"
+    );
+    w.answers(B1, primary_of(4, &[(B2, "in-sync")]));
+    assert_eq!(watcher.round().await, Outcome::Serving { primary: 1 });
+}
