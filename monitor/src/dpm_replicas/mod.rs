@@ -528,6 +528,17 @@ impl Watcher {
         let Some(note) = &self.note else {
             return;
         };
+        if self.memory.serving.is_none() && self.memory.promoted.is_none() {
+            // No observation: nothing is promoted from none, so the note pins nothing; but a
+            // failover this monitor did not see may be under way (it started while the noted
+            // backup opens its pool): wait for that backup before raising the alarm.
+            if let Ok((member, _)) = promotion_note::parse(note, &self.addresses) {
+                tracing::info!(backup = %self.addresses[member], %note, "a promotion note and no observation of a serving primary: waiting for the noted backup");
+                self.memory.promoted =
+                    Some((member, Instant::now() + self.cfg.promotion_stuck_after()));
+            }
+            return;
+        }
         let Ok(member) =
             promotion_note::pinned(note, &self.addresses, self.memory.serving.as_ref())
         else {

@@ -107,9 +107,9 @@ pub struct Memory {
     /// only backup in sync it was without a primary). Cleared once a primary serves.
     pub not_reached: Vec<(usize, Instant)>,
     /// A Promote this watcher sent that was answered (the backup promotes itself; it opens and
-    /// recovers its pool before it answers as the primary, minutes for a large pool), and until
-    /// when that is waited for before the failover is reported stuck. Cleared once a primary
-    /// serves.
+    /// recovers its pool before it answers as the primary, minutes for a large pool), or the
+    /// last leader's noted one when this watcher holds no observation, and until when that is
+    /// waited for before the failover is reported stuck. Cleared once a primary serves.
     pub promoted: Option<(usize, Instant)>,
 }
 

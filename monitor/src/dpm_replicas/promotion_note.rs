@@ -28,9 +28,9 @@ pub fn encode(member: &str, term: u64, unix_ms: u64) -> String {
     format!("{member} {term} {unix_ms}")
 }
 
-/// The member a note pins in the observation `serving` (the last serving primary this monitor
-/// saw, if any). `Err` says why it pins nothing.
-pub fn pinned(note: &str, members: &[String], serving: Option<&Serving>) -> Result<usize, String> {
+/// The member a note names, and the term of the failover it is about. `Err` says why it names
+/// none.
+pub fn parse(note: &str, members: &[String]) -> Result<(usize, u64), String> {
     let malformed = || format!("not `<address> <term> <unix ms>`: {note:?}");
     let mut parts = note.split_whitespace();
     let (Some(address), Some(term), Some(at), None) =
@@ -45,6 +45,13 @@ pub fn pinned(note: &str, members: &[String], serving: Option<&Serving>) -> Resu
         .iter()
         .position(|m| m == address)
         .ok_or_else(|| format!("{address} is no member of [dpm_replicas]"))?;
+    Ok((member, term))
+}
+
+/// The member a note pins in the observation `serving` (the last serving primary this monitor
+/// saw, if any). `Err` says why it pins nothing.
+pub fn pinned(note: &str, members: &[String], serving: Option<&Serving>) -> Result<usize, String> {
+    let (member, term) = parse(note, members)?;
     let Some(serving) = serving else {
         return Err(
             "this monitor holds no observation of a serving primary (it promotes \
@@ -60,7 +67,10 @@ pub fn pinned(note: &str, members: &[String], serving: Option<&Serving>) -> Resu
         ));
     }
     if member == serving.member {
-        return Err(format!("{address} is the primary it fails over from"));
+        return Err(format!(
+            "{} is the primary it fails over from",
+            members[member]
+        ));
     }
     Ok(member)
 }

@@ -733,3 +733,34 @@ async fn a_promoted_backup_copying_its_backups_after_a_lead_flap_is_not_reported
     w.answers(B1, primary_of(4, &[(B2, "in-sync")]));
     assert_eq!(watcher.round().await, Outcome::Serving { primary: 1 });
 }
+
+#[tokio::test]
+async fn a_new_leader_without_an_observation_waits_for_the_noted_backup_before_the_alarm() {
+    let w = World::new(false);
+    let mut watcher = w.watcher();
+    // Started after p died: no observation. b1, promoted by the last leader, opens its pool.
+    w.steady();
+    w.silent(P);
+    w.silent(B1);
+    w.with(|s| s.lease_note = Some("b1:1 3 1".into()));
+    assert_eq!(watcher.round().await, Outcome::Standby);
+    w.with(|s| s.leads = true);
+    let o = watcher.round().await;
+    assert!(matches!(o, Outcome::Waiting(_)), "{o:?}");
+    tokio::time::sleep(AFTER + Duration::from_millis(20)).await;
+    let o = watcher.round().await;
+    assert!(
+        matches!(&o, Outcome::Waiting(why) if why.contains("b1:1")),
+        "{o:?}"
+    );
+    tokio::time::sleep(STUCK_AFTER_PROMOTE).await;
+    let o = watcher.round().await;
+    assert!(
+        matches!(&o, Outcome::Stuck(why) if why.contains("b1:1")),
+        "{o:?}"
+    );
+    // Nothing promoted from no observation; b1 serving ends it.
+    assert!(!w.take().iter().any(|c| matches!(c, Call::Promote { .. })));
+    w.answers(B1, primary_of(4, &[(P, "attaching"), (B2, "in-sync")]));
+    assert_eq!(watcher.round().await, Outcome::Serving { primary: 1 });
+}
