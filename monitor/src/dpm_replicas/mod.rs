@@ -559,7 +559,7 @@ impl Watcher {
         self.memory.promote_only =
             Some((member, Instant::now() + self.cfg.promotion_stuck_after()));
         self.memory.refused.retain(|&m| m != member);
-        self.memory.not_reached.retain(|&(m, _)| m != member);
+        self.memory.not_reached.retain(|n| n.member != member);
         self.memory.pointed = Some(member);
         self.labelled = None;
     }
@@ -815,8 +815,21 @@ impl Watcher {
                 tracing::error!(
                     "{why}; another backup of the observation is tried first, this one again later"
                 );
-                self.memory.not_reached.retain(|&(m, _)| m != member);
-                self.memory.not_reached.push((member, Instant::now()));
+                let now = Instant::now();
+                match self
+                    .memory
+                    .not_reached
+                    .iter_mut()
+                    .find(|n| n.member == member)
+                {
+                    // Asked again: the wait counts from the first try.
+                    Some(n) => n.at = now,
+                    None => self.memory.not_reached.push(plan::NotReached {
+                        member,
+                        at: now,
+                        stuck_at: now + self.cfg.promotion_stuck_after(),
+                    }),
+                }
                 self.forget_note().await;
                 Outcome::Failed(why)
             }

@@ -79,6 +79,17 @@ pub struct Serving {
     pub in_sync: Vec<usize>,
 }
 
+/// A member whose Promote could not be sent ([`Memory::not_reached`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NotReached {
+    pub member: usize,
+    /// The last try.
+    pub at: Instant,
+    /// From when waiting for it is reported stuck (`promotion_stuck_after` after the first
+    /// try): it is still asked again, but an operator should know.
+    pub stuck_at: Instant,
+}
+
 /// What the watcher carries from one round to the next.
 #[derive(Debug, Default)]
 pub struct Memory {
@@ -101,11 +112,12 @@ pub struct Memory {
     /// Members whose Promote was refused (nothing changed there) since the last observation:
     /// not tried again from it, so another backup is. Cleared once a primary serves.
     pub refused: Vec<usize>,
-    /// Members whose Promote could not be sent (no connection: nothing reached them), and
-    /// when: the other backups of the observation are tried first, and each is asked again
-    /// once `failover_after` passed (a connection that failed once must not leave a set whose
-    /// only backup in sync it was without a primary). Cleared once a primary serves.
-    pub not_reached: Vec<(usize, Instant)>,
+    /// Members whose Promote could not be sent (no connection: nothing reached them): the
+    /// other backups of the observation are tried first, and each is asked again once
+    /// `failover_after` passed since its last try (a connection that failed once must not
+    /// leave a set whose only backup in sync it was without a primary). Cleared once a primary
+    /// serves.
+    pub not_reached: Vec<NotReached>,
     /// A Promote this watcher sent that was answered (the backup promotes itself; it opens and
     /// recovers its pool before it answers as the primary, minutes for a large pool), or the
     /// last leader's noted one when this watcher holds no observation, and until when that is
@@ -338,7 +350,7 @@ pub fn plan(
     let recently_not_reached = |m: usize| {
         mem.not_reached
             .iter()
-            .any(|&(n, at)| n == m && now.duration_since(at) < failover_after)
+            .any(|n| n.member == m && now.duration_since(n.at) < failover_after)
     };
     let candidate = last
         .in_sync
@@ -362,16 +374,26 @@ pub fn plan(
                 members, seen, &last, only, &why, down_for, generation,
             ));
         }
-        if let Some(&m) = last.in_sync.iter().find(|&&m| recently_not_reached(m)) {
-            return Plan::Wait(format!(
+        if let Some(n) = mem
+            .not_reached
+            .iter()
+            .find(|n| last.in_sync.contains(&n.member) && recently_not_reached(n.member))
+        {
+            let why = format!(
                 "primary {} {why} for {} ms; a Promote of {} could not be sent (no \
                  connection): asking it again after {} ms unless another backup in sync can \
                  be promoted",
                 members[last.member],
                 down_for.as_millis(),
-                members[m],
+                members[n.member],
                 failover_after.as_millis()
-            ));
+            );
+            return match now >= n.stuck_at {
+                true => Plan::Stuck(format!(
+                    "{why}; no Promote reached it for longer than `promotion_stuck_after_ms`"
+                )),
+                false => Plan::Wait(why),
+            };
         }
         let refused: Vec<&str> = last
             .in_sync
@@ -905,7 +927,11 @@ mod tests {
         plan(&members(), &seen, &mut mem, t0, AFTER);
         let t1 = t0 + AFTER;
         // b1's Promote could not be sent: b2 is promoted first.
-        mem.not_reached.push((1, t1));
+        mem.not_reached.push(NotReached {
+            member: 1,
+            at: t1,
+            stuck_at: t1 + 2 * AFTER,
+        });
         let p = plan(&members(), &seen, &mut mem, t1, AFTER);
         assert!(matches!(p, Plan::Promote { member: 2, .. }), "{p:?}");
         // b2 refused: b1 is waited for until the delay passed since its try, then asked again.
@@ -916,6 +942,15 @@ mod tests {
             "{p:?}"
         );
         let p = plan(&members(), &seen, &mut mem, t1 + AFTER, AFTER);
+        assert!(matches!(p, Plan::Promote { member: 1, .. }), "{p:?}");
+        // Not sent again, and past its stuck time: still asked again later, but reported.
+        mem.not_reached[0].at = t1 + 2 * AFTER;
+        let p = plan(&members(), &seen, &mut mem, t1 + 2 * AFTER, AFTER);
+        assert!(
+            matches!(&p, Plan::Stuck(w) if w.contains("b1:1") && w.contains("promotion_stuck_after_ms")),
+            "{p:?}"
+        );
+        let p = plan(&members(), &seen, &mut mem, t1 + 3 * AFTER, AFTER);
         assert!(matches!(p, Plan::Promote { member: 1, .. }), "{p:?}");
         // A primary serves: forgotten.
         let seen = [
