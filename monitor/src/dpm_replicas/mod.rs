@@ -156,6 +156,16 @@ impl DpmReplicasConfig {
                 return Err(invalid(field, "must be above 0".to_string()));
             }
         }
+        if self.promotion_stuck_after_ms < self.failover_after_ms {
+            return Err(invalid(
+                "dpm_replicas.promotion_stuck_after_ms",
+                format!(
+                    "{} must be at least dpm_replicas.failover_after_ms ({}): a promoted backup \
+                     is given at least as long as the primary was",
+                    self.promotion_stuck_after_ms, self.failover_after_ms
+                ),
+            ));
+        }
         if self.failover_after_ms <= self.check_every_ms {
             return Err(invalid(
                 "dpm_replicas.failover_after_ms",
@@ -350,6 +360,26 @@ impl std::fmt::Debug for Watcher {
     }
 }
 
+/// `message` with every "<digits> ms" made "# ms", so that a message repeated with a longer
+/// wait compares equal (addresses and terms, which say what it is about, are kept).
+fn without_durations(message: &str) -> String {
+    let mut out = String::with_capacity(message.len());
+    let mut rest = message;
+    while let Some(start) = rest.find(|c: char| c.is_ascii_digit()) {
+        let end = rest[start..]
+            .find(|c: char| !c.is_ascii_digit())
+            .map_or(rest.len(), |e| start + e);
+        out.push_str(&rest[..start]);
+        match rest[end..].starts_with(" ms") {
+            true => out.push('#'),
+            false => out.push_str(&rest[start..end]),
+        }
+        rest = &rest[end..];
+    }
+    out.push_str(rest);
+    out
+}
+
 const ADD_RETRY: Duration = Duration::from_secs(10);
 const RELABEL_EVERY: Duration = Duration::from_secs(10);
 /// Wait after a failed label patch before the next (each is a patch per member).
@@ -528,14 +558,20 @@ impl Watcher {
         let Some(note) = &self.note else {
             return;
         };
-        if self.memory.serving.is_none() && self.memory.promoted.is_none() {
+        if self.memory.serving.is_none() {
             // No observation: nothing is promoted from none, so the note pins nothing; but a
             // failover this monitor did not see may be under way (it started while the noted
-            // backup opens its pool): wait for that backup before raising the alarm.
-            if let Ok((member, _)) = promotion_note::parse(note, &self.addresses) {
-                tracing::info!(backup = %self.addresses[member], %note, "a promotion note and no observation of a serving primary: waiting for the noted backup");
-                self.memory.promoted =
-                    Some((member, Instant::now() + self.cfg.promotion_stuck_after()));
+            // backup opens its pool): wait for that backup before raising the alarm. (A note
+            // naming another member than the one waited for is newer: another leader's.)
+            if let Ok((member, term)) = promotion_note::parse(note, &self.addresses) {
+                if self.memory.promoted.is_none_or(|p| p.member != member) {
+                    tracing::info!(backup = %self.addresses[member], %note, "a promotion note and no observation of a serving primary: waiting for the noted backup");
+                    self.memory.promoted = Some(plan::Promoted {
+                        member,
+                        stuck_at: Instant::now() + self.cfg.promotion_stuck_after(),
+                        noted_term: Some(term),
+                    });
+                }
             }
             return;
         }
@@ -596,13 +632,15 @@ impl Watcher {
     }
 
     fn say(&mut self, what: &str, error: bool) {
-        if self.said != what {
+        // Once per message, whatever durations it quotes (they change every round).
+        let without_numbers = without_durations(what);
+        if self.said != without_numbers {
             if error {
                 tracing::error!("dpm replica set: {what}");
             } else {
                 tracing::info!("dpm replica set: {what}");
             }
-            self.said = what.to_string();
+            self.said = without_numbers;
         }
     }
 
@@ -701,7 +739,9 @@ impl Watcher {
             });
             self.adding[m] = Some((call, Instant::now()));
         }
-        // Last: not urgent, and its write waits for the Lease's renewals.
+        // Last: not urgent, and its write waits for the Lease's renewals. The note's failover
+        // is over whether or not its removal succeeds: it pins or delays nothing from now on.
+        self.note = None;
         self.remove_note().await;
         outcome
     }
@@ -771,7 +811,11 @@ impl Watcher {
                 self.promoting = Some((member, now - down_for, now));
                 self.memory.serving = None;
                 self.memory.down_since = None;
-                self.memory.promoted = Some((member, now + self.cfg.promotion_stuck_after()));
+                self.memory.promoted = Some(plan::Promoted {
+                    member,
+                    stuck_at: now + self.cfg.promotion_stuck_after(),
+                    noted_term: None,
+                });
                 // The chosen primary from now on, labelled or not: the plan counts it as
                 // serving once it answers as a primary, and a failed label is retried then.
                 self.memory.pointed = Some(member);
@@ -805,7 +849,7 @@ impl Watcher {
                 // again next round; the note stays.
                 let why = format!("promoting {target}: not sent: {e}; asking it again");
                 tracing::warn!("{why}");
-                Outcome::Failed(why)
+                self.pinned_failure(why)
             }
             Err(PromoteError::NotSent(e)) => {
                 // Nothing reached it: another backup of the observation is tried first, this
@@ -853,8 +897,25 @@ impl Watcher {
                 self.memory.promote_only = Some((member, stuck_at));
                 self.memory.pointed = Some(member);
                 self.labelled = None;
-                Outcome::Failed(why)
+                self.pinned_failure(why)
             }
+        }
+    }
+
+    /// A Promote of the pinned backup that failed again (not sent, or no answer): asked again
+    /// next round, and past the pin's stuck time reported stuck (a backup answering Status as
+    /// a backup of the observation's term is asked every round, which alone never reports).
+    fn pinned_failure(&mut self, why: String) -> Outcome {
+        match self.memory.promote_only {
+            Some((_, stuck_at)) if Instant::now() >= stuck_at => {
+                let why = format!(
+                    "{why}; for longer than `promotion_stuck_after_ms`: bring the primary back, \
+                     or promote a backup by hand (helm/README.md, \"Backups\")"
+                );
+                metrics::gauge!("dinomo_monitor_dpm_failover_stuck").set(1.0);
+                Outcome::Stuck(why)
+            }
+            _ => Outcome::Failed(why),
         }
     }
 }

@@ -36,7 +36,9 @@
 //!   `failover_after`, the plan says it is stuck, for an operator. After a Promote answered OK
 //!   (the observation is dropped then), and while pinned to a backup that may be promoting
 //!   itself, it waits for that backup instead, stuck only once `promotion_stuck_after` passed
-//!   and it does not answer as a primary.
+//!   and it does not answer as a primary. A monitor with no observation that reads the last
+//!   leader's note waits for the noted backup the same way (it promotes nothing), unless that
+//!   backup answers as a backup of the note's term or older (no Promote reached it).
 //! - A Promote that could not be sent (no connection) is tried on the other backups in sync
 //!   first, and on the same backup again once `failover_after` passed.
 //! - Members answering as backups that the serving primary does not list are to be added to
@@ -120,9 +122,23 @@ pub struct Memory {
     pub not_reached: Vec<NotReached>,
     /// A Promote this watcher sent that was answered (the backup promotes itself; it opens and
     /// recovers its pool before it answers as the primary, minutes for a large pool), or the
-    /// last leader's noted one when this watcher holds no observation, and until when that is
-    /// waited for before the failover is reported stuck. Cleared once a primary serves.
-    pub promoted: Option<(usize, Instant)>,
+    /// last leader's noted one when this watcher holds no observation: waited for before the
+    /// failover is reported stuck. Cleared once a primary serves.
+    pub promoted: Option<Promoted>,
+}
+
+/// A backup promoted, or perhaps promoted, that the plan waits for ([`Memory::promoted`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Promoted {
+    pub member: usize,
+    /// From when waiting for it is reported stuck (`promotion_stuck_after` after the Promote's
+    /// answer, or after the note was read).
+    pub stuck_at: Instant,
+    /// `Some(term)`: known only from the last leader's note of a failover from a primary of
+    /// `term`. Then the wait holds only while the member shows no sign of the Promote having
+    /// failed to reach it: one answering as a backup of that term or older was never promoted
+    /// (the leader died between its note and its Promote), and the usual rule applies.
+    pub noted_term: Option<u64>,
 }
 
 /// The next step.
@@ -243,16 +259,29 @@ pub fn plan(
     }
     let Some(last) = mem.serving.clone() else {
         mem.down_since = None;
-        if let Some((m, stuck_at)) = mem.promoted {
-            // Promoted, and (no primary serves) not answering as one yet: it recovers its pool
-            // first. Nothing else may be promoted meanwhile (the observation is gone).
-            let why = format!(
-                "{} was promoted and {}: waiting for it to open its pool and serve, promoting \
-                 no other backup",
-                members[m],
-                how(&seen[m])
+        if let Some(p) = mem.promoted {
+            let m = p.member;
+            let never_reached = p.noted_term.is_some_and(
+                |t| matches!(&seen[m], Ok(s) if s.role == Role::Backup && s.term <= t),
             );
-            return wait_for_promoted(why, &seen[m], now, stuck_at);
+            if !never_reached {
+                // Promoted, and (no primary serves) not answering as one yet: it recovers its
+                // pool first. Nothing else may be promoted meanwhile (the observation is gone).
+                let what = match p.noted_term {
+                    None => "was promoted",
+                    Some(_) => {
+                        "is named by the last leader's promotion note (it may be promoting \
+                                itself)"
+                    }
+                };
+                let why = format!(
+                    "{} {what} and {}: waiting for it to open its pool and serve, promoting no \
+                     other backup",
+                    members[m],
+                    how(&seen[m])
+                );
+                return wait_for_promoted(why, &seen[m], now, p.stuck_at);
+            }
         }
         let quiet = mem.no_primary_since.map(|t| now.duration_since(t));
         let why = "no member serves as the primary with a backup in sync, and none was seen \
@@ -967,7 +996,11 @@ mod tests {
         let mut mem = Memory::default();
         let t0 = Instant::now();
         // Promoted (answered): the observation is dropped, the promotion remembered.
-        mem.promoted = Some((1, t0 + 10 * AFTER));
+        mem.promoted = Some(Promoted {
+            member: 1,
+            stuck_at: t0 + 10 * AFTER,
+            noted_term: None,
+        });
         let seen = [silent(), silent(), backup(3, true, 3, 0)];
         // Long past failover_after, nothing else is promoted and it is no alarm yet.
         let p = plan(&members(), &seen, &mut mem, t0 + 5 * AFTER, AFTER);

@@ -17,6 +17,9 @@
 //!   answers as a backup of the observation's term and was in sync; a noted member the reader
 //!   did not see in sync, its observation being a round newer than the writer's, leaves it
 //!   stuck) and points the clients at it once it answers as a primary;
+//! - a reader with no observation is pinned by no note (it promotes nothing from none); it
+//!   only waits for the noted backup before it reports the failover stuck ([`parse`],
+//!   `Memory::promoted`);
 //! - the format is `<member address> <term> <unix milliseconds>`; anything else pins nothing
 //!   (and the caller logs why).
 
