@@ -633,14 +633,14 @@ impl Watcher {
 
     fn say(&mut self, what: &str, error: bool) {
         // Once per message, whatever durations it quotes (they change every round).
-        let without_numbers = without_durations(what);
-        if self.said != without_numbers {
+        let without_waits = without_durations(what);
+        if self.said != without_waits {
             if error {
                 tracing::error!("dpm replica set: {what}");
             } else {
                 tracing::info!("dpm replica set: {what}");
             }
-            self.said = without_numbers;
+            self.said = without_waits;
         }
     }
 
@@ -912,6 +912,7 @@ impl Watcher {
                     "{why}; for longer than `promotion_stuck_after_ms`: bring the primary back, \
                      or promote a backup by hand (helm/README.md, \"Backups\")"
                 );
+                self.say(&why, true);
                 metrics::gauge!("dinomo_monitor_dpm_failover_stuck").set(1.0);
                 Outcome::Stuck(why)
             }

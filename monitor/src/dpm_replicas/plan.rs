@@ -406,7 +406,8 @@ pub fn plan(
         if let Some(n) = mem
             .not_reached
             .iter()
-            .find(|n| last.in_sync.contains(&n.member) && recently_not_reached(n.member))
+            .filter(|n| last.in_sync.contains(&n.member) && recently_not_reached(n.member))
+            .min_by_key(|n| n.stuck_at)
         {
             let why = format!(
                 "primary {} {why} for {} ms; a Promote of {} could not be sent (no \
@@ -419,7 +420,9 @@ pub fn plan(
             );
             return match now >= n.stuck_at {
                 true => Plan::Stuck(format!(
-                    "{why}; no Promote reached it for longer than `promotion_stuck_after_ms`"
+                    "{why}; no Promote reached it for longer than `promotion_stuck_after_ms`: \
+                     bring the primary back, or promote a backup by hand (helm/README.md, \
+                     \"Backups\")"
                 )),
                 false => Plan::Wait(why),
             };
