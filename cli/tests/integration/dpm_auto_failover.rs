@@ -687,7 +687,9 @@ async fn a_monitor_taking_over_mid_promotion_waits_for_the_backup_its_predecesso
     }
 
     // The promoted backup comes back: it starts as the primary it was made, attaches the
-    // other backup, and the new leader follows it and removes the note.
+    // other backup, and the new leader follows it, and removes the note once that backup is
+    // in sync with it (until then the old primary could still report one: a next leader
+    // needs the note).
     pods[promoted].release();
     rounds_until(
         &mut standby,
@@ -698,11 +700,21 @@ async fn a_monitor_taking_over_mid_promotion_waits_for_the_backup_its_predecesso
         |o| *o == Outcome::Serving { primary: promoted },
     )
     .await;
-    assert_eq!(
-        lease.0.lock().unwrap().1,
-        None,
-        "the note is removed once it serves"
-    );
+    rounds_until(
+        &mut standby,
+        &pods,
+        d,
+        Duration::from_secs(90),
+        "the note removed once a backup is in sync with the promoted one",
+        |o| {
+            assert!(
+                !matches!(o, Outcome::Serving { primary } if *primary != promoted),
+                "{o:?}"
+            );
+            lease.0.lock().unwrap().1.is_none()
+        },
+    )
+    .await;
     assert_eq!(
         standby_pointer.last(),
         Some(promoted),

@@ -324,7 +324,8 @@ pub struct Watcher {
     /// Whether the note the last leader left was read since this monitor leads: a monitor
     /// acts only once it has ([`promotion_note`]).
     note_read: bool,
-    /// A promotion note is (or may be) left: removed once a primary serves.
+    /// A promotion note is (or may be) left: removed once a primary serves with a backup in
+    /// sync.
     note_left: bool,
     /// That note's text, as read from the Lease (or written there, answered): checked against
     /// the observation before every round's plan (the observation it is about may be taken
@@ -543,8 +544,31 @@ impl Watcher {
         self.note_read = true;
         if let Some(note) = &note {
             tracing::info!(%note, "the last leader left a promotion note");
-            // Removed once a primary serves, pinning or not.
+            // Removed once a primary serves with a backup in sync, pinning or not.
             self.note_left = true;
+        }
+        // A pin or a noted wait of this monitor that the Lease's note no longer names was about
+        // a failover that ended under another leader (it removes the note once a primary
+        // serves with a backup in sync, or when the Promote was refused or not sent). Kept, it
+        // would hold a primary that serves below the term floor (`plan::term_floor`).
+        let named = note
+            .as_deref()
+            .and_then(|n| promotion_note::parse(n, &self.addresses).ok());
+        if let Some((m, _)) = self.memory.promote_only {
+            let term = self.memory.serving.as_ref().map(|s| s.term);
+            if named.is_none_or(|(member, t)| member != m || Some(t) != term) {
+                tracing::info!(
+                    backup = %self.addresses[m],
+                    "the Lease no longer notes the promotion this monitor pinned: another \
+                     leader ended that failover; unpinned"
+                );
+                self.memory.promote_only = None;
+            }
+        }
+        if let Some(p) = self.memory.promoted.filter(|p| p.noted) {
+            if named.is_none_or(|(member, t)| member != p.member || t != p.from_term) {
+                self.memory.promoted = None;
+            }
         }
         // A copy from an earlier time as leader says nothing once the Lease holds none.
         self.note = note;
@@ -569,7 +593,8 @@ impl Watcher {
                     self.memory.promoted = Some(plan::Promoted {
                         member,
                         stuck_at: Instant::now() + self.cfg.promotion_stuck_after(),
-                        noted_term: Some(term),
+                        from_term: term,
+                        noted: true,
                     });
                 }
             }
@@ -581,6 +606,11 @@ impl Watcher {
             return;
         };
         if self.memory.promote_only.map(|(m, _)| m) == Some(member) {
+            // Pinned already; a lead change forgot the chosen primary: it is that backup still.
+            if self.memory.pointed.is_none() {
+                self.memory.pointed = Some(member);
+                self.labelled = None;
+            }
             return;
         }
         tracing::warn!(
@@ -602,14 +632,16 @@ impl Watcher {
 
     /// Forgets the note this monitor wrote for a promotion that did not happen (refused, not
     /// sent) and removes it from the Lease; a removal that fails is retried once a primary
-    /// serves (a next leader reading it meanwhile is pinned to that backup: refused, it moves
-    /// on; not connected, it asks that backup again every round, as for its own pin).
+    /// serves with a backup in sync (a next leader reading it meanwhile is pinned to that
+    /// backup: refused, it moves on; not connected, it asks that backup again every round, as
+    /// for its own pin).
     async fn forget_note(&mut self) {
         self.note = None;
         self.remove_note().await;
     }
 
-    /// Removes the promotion note once a primary serves (a failure is retried next round).
+    /// Removes the promotion note once a primary serves with a backup in sync (a failure is
+    /// retried next round).
     async fn remove_note(&mut self) {
         if !self.note_left {
             return;
@@ -739,10 +771,15 @@ impl Watcher {
             });
             self.adding[m] = Some((call, Instant::now()));
         }
-        // Last: not urgent, and its write waits for the Lease's renewals. The note's failover
-        // is over whether or not its removal succeeds: it pins or delays nothing from now on.
+        // The note's failover is over for this monitor whether or not its removal succeeds: it
+        // pins or delays nothing here from now on. It stays on the Lease until a backup is in
+        // sync with the primary (until then the old primary may still report one: a next
+        // leader needs the note to know it is replaced). Last: not urgent, and its write waits
+        // for the Lease's renewals.
         self.note = None;
-        self.remove_note().await;
+        if self.memory.serving.is_some() {
+            self.remove_note().await;
+        }
         outcome
     }
 
@@ -814,7 +851,8 @@ impl Watcher {
                 self.memory.promoted = Some(plan::Promoted {
                     member,
                     stuck_at: now + self.cfg.promotion_stuck_after(),
-                    noted_term: None,
+                    from_term: observed,
+                    noted: false,
                 });
                 // The chosen primary from now on, labelled or not: the plan counts it as
                 // serving once it answers as a primary, and a failed label is retried then.

@@ -5,15 +5,16 @@
 //! The rules (docs/decisions/0007, "Automatic failover"):
 //! - **The serving primary** is a member answering as a primary with at least one backup
 //!   in sync (the newest term among several). A primary is reported with a backup in sync only
-//!   once that backup accepted its term and recorded its copy complete, which a deposed or
-//!   stale primary cannot get; so a restarted old primary that still answers "primary" before
-//!   it demotes itself is never taken for the serving one. The member this watcher chose
-//!   (promoted, or labelled before) counts as serving as soon as it answers as a primary,
-//!   whatever term a restarted old primary took meanwhile (its backups are copied meanwhile;
-//!   it acknowledges once one backup accepted its term, but nothing is promoted without an
-//!   observation of backups in sync). A Promote whose outcome is not known, this monitor's
-//!   or the last leader's (its note), pins the observation to its target
-//!   ([`Memory::promote_only`]).
+//!   once that backup accepted its term and recorded its copy complete, which a restarted stale
+//!   primary cannot get; so a restarted old primary that still answers "primary" before it
+//!   demotes itself is never taken for the serving one. (One that never restarted, back after
+//!   a partition or a pause, may still report the backups it had: see the term floor below.)
+//!   The member this watcher chose (promoted, or labelled before) counts as serving as soon
+//!   as it answers as a primary, whatever term a restarted old primary took meanwhile (its
+//!   backups are copied meanwhile; it acknowledges once one backup accepted its term, but
+//!   nothing is promoted without an observation of backups in sync). A Promote whose outcome
+//!   is not known, this monitor's or the last leader's (its note), pins the observation to
+//!   its target ([`Memory::promote_only`]).
 //! - **A failover** needs an observation of the serving primary: which backups were in sync
 //!   with it, under which term and generation. It happens once that primary has stopped
 //!   answering as a primary for `failover_after`, and promotes a backup that was in sync at
@@ -25,7 +26,7 @@
 //!   the primary was restarting) nothing is promoted: an operator decides.
 //! - A primary that answers again as a primary (restarted in place on its pool, the common
 //!   case on Kubernetes) is not failed over; its old observation is dropped, because its
-//!   restart copies its backups anew.
+//!   restart copies its backups anew. Unless a promotion under way replaces its term (below).
 //! - What the observation cannot vouch for stops a failover: a replica holding a term after
 //!   the observed primary's (that primary restarted, reached it and died again, or a
 //!   promotion happened elsewhere) makes it stuck; a primary of a newer term makes it wait for
@@ -41,6 +42,15 @@
 //!   backup answers as a backup of the note's term or older (no Promote reached it).
 //! - A Promote that could not be sent (no connection) is tried on the other backups in sync
 //!   first, and on the same backup again once `failover_after` passed.
+//! - **The term floor**: a primary of a term older than one this watcher saw serve with a
+//!   backup in sync, or than a promotion it made, saw take effect, or waits for (promoted, or
+//!   perhaps promoted: pinned or noted), is never the serving one, backups in sync or not: the
+//!   old primary answering again after a partition healed, its view of its backups stale, does
+//!   not end the wait for the promoted backup (if it died again, another backup would be
+//!   promoted beside the first), nor is it served once the promoted one serves. Every start and
+//!   every promotion takes a newer term, so no primary whose pool continues the history this
+//!   watcher saw is below the floor (one on a new or restored pool is: reported, for an
+//!   operator). See [`term_floor`].
 //! - Members answering as backups that the serving primary does not list are to be added to
 //!   it (the old primary, demoted after a failover, comes back that way), unless the primary
 //!   lists a backup no member names (a member under another name would be attached twice).
@@ -102,8 +112,8 @@ pub struct Memory {
     pub serving: Option<Serving>,
     /// Since when that primary has not answered as a primary.
     pub down_since: Option<Instant>,
-    /// Since when no member has answered as a primary at all (for the stuck report when there
-    /// is no observation to fail over from).
+    /// Since when no member has answered as a primary at or above the term floor (for the
+    /// stuck report when there is no observation to fail over from).
     pub no_primary_since: Option<Instant>,
     /// A Promote whose outcome is not known (no answer, or "being promoted already"; or the
     /// last leader's, by its note: `promotion_note`), and until when it is waited for: only
@@ -125,6 +135,12 @@ pub struct Memory {
     /// last leader's noted one when this watcher holds no observation: waited for before the
     /// failover is reported stuck. Cleared once a primary serves.
     pub promoted: Option<Promoted>,
+    /// The oldest term a primary may serve under, as far as this watcher has seen: raised to
+    /// the term of every primary that served with a backup in sync, to the term after the one
+    /// a promotion replaced once the Promote was answered OK or its backup answered as a
+    /// primary, and to the term after the observation's when a primary of a newer term
+    /// appeared ([`term_floor`]). It only grows.
+    pub term_floor: u64,
 }
 
 /// A backup promoted, or perhaps promoted, that the plan waits for ([`Memory::promoted`]).
@@ -134,11 +150,15 @@ pub struct Promoted {
     /// From when waiting for it is reported stuck (`promotion_stuck_after` after the Promote's
     /// answer, or after the note was read).
     pub stuck_at: Instant,
-    /// `Some(term)`: known only from the last leader's note of a failover from a primary of
-    /// `term`. Then the wait holds only while the member shows no sign of the Promote having
-    /// failed to reach it: one answering as a backup of that term or older was never promoted
-    /// (the leader died between its note and its Promote), and the usual rule applies.
-    pub noted_term: Option<u64>,
+    /// The term of the primary it replaces: a primary of this term or older that answers again
+    /// meanwhile is not the serving one, unless a noted Promote never reached it
+    /// ([`term_floor`]).
+    pub from_term: u64,
+    /// Known only from the last leader's note. Then the wait holds only while the member shows
+    /// no sign of the Promote having failed to reach it: one answering as a backup of
+    /// `from_term` or older was never promoted (the leader died between its note and its
+    /// Promote), and the usual rule applies.
+    pub noted: bool,
 }
 
 /// The next step.
@@ -178,8 +198,55 @@ fn in_sync(members: &[String], status: &MemberStatus) -> Vec<usize> {
         .collect()
 }
 
-fn primary_answers(seen: &[Seen]) -> bool {
-    seen.iter().any(|s| primary(s).is_some())
+/// The term of the primary a promotion under way replaces, if its backup may have been
+/// reached: the backup this watcher promoted (the Promote answered OK), or perhaps promoted (a
+/// Promote of unknown outcome, the last leader's note), unless that pinned or noted backup
+/// answers as a backup of that term or older (the Promote never reached it).
+fn promotion_under_way(mem: &Memory, seen: &[Seen]) -> Option<u64> {
+    let (member, term, answered_ok) = match (mem.promoted, mem.promote_only, &mem.serving) {
+        (Some(p), _, _) => (p.member, p.from_term, !p.noted),
+        (None, Some((only, _)), Some(last)) => (only, last.term, false),
+        _ => return None,
+    };
+    let never_reached =
+        !answered_ok && matches!(&seen[member], Ok(s) if s.role == Role::Backup && s.term <= term);
+    (!never_reached).then_some(term)
+}
+
+/// The oldest term a primary may serve under this round: [`Memory::term_floor`], and the term
+/// after the one a promotion under way replaces ([`promotion_under_way`]; a promoted backup
+/// takes a term after both its own and the replaced one, durably, before it answers).
+///
+/// A primary below it answering (the old primary after a partition healed or a pause ended,
+/// with a backup it still reports in sync: it learns of the newer term only when it next
+/// writes to that backup) is not the serving one: taking it would end the wait for the backup
+/// opening its pool, and if it then died again another backup could be promoted beside the
+/// first (two primaries, an outage until the backups' term checks leave one); taken after the
+/// promoted one served, its stale label would send the clients to a primary that can
+/// acknowledge nothing. If the backup was promoted, the old primary acknowledges nothing (its
+/// grants there are revoked); if a pinned or noted backup was never reached and does not
+/// answer, a primary that could serve is held back, and the failover is reported stuck after
+/// `promotion_stuck_after_ms`. A restarted old primary takes a newer term and may serve (the
+/// tie of that term with the promotion's is an open case, docs/decisions/0007).
+fn term_floor(mem: &Memory, seen: &[Seen]) -> u64 {
+    let under_way = promotion_under_way(mem, seen).map_or(0, |t| t + 1);
+    mem.term_floor.max(under_way)
+}
+
+/// For messages: a member answering as a primary below the term floor, if one does.
+fn below_floor_clause(members: &[String], seen: &[Seen], floor: u64) -> String {
+    (0..members.len())
+        .filter_map(|m| primary(&seen[m]).map(|s| (m, s.term)))
+        .find(|&(_, t)| t < floor)
+        .map(|(m, t)| {
+            format!(
+                "; {} answers as a primary of term {t}, below term {floor} (a backup was \
+                 promoted, or a primary served, under a newer term since; or its pool is new or \
+                 restored): not served",
+                members[m]
+            )
+        })
+        .unwrap_or_default()
 }
 
 fn primary(seen: &Seen) -> Option<&MemberStatus> {
@@ -207,16 +274,56 @@ pub fn plan(
     failover_after: Duration,
 ) -> Plan {
     debug_assert_eq!(members.len(), seen.len());
+    if let Some(p) = mem.promoted.filter(|p| !p.noted) {
+        // Answered OK: the backup took a term after the replaced one before it answered.
+        mem.term_floor = mem.term_floor.max(p.from_term + 1);
+    }
+    let floor = term_floor(mem, seen);
+    let plan = decide(members, seen, mem, now, failover_after, floor);
+    with_below_floor(plan, members, seen, floor)
+}
+
+/// Every wait and stuck report names a member answering as a primary below the term floor (an
+/// operator reading why nothing serves must know that one is not served, and why).
+fn with_below_floor(plan: Plan, members: &[String], seen: &[Seen], floor: u64) -> Plan {
+    let clause = below_floor_clause(members, seen, floor);
+    if clause.is_empty() {
+        return plan;
+    }
+    match plan {
+        Plan::Wait(why) => Plan::Wait(format!("{why}{clause}")),
+        Plan::Stuck(why) => Plan::Stuck(format!(
+            "{why}{clause}. Only if the replica set was recreated on empty pools or restored \
+             from a copy (its terms start again, below the floor), restart every monitor pod \
+             (`kubectl rollout restart deployment/<release>-monitor`: they forget the terms they \
+             saw); otherwise that primary was replaced and must not serve"
+        )),
+        other => other,
+    }
+}
+
+/// [`plan`] once the term floor of this round is known.
+fn decide(
+    members: &[String],
+    seen: &[Seen],
+    mem: &mut Memory,
+    now: Instant,
+    failover_after: Duration,
+    floor: u64,
+) -> Plan {
+    let servable = |s: &MemberStatus| s.term >= floor;
     let with_backups = (0..members.len())
         .filter_map(|i| primary(&seen[i]).map(|s| (i, s, in_sync(members, s))))
-        .filter(|(_, _, synced)| !synced.is_empty())
+        .filter(|(_, s, synced)| !synced.is_empty() && servable(s))
         .max_by_key(|(i, s, _)| (s.term, std::cmp::Reverse(*i)));
     // The member this watcher chose (promoted, or labelled before). Not "the newest term":
     // the old primary, restarted, takes a newer term at each start until it demotes itself.
-    let promoted = mem
-        .pointed
-        .and_then(|p| primary(&seen[p]).map(|s| (p, s, Vec::new())));
-    if primary_answers(seen) {
+    let promoted = mem.pointed.and_then(|p| {
+        primary(&seen[p])
+            .filter(|s| servable(s))
+            .map(|s| (p, s, Vec::new()))
+    });
+    if seen.iter().any(|s| primary(s).is_some_and(servable)) {
         mem.no_primary_since = None;
     } else {
         mem.no_primary_since.get_or_insert(now);
@@ -227,6 +334,12 @@ pub fn plan(
         mem.refused.clear();
         mem.not_reached.clear();
         mem.promoted = None;
+        // A promotion under way took effect if its backup serves (as the chosen one, copying
+        // its backups; or with one in sync), and a backup in sync accepted this term.
+        mem.term_floor = match synced.is_empty() {
+            true => floor,
+            false => floor.max(status.term),
+        };
         mem.serving = (!synced.is_empty()).then_some(Serving {
             member: p,
             term: status.term,
@@ -261,15 +374,13 @@ pub fn plan(
         mem.down_since = None;
         if let Some(p) = mem.promoted {
             let m = p.member;
-            let never_reached = p.noted_term.is_some_and(
-                |t| matches!(&seen[m], Ok(s) if s.role == Role::Backup && s.term <= t),
-            );
-            if !never_reached {
+            // (Never reached: see `promotion_under_way`.)
+            if promotion_under_way(mem, seen).is_some() {
                 // Promoted, and (no primary serves) not answering as one yet: it recovers its
                 // pool first. Nothing else may be promoted meanwhile (the observation is gone).
-                let what = match p.noted_term {
-                    None => "was promoted",
-                    Some(_) => {
+                let what = match p.noted {
+                    false => "was promoted",
+                    true => {
                         "is named by the last leader's promotion note (it may be promoting \
                                 itself)"
                     }
@@ -278,28 +389,37 @@ pub fn plan(
                     "{} {what} and {}: waiting for it to open its pool and serve, promoting no \
                      other backup",
                     members[m],
-                    how(&seen[m])
+                    how(&seen[m]),
                 );
                 return wait_for_promoted(why, &seen[m], now, p.stuck_at);
             }
         }
         let quiet = mem.no_primary_since.map(|t| now.duration_since(t));
-        let why = "no member serves as the primary with a backup in sync, and none was seen \
-                   serving since this monitor started watching (or since the primary last \
-                   restarted): nothing to fail over from";
+        let why = "no member serves as the primary with a backup in sync, and this monitor holds \
+                   no observation of one that did (it started watching since, or the primary \
+                   restarted, or the promoted one never had a backup in sync): nothing to fail \
+                   over from";
         return match quiet {
-            Some(d) if d >= failover_after => Plan::Stuck(format!(
-                "no member has answered as a primary for {} ms; {why}: a complete copy may \
-                 still lack acknowledged writes, so an operator decides (helm/README.md, \
-                 \"Backups\")",
-                d.as_millis()
-            )),
+            Some(d) if d >= failover_after => {
+                let of_term = match floor {
+                    0 => String::new(),
+                    _ => format!(" of term {floor} or newer"),
+                };
+                Plan::Stuck(format!(
+                    "no member has answered as a primary{of_term} for {} ms; {why}: a \
+                     complete copy may still lack acknowledged writes, so an operator decides \
+                     (helm/README.md, \"Backups\")",
+                    d.as_millis()
+                ))
+            }
             _ => Plan::Wait(why.into()),
         };
     };
-    if primary(&seen[last.member]).is_some() {
+    let last_back = primary(&seen[last.member]);
+    if last_back.is_some_and(servable) {
         // Started again on its pool: it copies its backups anew, so what was in sync no
-        // longer is.
+        // longer is. (Answering again below the term floor, it is the primary that failed,
+        // not restarted: the failover goes on.)
         mem.serving = None;
         mem.down_since = None;
         return Plan::Wait(format!(
@@ -317,6 +437,9 @@ pub fn plan(
     {
         mem.serving = None;
         mem.down_since = None;
+        // Someone promoted it from the last serving primary's term or later: that primary is
+        // replaced, whatever backups it may still report in sync.
+        mem.term_floor = mem.term_floor.max(last.term + 1);
         return Plan::Wait(format!(
             "{} answers as a primary of term {}, newer than the last serving primary's {}: \
              waiting for it to serve",
@@ -324,7 +447,11 @@ pub fn plan(
         ));
     }
     let down_for = now.duration_since(*mem.down_since.get_or_insert(now));
-    let why = how(&seen[last.member]);
+    let why = match last_back {
+        // Named with its term by `with_below_floor`.
+        Some(_) => "answers as a primary below the term floor (not served); it was down".into(),
+        None => how(&seen[last.member]),
+    };
     if down_for < failover_after {
         return Plan::Wait(format!(
             "primary {} {why} for {} ms; failing over after {} ms",
@@ -526,6 +653,23 @@ fn pinned_stuck(
     )
 }
 
+/// An answer as a primary of `term` listing `backups` (address, state): for this module's
+/// tests and the watcher's.
+#[cfg(test)]
+pub(super) fn primary_of(term: u64, backups: &[(&str, &str)]) -> Seen {
+    Ok(MemberStatus {
+        role: Role::Primary,
+        term,
+        generation: 0,
+        copy_complete: false,
+        copy_term: 0,
+        backups: backups
+            .iter()
+            .map(|(a, s)| (a.to_string(), s.to_string()))
+            .collect(),
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -534,20 +678,6 @@ mod tests {
 
     fn members() -> Vec<String> {
         ["p:1", "b1:1", "b2:1"].map(String::from).to_vec()
-    }
-
-    fn primary_of(term: u64, backups: &[(&str, &str)]) -> Seen {
-        Ok(MemberStatus {
-            role: Role::Primary,
-            term,
-            generation: 0,
-            copy_complete: false,
-            copy_term: 0,
-            backups: backups
-                .iter()
-                .map(|(a, s)| (a.to_string(), s.to_string()))
-                .collect(),
-        })
     }
 
     fn backup(term: u64, complete: bool, copy_term: u64, generation: u64) -> Seen {
@@ -1002,7 +1132,8 @@ mod tests {
         mem.promoted = Some(Promoted {
             member: 1,
             stuck_at: t0 + 10 * AFTER,
-            noted_term: None,
+            from_term: 3,
+            noted: false,
         });
         let seen = [silent(), silent(), backup(3, true, 3, 0)];
         // Long past failover_after, nothing else is promoted and it is no alarm yet.
@@ -1030,5 +1161,186 @@ mod tests {
         let p = plan(&members(), &seen, &mut mem, t0 + 20 * AFTER, AFTER);
         assert_eq!(p, serving(1, 4, true, vec![]));
         assert_eq!(mem.promoted, None);
+    }
+
+    /// b1 served under `term` with b2 in sync; it stops answering and p comes back with its
+    /// stale view (term 3, b2 in sync): p is not served (the wait names it), and b2 is
+    /// promoted from the observation of b1 once the delay passed.
+    fn b1_dies_and_b2_not_p_takes_over(mem: &mut Memory, t0: Instant, term: u64) {
+        let seen = [stale_old_primary(), silent(), backup(term, true, term, 0)];
+        let p = plan(&members(), &seen, mem, t0, AFTER);
+        let below = format!("p:1 answers as a primary of term 3, below term {term}");
+        assert!(
+            matches!(&p, Plan::Wait(w) if w.contains("b1:1") && w.contains(&below)),
+            "{p:?}"
+        );
+        let p = plan(&members(), &seen, mem, t0 + AFTER, AFTER);
+        assert!(
+            matches!(p, Plan::Promote { member: 2, min_term, .. } if min_term == term),
+            "{p:?}"
+        );
+    }
+
+    /// p (term 3) back with a stale view: b2 still in sync, b1 failed.
+    fn stale_old_primary() -> Seen {
+        primary_of(3, &[("b1:1", "failed"), ("b2:1", "in-sync")])
+    }
+
+    #[test]
+    fn the_old_primary_back_during_a_pinned_promotion_is_not_served_and_the_observation_stays() {
+        let mut mem = Memory::default();
+        let t0 = Instant::now();
+        steady(&mut mem, t0);
+        plan(
+            &members(),
+            &[silent(), silent(), backup(3, true, 3, 0)],
+            &mut mem,
+            t0,
+            AFTER,
+        );
+        mem.promote_only = Some((1, t0 + 10 * AFTER));
+        mem.pointed = Some(1);
+        let seen = [stale_old_primary(), silent(), backup(3, true, 3, 0)];
+        let p = plan(&members(), &seen, &mut mem, t0 + 2 * AFTER, AFTER);
+        assert!(
+            matches!(&p, Plan::Wait(w) if w.contains("b1:1") && w.contains("p:1 answers as a primary of term 3, below term 4")),
+            "{p:?}"
+        );
+        assert_eq!(mem.serving.as_ref().map(|s| s.member), Some(0));
+        // Within the failover delay the message is about p, still not served.
+        let mut early = Memory::default();
+        steady(&mut early, t0);
+        plan(
+            &members(),
+            &[silent(), silent(), backup(3, true, 3, 0)],
+            &mut early,
+            t0,
+            AFTER,
+        );
+        early.promote_only = Some((1, t0 + 10 * AFTER));
+        let p = plan(&members(), &seen, &mut early, t0 + AFTER / 2, AFTER);
+        assert!(
+            matches!(&p, Plan::Wait(w) if w.contains("p:1 answers as a primary below the term floor")),
+            "{p:?}"
+        );
+        // The pinned backup answers as a backup of the observation's term: the Promote never
+        // reached it, and p serves again.
+        let seen = [
+            stale_old_primary(),
+            backup(3, true, 3, 0),
+            backup(3, true, 3, 0),
+        ];
+        let p = plan(&members(), &seen, &mut mem, t0 + 2 * AFTER, AFTER);
+        assert_eq!(p, serving(0, 3, true, vec![]));
+    }
+
+    #[test]
+    fn the_old_primary_stays_replaced_until_the_promoted_one_has_a_backup_in_sync() {
+        let mut mem = Memory::default();
+        let t0 = Instant::now();
+        mem.promoted = Some(Promoted {
+            member: 1,
+            stuck_at: t0 + 10 * AFTER,
+            from_term: 3,
+            noted: false,
+        });
+        mem.pointed = Some(1);
+        let copying = primary_of(4, &[("b2:1", "syncing")]);
+        // Opening its pool: p, back, is named in the wait.
+        let seen = [stale_old_primary(), silent(), backup(3, true, 3, 0)];
+        let p = plan(&members(), &seen, &mut mem, t0, AFTER);
+        assert!(
+            matches!(&p, Plan::Wait(w) if w.contains("b1:1") && w.contains("p:1 answers as a primary of term 3, below term 4")),
+            "{p:?}"
+        );
+        // b1 answers as a primary and copies b2: it serves (the chosen one), p does not, in
+        // this round and the next.
+        let seen = [stale_old_primary(), copying.clone(), backup(4, false, 4, 0)];
+        for _ in 0..2 {
+            let p = plan(&members(), &seen, &mut mem, t0, AFTER);
+            assert!(matches!(p, Plan::Serving { primary: 1, .. }), "{p:?}");
+            assert_eq!(mem.term_floor, 4);
+        }
+        // A lead change forgets the chosen primary: p is still not served.
+        mem.pointed = None;
+        let p = plan(&members(), &seen, &mut mem, t0, AFTER);
+        assert!(matches!(p, Plan::Wait(_)), "{p:?}");
+        // b2 in sync with b1: served, and the old term forgotten.
+        let seen = [
+            stale_old_primary(),
+            primary_of(4, &[("b2:1", "in-sync")]),
+            backup(4, true, 4, 0),
+        ];
+        let p = plan(&members(), &seen, &mut mem, t0, AFTER);
+        assert!(matches!(p, Plan::Serving { primary: 1, .. }), "{p:?}");
+        assert_eq!(mem.term_floor, 4);
+        // b1 stops answering: p, still reporting b2 in sync, is not served.
+        b1_dies_and_b2_not_p_takes_over(&mut mem, t0, 4);
+    }
+
+    #[test]
+    fn a_primary_of_a_newer_term_than_the_replaced_one_serves_during_the_wait() {
+        let mut mem = Memory::default();
+        let t0 = Instant::now();
+        mem.promoted = Some(Promoted {
+            member: 1,
+            stuck_at: t0 + 10 * AFTER,
+            from_term: 3,
+            noted: false,
+        });
+        // p restarted (a new term) and got b2 in sync before b1 served: it holds everything
+        // it acknowledged, and serves (the tie with b1's term is the backups' to settle).
+        let seen = [
+            primary_of(4, &[("b2:1", "in-sync")]),
+            silent(),
+            backup(4, true, 4, 0),
+        ];
+        let p = plan(&members(), &seen, &mut mem, t0, AFTER);
+        assert_eq!(p, serving(0, 4, true, vec![]));
+        assert_eq!(mem.promoted, None);
+    }
+
+    #[test]
+    fn a_primary_of_a_newer_term_seen_replaces_the_observed_one() {
+        let mut mem = Memory::default();
+        let t0 = Instant::now();
+        steady(&mut mem, t0);
+        mem.pointed = None;
+        // b1 answers as a primary of term 4 nobody here promoted (a lost answer, an operator).
+        let seen = [
+            silent(),
+            primary_of(4, &[("b2:1", "syncing")]),
+            backup(4, false, 4, 0),
+        ];
+        let p = plan(&members(), &seen, &mut mem, t0, AFTER);
+        assert!(matches!(&p, Plan::Wait(w) if w.contains("newer")), "{p:?}");
+        assert_eq!(mem.term_floor, 4);
+        // p back with its stale view is not served.
+        let seen = [
+            stale_old_primary(),
+            primary_of(4, &[("b2:1", "syncing")]),
+            backup(4, false, 4, 0),
+        ];
+        let p = plan(&members(), &seen, &mut mem, t0, AFTER);
+        assert!(matches!(p, Plan::Wait(_)), "{p:?}");
+    }
+
+    #[test]
+    fn a_primary_seen_serving_under_a_newer_term_raises_the_floor() {
+        let mut mem = Memory::default();
+        let t0 = Instant::now();
+        steady(&mut mem, t0);
+        // b1 serves under term 5 with b2 in sync (promoted by another monitor: this one was a
+        // standby, or started after).
+        let seen = [
+            silent(),
+            primary_of(5, &[("b2:1", "in-sync")]),
+            backup(5, true, 5, 0),
+        ];
+        let p = plan(&members(), &seen, &mut mem, t0, AFTER);
+        assert!(matches!(p, Plan::Serving { primary: 1, .. }), "{p:?}");
+        assert_eq!(mem.term_floor, 5);
+        // b1 dies; p comes back still reporting b2 in sync at term 3: not served.
+        b1_dies_and_b2_not_p_takes_over(&mut mem, t0, 5);
     }
 }

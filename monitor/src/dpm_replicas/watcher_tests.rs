@@ -15,7 +15,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use parking_lot::Mutex;
 
-use super::plan::{MemberStatus, Role, Seen};
+use super::plan::{primary_of, MemberStatus, Role, Seen};
 use super::*;
 
 const AFTER: Duration = Duration::from_millis(200);
@@ -226,20 +226,6 @@ impl PrimaryPointer for World {
     }
 }
 
-fn primary_of(term: u64, backups: &[(&str, &str)]) -> Seen {
-    Ok(MemberStatus {
-        role: Role::Primary,
-        term,
-        generation: 0,
-        copy_complete: false,
-        copy_term: 0,
-        backups: backups
-            .iter()
-            .map(|(a, s)| (a.to_string(), s.to_string()))
-            .collect(),
-    })
-}
-
 /// A backup holding a complete copy made under `term`.
 fn backup(term: u64) -> Seen {
     Ok(MemberStatus {
@@ -273,6 +259,27 @@ fn promoted(calls: &[Call]) -> Vec<String> {
 
 fn is_note_of(call: &Call, backup: &str) -> bool {
     matches!(call, Call::NoteWritten(n) if n.starts_with(&format!("{backup} 3 ")))
+}
+
+/// The next round waits, naming `member`.
+async fn waits_for(watcher: &mut Watcher, member: &str) {
+    let o = watcher.round().await;
+    assert!(
+        matches!(&o, Outcome::Waiting(why) if why.contains(member)),
+        "{o:?}"
+    );
+}
+
+/// The next round waits for `member`; once `promotion_stuck_after_ms` passed, one reports the
+/// failover stuck on it.
+async fn waits_then_is_stuck_on(watcher: &mut Watcher, member: &str) {
+    waits_for(watcher, member).await;
+    tokio::time::sleep(STUCK_AFTER_PROMOTE).await;
+    let o = watcher.round().await;
+    assert!(
+        matches!(&o, Outcome::Stuck(why) if why.contains(member) && why.contains("promotion_stuck_after_ms")),
+        "{o:?}"
+    );
 }
 
 /// The leader has seen p serve, then p stopped answering for longer than [`AFTER`]: the next
@@ -313,17 +320,18 @@ async fn a_silent_primary_is_failed_over_with_the_note_written_before_the_promot
     assert_eq!(calls[2], Call::PointAt(B1.into()));
     // b1 opens its pool: it answers nothing, it is waited for, and nobody else is promoted.
     w.silent(B1);
-    let o = watcher.round().await;
-    assert!(
-        matches!(&o, Outcome::Waiting(why) if why.contains("b1:1")),
-        "{o:?}"
-    );
+    waits_for(&mut watcher, B1).await;
     assert_eq!(w.take(), vec![]);
-    // b1 serves under its new term, b2 not in sync yet: labelled again under that term, and
-    // the note is removed.
+    // b1 serves under its new term, b2 not in sync yet: labelled again under that term; the
+    // note stays (a next leader must know p is replaced)...
     w.answers(B1, primary_of(4, &[(B2, "syncing")]));
     assert_eq!(watcher.round().await, Outcome::Serving { primary: 1 });
-    assert_eq!(w.take(), vec![Call::PointAt(B1.into()), Call::NoteRemoved]);
+    assert_eq!(w.take(), vec![Call::PointAt(B1.into())]);
+    assert!(w.with(|s| s.lease_note.clone()).is_some());
+    // ...until b2 is in sync.
+    w.answers(B1, primary_of(4, &[(B2, "in-sync")]));
+    assert_eq!(watcher.round().await, Outcome::Serving { primary: 1 });
+    assert_eq!(w.take(), vec![Call::NoteRemoved]);
     assert_eq!(w.with(|s| s.lease_note.clone()), None);
     assert_eq!(watcher.round().await, Outcome::Serving { primary: 1 });
     assert_eq!(w.take(), vec![]);
@@ -411,7 +419,7 @@ async fn a_note_whose_removal_failed_after_a_refusal_pins_nothing_and_goes_once_
     // Forgotten though still on the Lease: b2 is promoted, not waited for b1.
     assert_eq!(watcher.round().await, Outcome::Promoted { member: 2 });
     w.with(|s| s.note_removal = Write::Done);
-    w.answers(B2, primary_of(4, &[(B1, "syncing")]));
+    w.answers(B2, primary_of(4, &[(B1, "in-sync")]));
     w.take();
     assert_eq!(watcher.round().await, Outcome::Serving { primary: 2 });
     assert_eq!(w.take(), vec![Call::PointAt(B2.into()), Call::NoteRemoved]);
@@ -473,29 +481,34 @@ async fn a_promote_of_unknown_outcome_is_waited_for_and_followed() {
     let o = watcher.round().await;
     assert!(matches!(o, Outcome::Failed(_)), "{o:?}");
     w.silent(B1);
-    let o = watcher.round().await;
-    assert!(
-        matches!(&o, Outcome::Waiting(why) if why.contains("b1:1")),
-        "{o:?}"
-    );
+    waits_for(&mut watcher, B1).await;
     // Past failover_after it may still be opening its pool: waited for, no alarm...
     tokio::time::sleep(AFTER).await;
-    let o = watcher.round().await;
-    assert!(
-        matches!(&o, Outcome::Waiting(why) if why.contains("b1:1")),
-        "{o:?}"
-    );
     // ...stuck only after promotion_stuck_after_ms.
-    tokio::time::sleep(STUCK_AFTER_PROMOTE).await;
-    let o = watcher.round().await;
-    assert!(
-        matches!(&o, Outcome::Stuck(why) if why.contains("b1:1")),
-        "{o:?}"
-    );
+    waits_then_is_stuck_on(&mut watcher, B1).await;
     assert_eq!(promoted(&w.take()), vec![B1]);
     w.answers(B1, primary_of(4, &[(B2, "syncing")]));
     assert_eq!(watcher.round().await, Outcome::Serving { primary: 1 });
-    assert_eq!(w.take(), vec![Call::PointAt(B1.into()), Call::NoteRemoved]);
+    assert_eq!(w.take(), vec![Call::PointAt(B1.into())]);
+    w.answers(B1, primary_of(4, &[(B2, "in-sync")]));
+    assert_eq!(watcher.round().await, Outcome::Serving { primary: 1 });
+    assert_eq!(w.take(), vec![Call::NoteRemoved]);
+}
+
+/// A standby started after p died, so holding no observation; the Lease notes b1's promotion
+/// from term 3; b2 is a backup of term 3, and so is b1 unless it `opens_its_pool` (silent).
+/// Then the standby leads.
+async fn leader_without_an_observation_noting_b1(w: &World, opens_its_pool: bool) -> Watcher {
+    let mut watcher = w.watcher();
+    w.steady();
+    w.silent(P);
+    if opens_its_pool {
+        w.silent(B1);
+    }
+    w.with(|s| s.lease_note = Some("b1:1 3 1".into()));
+    assert_eq!(watcher.round().await, Outcome::Standby);
+    w.with(|s| s.leads = true);
+    watcher
 }
 
 /// A standby that saw p serve; the Lease holds `note`; p and b1 stop answering and the
@@ -521,19 +534,9 @@ async fn a_new_leader_waits_for_the_backup_the_last_leader_noted() {
     tokio::time::sleep(AFTER + Duration::from_millis(20)).await;
     // b2 was in sync and answers, but b1 may be opening its pool as the primary: waited
     // for, and reported stuck only after promotion_stuck_after_ms.
-    let o = watcher.round().await;
-    assert!(
-        matches!(&o, Outcome::Waiting(why) if why.contains("b1:1")),
-        "{o:?}"
-    );
-    tokio::time::sleep(STUCK_AFTER_PROMOTE).await;
-    let o = watcher.round().await;
-    assert!(
-        matches!(&o, Outcome::Stuck(why) if why.contains("b1:1")),
-        "{o:?}"
-    );
+    waits_then_is_stuck_on(&mut watcher, B1).await;
     assert_eq!(w.take(), vec![]);
-    w.answers(B1, primary_of(4, &[(P, "attaching"), (B2, "syncing")]));
+    w.answers(B1, primary_of(4, &[(P, "attaching"), (B2, "in-sync")]));
     assert_eq!(watcher.round().await, Outcome::Serving { primary: 1 });
     assert_eq!(w.take(), vec![Call::PointAt(B1.into()), Call::NoteRemoved]);
     assert_eq!(w.with(|s| s.lease_note.clone()), None);
@@ -656,25 +659,11 @@ async fn a_backup_opening_its_pool_after_its_promote_is_waited_for_not_reported_
     w.take();
     // b1 opens its pool (minutes for a large one): a normal failover in progress.
     w.silent(B1);
-    let o = watcher.round().await;
-    assert!(
-        matches!(&o, Outcome::Waiting(why) if why.contains("b1:1")),
-        "{o:?}"
-    );
+    waits_for(&mut watcher, B1).await;
     // Past failover_after (no primary answers) it is still waited for, not an alarm...
     tokio::time::sleep(AFTER + Duration::from_millis(20)).await;
-    let o = watcher.round().await;
-    assert!(
-        matches!(&o, Outcome::Waiting(why) if why.contains("b1:1")),
-        "{o:?}"
-    );
     // ...until promotion_stuck_after_ms: then stuck, and still nothing else promoted.
-    tokio::time::sleep(STUCK_AFTER_PROMOTE).await;
-    let o = watcher.round().await;
-    assert!(
-        matches!(&o, Outcome::Stuck(why) if why.contains("b1:1") && why.contains("promotion_stuck_after_ms")),
-        "{o:?}"
-    );
+    waits_then_is_stuck_on(&mut watcher, B1).await;
     assert!(
         !w.take().iter().any(|c| matches!(c, Call::Promote { .. })),
         "nothing else may be promoted while b1 opens its pool"
@@ -757,11 +746,7 @@ async fn a_promoted_backup_copying_its_backups_after_a_lead_flap_is_not_reported
     // plan until b2 is in sync, but not stuck either, however long it takes.
     w.answers(B1, primary_of(4, &[(B2, "syncing")]));
     tokio::time::sleep(STUCK_AFTER_PROMOTE + Duration::from_millis(20)).await;
-    let o = watcher.round().await;
-    assert!(
-        matches!(&o, Outcome::Waiting(why) if why.contains("b1:1")),
-        "{o:?}"
-    );
+    waits_for(&mut watcher, B1).await;
     w.answers(B1, primary_of(4, &[(B2, "in-sync")]));
     assert_eq!(watcher.round().await, Outcome::Serving { primary: 1 });
 }
@@ -769,38 +754,18 @@ async fn a_promoted_backup_copying_its_backups_after_a_lead_flap_is_not_reported
 #[tokio::test]
 async fn a_new_leader_without_an_observation_waits_for_the_noted_backup_before_the_alarm() {
     let w = World::new(false);
-    let mut watcher = w.watcher();
     // Started after p died: no observation. b1, promoted by the last leader, opens its pool.
-    w.steady();
-    w.silent(P);
-    w.silent(B1);
-    w.with(|s| s.lease_note = Some("b1:1 3 1".into()));
-    assert_eq!(watcher.round().await, Outcome::Standby);
-    w.with(|s| s.leads = true);
+    let mut watcher = leader_without_an_observation_noting_b1(&w, true).await;
     let o = watcher.round().await;
     assert!(matches!(o, Outcome::Waiting(_)), "{o:?}");
     tokio::time::sleep(AFTER + Duration::from_millis(20)).await;
-    let o = watcher.round().await;
-    assert!(
-        matches!(&o, Outcome::Waiting(why) if why.contains("b1:1")),
-        "{o:?}"
-    );
-    tokio::time::sleep(STUCK_AFTER_PROMOTE).await;
-    let o = watcher.round().await;
-    assert!(
-        matches!(&o, Outcome::Stuck(why) if why.contains("b1:1")),
-        "{o:?}"
-    );
+    waits_then_is_stuck_on(&mut watcher, B1).await;
     // A note alone promotes, points and labels nothing.
     assert_eq!(w.take(), vec![]);
     // b1 answers as a primary that copies its backups: waited for (not stuck, not labelled:
     // without an observation a primary serves once a backup is in sync).
     w.answers(B1, primary_of(4, &[(P, "attaching"), (B2, "syncing")]));
-    let o = watcher.round().await;
-    assert!(
-        matches!(&o, Outcome::Waiting(why) if why.contains("b1:1")),
-        "{o:?}"
-    );
+    waits_for(&mut watcher, B1).await;
     assert_eq!(w.take(), vec![]);
     w.answers(B1, primary_of(4, &[(P, "attaching"), (B2, "in-sync")]));
     assert_eq!(watcher.round().await, Outcome::Serving { primary: 1 });
@@ -810,13 +775,8 @@ async fn a_new_leader_without_an_observation_waits_for_the_noted_backup_before_t
 #[tokio::test]
 async fn a_noted_backup_that_answers_as_a_backup_of_the_notes_term_was_never_promoted() {
     let w = World::new(false);
-    let mut watcher = w.watcher();
     // The last leader died between its note and its Promote: b1 still a backup of term 3.
-    w.steady();
-    w.silent(P);
-    w.with(|s| s.lease_note = Some("b1:1 3 1".into()));
-    assert_eq!(watcher.round().await, Outcome::Standby);
-    w.with(|s| s.leads = true);
+    let mut watcher = leader_without_an_observation_noting_b1(&w, false).await;
     watcher.round().await;
     tokio::time::sleep(AFTER + Duration::from_millis(20)).await;
     // No observation and no promotion under way: the usual alarm, after failover_after.
@@ -842,4 +802,233 @@ fn a_message_repeated_with_a_longer_wait_is_the_same_message() {
         without_durations("term 4 for 10 ms"),
         without_durations("term 5 for 10 ms")
     );
+}
+
+// The old primary coming back while the backup promoted from its term opens its pool
+// (docs/decisions/0007, fourteenth session): each "is not served" test failed before the fix
+// (p served, then b2 promoted beside b1 once p was silent again); the last one guards what the
+// fix must not hold back.
+
+/// p answers again as a primary of its old term 3, b2 still in sync with it (a partition that
+/// healed, a pause that ended), b1 marked failed (it revoked p's grants when promoted).
+fn old_primary_back(w: &World) {
+    w.answers(P, primary_of(3, &[(B1, "failed"), (B2, "in-sync")]));
+}
+
+/// While b1 may be promoting itself, p answers again and dies again: p is not taken for the
+/// serving primary (not pointed at) and b2 is not promoted beside b1; b1 serves once it
+/// answers as a primary.
+async fn the_old_primary_back_is_not_served_and_b2_not_promoted(w: &World, watcher: &mut Watcher) {
+    w.silent(B1);
+    old_primary_back(w);
+    // Not taken for a primary restarted in place either (that would drop the observation the
+    // pinned backup is promoted from). A new leader's first round may still count p's down
+    // time: its message is then about p.
+    let o = watcher.round().await;
+    assert!(
+        matches!(&o, Outcome::Waiting(why) if !why.contains("restarted")),
+        "{o:?}"
+    );
+    w.silent(P);
+    watcher.round().await;
+    tokio::time::sleep(AFTER + Duration::from_millis(20)).await;
+    waits_for(watcher, B1).await;
+    let calls = w.take();
+    assert!(
+        !calls
+            .iter()
+            .any(|c| matches!(c, Call::Promote { .. } | Call::PointAt(_))),
+        "{calls:?}"
+    );
+    // b1 answers as a primary and copies b2, which p (its view stale) still reports in sync:
+    // p is not served either, and the note stays on the Lease (for a new leader without an
+    // observation b1 serves once b2 is in sync).
+    old_primary_back(w);
+    w.answers(B1, primary_of(4, &[(B2, "syncing")]));
+    for _ in 0..3 {
+        let o = watcher.round().await;
+        assert!(
+            matches!(&o, Outcome::Serving { primary: 1 })
+                || matches!(&o, Outcome::Waiting(why) if why.contains("b1:1")),
+            "{o:?}"
+        );
+    }
+    let calls = w.take();
+    assert!(!calls.contains(&Call::PointAt(P.into())), "{calls:?}");
+    assert!(!calls.contains(&Call::NoteRemoved), "{calls:?}");
+    w.answers(B1, primary_of(4, &[(B2, "in-sync")]));
+    assert_eq!(watcher.round().await, Outcome::Serving { primary: 1 });
+    assert!(w.take().contains(&Call::NoteRemoved));
+    assert_eq!(w.with(|s| s.lease_note.clone()), None);
+}
+
+#[tokio::test]
+async fn the_old_primary_answering_again_while_the_promoted_backup_opens_its_pool_is_not_served() {
+    let w = World::new(true);
+    let mut watcher = leader_past_failover(&w).await;
+    assert_eq!(watcher.round().await, Outcome::Promoted { member: 1 });
+    w.take();
+    the_old_primary_back_is_not_served_and_b2_not_promoted(&w, &mut watcher).await;
+}
+
+#[tokio::test]
+async fn the_old_primary_answering_again_during_a_promote_of_unknown_outcome_is_not_served() {
+    let w = World::new(true);
+    let mut watcher = leader_past_failover(&w).await;
+    w.promote_answers(B1, vec![Err(PromoteError::Unknown("deadline".into()))]);
+    assert!(matches!(watcher.round().await, Outcome::Failed(_)));
+    w.take();
+    the_old_primary_back_is_not_served_and_b2_not_promoted(&w, &mut watcher).await;
+}
+
+#[tokio::test]
+async fn the_old_primary_answering_again_under_a_new_leaders_note_is_not_served() {
+    // A standby with the observation takes over; the Lease names b1.
+    let w = World::new(false);
+    let mut watcher = new_leader_with_note(&w, "b1:1 3 1").await;
+    the_old_primary_back_is_not_served_and_b2_not_promoted(&w, &mut watcher).await;
+}
+
+#[tokio::test]
+async fn the_old_primary_answering_again_is_served_when_the_pinned_backup_was_never_promoted() {
+    // The pinned backup answers as a backup of the observation's term (the Promote of unknown
+    // outcome never reached it): the old primary, back with b2 in sync, serves again.
+    let w = World::new(true);
+    let mut watcher = leader_past_failover(&w).await;
+    w.promote_answers(B1, vec![Err(PromoteError::Unknown("deadline".into()))]);
+    assert!(matches!(watcher.round().await, Outcome::Failed(_)));
+    w.answers(B1, backup(3));
+    old_primary_back(&w);
+    assert_eq!(watcher.round().await, Outcome::Serving { primary: 0 });
+}
+
+#[tokio::test]
+async fn the_old_primary_answering_again_is_not_served_by_a_leader_without_an_observation() {
+    // Started after p died; the Lease names b1, which opens its pool.
+    let w = World::new(false);
+    let mut watcher = leader_without_an_observation_noting_b1(&w, true).await;
+    the_old_primary_back_is_not_served_and_b2_not_promoted(&w, &mut watcher).await;
+}
+
+#[tokio::test]
+async fn a_pinned_backup_stays_the_chosen_primary_across_a_lead_flap() {
+    let w = World::new(true);
+    let mut watcher = leader_past_failover(&w).await;
+    w.promote_answers(B1, vec![Err(PromoteError::Unknown("deadline".into()))]);
+    assert!(matches!(watcher.round().await, Outcome::Failed(_)));
+    // The Lease lost and taken back: the note (on the Lease) is read again, and b1 is still
+    // the one chosen: served, and labelled, as soon as it answers as a primary...
+    w.with(|s| s.leads = false);
+    assert_eq!(watcher.round().await, Outcome::Standby);
+    w.with(|s| s.leads = true);
+    old_primary_back(&w);
+    w.answers(B1, primary_of(4, &[(B2, "syncing")]));
+    w.take();
+    assert_eq!(watcher.round().await, Outcome::Serving { primary: 1 });
+    assert_eq!(w.take(), vec![Call::PointAt(B1.into())]);
+    // ...and p, back with its stale view, is not.
+    assert_eq!(watcher.round().await, Outcome::Serving { primary: 1 });
+}
+
+#[tokio::test]
+async fn the_old_primary_back_after_the_promoted_one_served_alone_and_died_is_reported_stuck() {
+    let w = World::new(true);
+    let mut watcher = leader_past_failover(&w).await;
+    assert_eq!(watcher.round().await, Outcome::Promoted { member: 1 });
+    w.answers(B1, primary_of(4, &[(B2, "syncing")]));
+    assert_eq!(watcher.round().await, Outcome::Serving { primary: 1 });
+    // b1 dies before b2 is in sync; p comes back with its stale view: not served, and (no
+    // observation to fail over from) reported stuck after the delay, naming p.
+    w.silent(B1);
+    old_primary_back(&w);
+    w.take();
+    let o = watcher.round().await;
+    assert!(
+        matches!(&o, Outcome::Waiting(why) if why.contains("p:1 answers as a primary of term 3, below term 4")),
+        "{o:?}"
+    );
+    tokio::time::sleep(AFTER + Duration::from_millis(20)).await;
+    let o = watcher.round().await;
+    assert!(
+        matches!(&o, Outcome::Stuck(why) if why.contains("p:1 answers as a primary of term 3, below term 4")),
+        "{o:?}"
+    );
+    let calls = w.take();
+    assert!(
+        !calls
+            .iter()
+            .any(|c| matches!(c, Call::Promote { .. } | Call::PointAt(_))),
+        "{calls:?}"
+    );
+}
+
+#[tokio::test]
+async fn the_old_primary_back_after_the_promoted_one_served_is_not_served_when_that_one_dies() {
+    let w = World::new(true);
+    let mut watcher = leader_past_failover(&w).await;
+    assert_eq!(watcher.round().await, Outcome::Promoted { member: 1 });
+    w.answers(B1, primary_of(4, &[(B2, "in-sync")]));
+    w.answers(B2, backup(4));
+    assert_eq!(watcher.round().await, Outcome::Serving { primary: 1 });
+    // b1 dies; p comes back, still reporting b2 in sync at term 3 (idle, it has not written
+    // to b2 since): not served, and b2 is promoted from the observation of b1.
+    w.silent(B1);
+    old_primary_back(&w);
+    w.take();
+    let o = watcher.round().await;
+    assert!(
+        matches!(&o, Outcome::Waiting(why) if why.contains("b1:1")),
+        "{o:?}"
+    );
+    tokio::time::sleep(AFTER + Duration::from_millis(20)).await;
+    assert_eq!(watcher.round().await, Outcome::Promoted { member: 2 });
+    let calls = w.take();
+    assert!(!calls.contains(&Call::PointAt(P.into())), "{calls:?}");
+    assert!(
+        calls.contains(&Call::Promote {
+            backup: B2.into(),
+            others: vec![P.into(), B1.into()],
+            min_term: 4,
+        }),
+        "{calls:?}"
+    );
+}
+
+#[tokio::test]
+async fn a_pin_the_lease_no_longer_notes_is_dropped_when_the_lease_is_taken_back() {
+    let w = World::new(true);
+    let mut watcher = leader_past_failover(&w).await;
+    w.promote_answers(B1, vec![Err(PromoteError::Unknown("deadline".into()))]);
+    assert!(matches!(watcher.round().await, Outcome::Failed(_)));
+    // The Lease lost; another leader reached b1 (a backup of term 3: never promoted), served p
+    // again and removed the note. This monitor does not reach b1.
+    w.with(|s| s.leads = false);
+    w.silent(B1);
+    old_primary_back(&w);
+    assert_eq!(watcher.round().await, Outcome::Standby);
+    w.with(|s| {
+        s.lease_note = None;
+        s.leads = true;
+    });
+    w.take();
+    // Taken back: no note, so no pin; p serves.
+    assert_eq!(watcher.round().await, Outcome::Serving { primary: 0 });
+}
+
+#[tokio::test]
+async fn a_noted_wait_the_lease_no_longer_notes_is_dropped_when_the_lease_is_taken_back() {
+    // Started after p died; the Lease names b1.
+    let w = World::new(false);
+    let mut watcher = leader_without_an_observation_noting_b1(&w, true).await;
+    waits_for(&mut watcher, B1).await;
+    // Lost; another leader ended that failover (b1 never promoted, p served again with b2 in
+    // sync) and removed the note; taken back, this monitor still does not reach b1.
+    w.with(|s| s.leads = false);
+    old_primary_back(&w);
+    assert_eq!(watcher.round().await, Outcome::Standby);
+    w.with(|s| {
+        s.lease_note = None;
+        s.leads = true;
+    });
+    assert_eq!(watcher.round().await, Outcome::Serving { primary: 0 });
 }
