@@ -314,6 +314,9 @@ pub struct Watcher {
     promoting: Option<(usize, Instant, Instant)>,
     /// The last wait or stuck message, so each is logged once.
     said: String,
+    /// Whether [`plan::unserved_report`] was logged since a primary last served with a backup
+    /// in sync (once per episode).
+    unserved_reported: bool,
     /// The member whose pod carries the primary label, under which term, since when: labelled
     /// again when the primary changes, when it restarted (a recreated pod comes back without
     /// the label, and every start takes a new term), after a failed patch, and every
@@ -419,6 +422,7 @@ impl Watcher {
             led: false,
             promoting: None,
             said: String::new(),
+            unserved_reported: false,
             labelled: None,
             label_failed: None,
             note_read: false,
@@ -483,8 +487,10 @@ impl Watcher {
         );
         if !leads {
             metrics::gauge!("dinomo_monitor_dpm_failover_stuck").set(0.0);
+            metrics::gauge!("dinomo_monitor_dpm_unserved_seconds").set(0.0);
             return Outcome::Standby;
         }
+        self.report_unserved(&seen);
         if let (Some(why), Plan::Promote { .. }) = (note_unread, &plan) {
             // Serving, waiting and stuck need no note (a serving primary ends any pin); a
             // promotion does: the last leader may have promoted another backup.
@@ -531,6 +537,31 @@ impl Watcher {
                 min_term,
                 down_for,
             } => self.promote(member, others, min_term, down_for).await,
+        }
+    }
+
+    /// How long nothing has been acknowledged (no primary with a backup in sync), as a gauge;
+    /// logged once it passes `promotion_stuck_after_ms`, once per episode.
+    fn report_unserved(&mut self, seen: &[plan::Seen]) {
+        let unserved = self
+            .memory
+            .unserved_since
+            .map_or(0.0, |t| t.elapsed().as_secs_f64());
+        metrics::gauge!("dinomo_monitor_dpm_unserved_seconds").set(unserved);
+        let report = plan::unserved_report(
+            &self.addresses,
+            seen,
+            &self.memory,
+            Instant::now(),
+            self.cfg.promotion_stuck_after(),
+        );
+        match report {
+            Some(report) if !self.unserved_reported => {
+                tracing::error!("dpm replica set: {report}");
+                self.unserved_reported = true;
+            }
+            Some(_) => {}
+            None => self.unserved_reported = false,
         }
     }
 

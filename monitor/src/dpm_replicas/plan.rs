@@ -141,6 +141,11 @@ pub struct Memory {
     /// primary, and to the term after the observation's when a primary of a newer term
     /// appeared ([`term_floor`]). It only grows.
     pub term_floor: u64,
+    /// Since when no member has served as a primary with a backup in sync (nothing is
+    /// acknowledged meanwhile), whatever the plan waits for: the watcher's
+    /// `dinomo_monitor_dpm_unserved_seconds`, and its report once past
+    /// `promotion_stuck_after` ([`unserved_report`]).
+    pub unserved_since: Option<Instant>,
 }
 
 /// A backup promoted, or perhaps promoted, that the plan waits for ([`Memory::promoted`]).
@@ -233,6 +238,66 @@ fn term_floor(mem: &Memory, seen: &[Seen]) -> u64 {
     mem.term_floor.max(under_way)
 }
 
+/// Once no member has served as a primary with a backup in sync for `stuck_after`
+/// ([`Memory::unserved_since`]), what an operator must know: nothing is acknowledged, and
+/// what each member answered. A primary that answers but never gets a backup in sync (its
+/// backups down, or every attach failing) shows no other alarm: the plan waits for it.
+pub fn unserved_report(
+    members: &[String],
+    seen: &[Seen],
+    mem: &Memory,
+    now: Instant,
+    stuck_after: Duration,
+) -> Option<String> {
+    let unserved = now.duration_since(mem.unserved_since?);
+    if unserved < stuck_after {
+        return None;
+    }
+    let answers: Vec<String> = members
+        .iter()
+        .zip(seen)
+        .map(|(m, s)| format!("{m} {}", answered(s)))
+        .collect();
+    Some(format!(
+        "no member has served as a primary with a backup in sync for {} ms, so no write is \
+         acknowledged ({}). A primary acknowledges once a backup is in sync with it: are its \
+         backups running, and what do their logs and the primary's say about the attach?",
+        unserved.as_millis(),
+        answers.join("; ")
+    ))
+}
+
+/// What a member answered, in full, for [`unserved_report`].
+fn answered(seen: &Seen) -> String {
+    match seen {
+        Ok(s) if s.role == Role::Primary => {
+            let backups: Vec<String> = s
+                .backups
+                .iter()
+                .map(|(a, st)| format!("{a} {st}"))
+                .collect();
+            match backups.is_empty() {
+                true => format!("is a primary of term {} with no backup", s.term),
+                false => format!(
+                    "is a primary of term {} (backups: {})",
+                    s.term,
+                    backups.join(", ")
+                ),
+            }
+        }
+        Ok(s) => format!(
+            "is a backup of term {} (copy {} of term {})",
+            s.term,
+            match s.copy_complete {
+                true => "complete",
+                false => "incomplete",
+            },
+            s.copy_term
+        ),
+        Err(e) => format!("does not answer ({e})"),
+    }
+}
+
 /// For messages: a member answering as a primary below the term floor, if one does.
 fn below_floor_clause(members: &[String], seen: &[Seen], floor: u64) -> String {
     (0..members.len())
@@ -316,6 +381,12 @@ fn decide(
         .filter_map(|i| primary(&seen[i]).map(|s| (i, s, in_sync(members, s))))
         .filter(|(_, s, synced)| !synced.is_empty() && servable(s))
         .max_by_key(|(i, s, _)| (s.term, std::cmp::Reverse(*i)));
+    match with_backups {
+        Some(_) => mem.unserved_since = None,
+        None => {
+            mem.unserved_since.get_or_insert(now);
+        }
+    }
     // The member this watcher chose (promoted, or labelled before). Not "the newest term":
     // the old primary, restarted, takes a newer term at each start until it demotes itself.
     let promoted = mem.pointed.and_then(|p| {
@@ -1342,5 +1413,49 @@ mod tests {
         assert_eq!(mem.term_floor, 5);
         // b1 dies; p comes back still reporting b2 in sync at term 3: not served.
         b1_dies_and_b2_not_p_takes_over(&mut mem, t0, 5);
+    }
+
+    #[test]
+    fn a_primary_that_never_gets_a_backup_in_sync_is_reported_after_the_stuck_delay() {
+        let stuck_after = 10 * AFTER;
+        let mut mem = Memory::default();
+        let t0 = Instant::now();
+        // Restarted, its backups down: it answers as a primary, attaching them forever.
+        let seen = [
+            primary_of(4, &[("b1:1", "attaching"), ("b2:1", "attaching")]),
+            silent(),
+            silent(),
+        ];
+        plan(&members(), &seen, &mut mem, t0, AFTER);
+        assert_eq!(
+            unserved_report(&members(), &seen, &mem, t0, stuck_after),
+            None
+        );
+        let p = plan(&members(), &seen, &mut mem, t0 + stuck_after, AFTER);
+        // The plan still waits (nothing to fail over from); the report says why.
+        assert!(matches!(p, Plan::Wait(_)), "{p:?}");
+        let report = unserved_report(&members(), &seen, &mem, t0 + stuck_after, stuck_after);
+        let report = report.expect("reported");
+        assert!(
+            report.contains("p:1 is a primary of term 4 (backups: b1:1 attaching, b2:1 attaching)")
+                && report.contains("b1:1 does not answer"),
+            "{report}"
+        );
+        // Served by the member this watcher chose without a backup in sync: still reported.
+        mem.pointed = Some(0);
+        plan(&members(), &seen, &mut mem, t0 + stuck_after, AFTER);
+        assert!(unserved_report(&members(), &seen, &mem, t0 + stuck_after, stuck_after).is_some());
+        // A backup in sync: not reported any more.
+        let seen = [
+            primary_of(4, &[("b1:1", "in-sync"), ("b2:1", "attaching")]),
+            backup(4, true, 4, 0),
+            silent(),
+        ];
+        plan(&members(), &seen, &mut mem, t0 + stuck_after, AFTER);
+        assert_eq!(mem.unserved_since, None);
+        assert_eq!(
+            unserved_report(&members(), &seen, &mem, t0 + 2 * stuck_after, stuck_after),
+            None
+        );
     }
 }
