@@ -315,8 +315,10 @@ pub struct Watcher {
     /// The last wait or stuck message, so each is logged once.
     said: String,
     /// Whether [`plan::unserved_report`] was logged since a primary last served with a backup
-    /// in sync (once per episode).
+    /// in sync, or since this monitor leads (once per episode, and again by a new leader).
     unserved_reported: bool,
+    /// How many times it was logged (tests).
+    unserved_reports: u64,
     /// The member whose pod carries the primary label, under which term, since when: labelled
     /// again when the primary changes, when it restarted (a recreated pod comes back without
     /// the label, and every start takes a new term), after a failed patch, and every
@@ -423,6 +425,7 @@ impl Watcher {
             promoting: None,
             said: String::new(),
             unserved_reported: false,
+            unserved_reports: 0,
             labelled: None,
             label_failed: None,
             note_read: false,
@@ -469,6 +472,8 @@ impl Watcher {
             // Only the Lease's note counts, once read: a copy from an earlier time as leader
             // must not pin while the read fails.
             self.note = None;
+            // A leader reports an episode it finds, even one it reported before a lead change.
+            self.unserved_reported = false;
         }
         let note_unread = match leads && !self.note_read {
             true => self.read_note().await.err(),
@@ -485,9 +490,14 @@ impl Watcher {
             Instant::now(),
             self.cfg.failover_after(),
         );
+        // An observation, not an action: every monitor pod exports it (alert on the max).
+        let unserved = self
+            .memory
+            .unserved_since
+            .map_or(0.0, |t| t.elapsed().as_secs_f64());
+        metrics::gauge!("dinomo_monitor_dpm_no_backup_in_sync_seconds").set(unserved);
         if !leads {
             metrics::gauge!("dinomo_monitor_dpm_failover_stuck").set(0.0);
-            metrics::gauge!("dinomo_monitor_dpm_unserved_seconds").set(0.0);
             return Outcome::Standby;
         }
         self.report_unserved(&seen);
@@ -540,14 +550,9 @@ impl Watcher {
         }
     }
 
-    /// How long nothing has been acknowledged (no primary with a backup in sync), as a gauge;
-    /// logged once it passes `promotion_stuck_after_ms`, once per episode.
+    /// Logs, once per episode, that no primary has had a backup in sync for longer than
+    /// `promotion_stuck_after_ms` ([`plan::unserved_report`]).
     fn report_unserved(&mut self, seen: &[plan::Seen]) {
-        let unserved = self
-            .memory
-            .unserved_since
-            .map_or(0.0, |t| t.elapsed().as_secs_f64());
-        metrics::gauge!("dinomo_monitor_dpm_unserved_seconds").set(unserved);
         let report = plan::unserved_report(
             &self.addresses,
             seen,
@@ -559,6 +564,7 @@ impl Watcher {
             Some(report) if !self.unserved_reported => {
                 tracing::error!("dpm replica set: {report}");
                 self.unserved_reported = true;
+                self.unserved_reports += 1;
             }
             Some(_) => {}
             None => self.unserved_reported = false,

@@ -141,9 +141,10 @@ pub struct Memory {
     /// primary, and to the term after the observation's when a primary of a newer term
     /// appeared ([`term_floor`]). It only grows.
     pub term_floor: u64,
-    /// Since when no member has served as a primary with a backup in sync (nothing is
-    /// acknowledged meanwhile), whatever the plan waits for: the watcher's
-    /// `dinomo_monitor_dpm_unserved_seconds`, and its report once past
+    /// Since when (at the earliest, since this watcher started) no member has served as a
+    /// primary with a backup in sync, whatever the plan waits for: no backup could be
+    /// promoted meanwhile, and the writes are refused or acknowledged by the primary alone.
+    /// The watcher's `dinomo_monitor_dpm_no_backup_in_sync_seconds`, and its report once past
     /// `promotion_stuck_after` ([`unserved_report`]).
     pub unserved_since: Option<Instant>,
 }
@@ -239,9 +240,9 @@ fn term_floor(mem: &Memory, seen: &[Seen]) -> u64 {
 }
 
 /// Once no member has served as a primary with a backup in sync for `stuck_after`
-/// ([`Memory::unserved_since`]), what an operator must know: nothing is acknowledged, and
-/// what each member answered. A primary that answers but never gets a backup in sync (its
-/// backups down, or every attach failing) shows no other alarm: the plan waits for it.
+/// ([`Memory::unserved_since`]), what an operator must know, and what each member answered.
+/// A primary that answers but never gets a backup in sync (its backups down, or every attach
+/// failing) shows no other alarm: the plan waits for it.
 pub fn unserved_report(
     members: &[String],
     seen: &[Seen],
@@ -258,10 +259,18 @@ pub fn unserved_report(
         .zip(seen)
         .map(|(m, s)| format!("{m} {}", answered(s)))
         .collect();
+    let advice = match seen.iter().any(|s| primary(s).is_some()) {
+        true => {
+            "are its backups running, and what do their logs and the primary's say about \
+             the attach?"
+        }
+        false => "no member answers as a primary: see helm/README.md, \"Backups\"",
+    };
     Some(format!(
-        "no member has served as a primary with a backup in sync for {} ms, so no write is \
-         acknowledged ({}). A primary acknowledges once a backup is in sync with it: are its \
-         backups running, and what do their logs and the primary's say about the attach?",
+        "no member has served as a primary with a backup in sync for at least {} ms (since \
+         this monitor started watching): no backup could be promoted if the primary died, and \
+         writes are refused (no backup accepted the primary's term yet, or a counted backup \
+         failed) or acknowledged by the primary alone (its backups still copying) ({}); {advice}",
         unserved.as_millis(),
         answers.join("; ")
     ))

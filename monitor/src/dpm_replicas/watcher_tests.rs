@@ -1034,19 +1034,30 @@ async fn a_noted_wait_the_lease_no_longer_notes_is_dropped_when_the_lease_is_tak
 }
 
 #[tokio::test]
-async fn nothing_acknowledged_for_the_stuck_delay_is_logged_once_per_episode() {
+async fn no_backup_in_sync_for_the_stuck_delay_is_logged_once_per_episode() {
     let w = World::new(true);
     let mut watcher = w.watcher();
     // Its backups down: p answers as a primary, attaching them, and acknowledges nothing.
     w.answers(P, primary_of(4, &[(B1, "attaching"), (B2, "attaching")]));
     assert!(matches!(watcher.round().await, Outcome::Waiting(_)));
-    assert!(!watcher.unserved_reported);
+    assert_eq!(watcher.unserved_reports, 0);
     tokio::time::sleep(STUCK_AFTER_PROMOTE).await;
     watcher.round().await;
-    assert!(watcher.unserved_reported);
-    // b1 back and in sync: served, and a next episode is logged again.
+    watcher.round().await;
+    assert_eq!(watcher.unserved_reports, 1);
+    // b1 back and in sync: served; the next episode is logged again.
     w.answers(P, primary_of(4, &[(B1, "in-sync"), (B2, "attaching")]));
     w.answers(B1, backup(4));
     assert_eq!(watcher.round().await, Outcome::Serving { primary: 0 });
-    assert!(!watcher.unserved_reported);
+    w.answers(P, primary_of(4, &[(B1, "failed"), (B2, "attaching")]));
+    watcher.round().await;
+    tokio::time::sleep(STUCK_AFTER_PROMOTE).await;
+    watcher.round().await;
+    assert_eq!(watcher.unserved_reports, 2);
+    // Lost and taken back within the episode: the new leader logs it too.
+    w.with(|s| s.leads = false);
+    assert_eq!(watcher.round().await, Outcome::Standby);
+    w.with(|s| s.leads = true);
+    watcher.round().await;
+    assert_eq!(watcher.unserved_reports, 3);
 }
