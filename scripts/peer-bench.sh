@@ -96,6 +96,12 @@ up_extra=()
 [ -n "$kn_threads" ] && up_extra=(--kn-threads "$kn_threads")
 [ "$insecure" = 1 ] && up_extra+=(--insecure)
 [ -n "$shards" ] && up_extra+=(--shards "$shards")
+# The cluster keeps --kns KV nodes for the whole run: the monitor's policy would otherwise
+# remove a KN left idle while Redis is measured (no client reports latencies then, and an idle
+# KN may go once the 90 s grace period passed), and every later Dinomo run would measure one
+# KN fewer. The rest of the policy is the embedded default's.
+printf '[policy]\nmin_kns = %s\nmax_kns = %s\n' "$kns" "$kns" >"$work/monitor.toml"
+up_extra+=(--monitor-config "$work/monitor.toml")
 "$dinomo" up --data-dir "$work/dinomo" --kns "$kns" --port-base "$base" "${up_extra[@]}" \
   >"$out/up.out" 2>"$out/up.err" &
 up_pid=$!
@@ -160,7 +166,7 @@ done
 
 if [ "$insecure" = 1 ]; then mode="plain text"; else mode=TLS; fi
 echo "Dinomo: $kns KNs, $mode; Redis: plain text, AOF everysec; $clients clients x $outstanding outstanding over $connections connection(s)"
-python3 - "$out" "load,$workloads" "$kv_transport" "$rounds" <<'EOF'
+PEER_BENCH_KNS=$kns python3 - "$out" "load,$workloads" "$kv_transport" "$rounds" <<'EOF'
 import json, os, statistics, sys
 out, wls, transports, rounds = sys.argv[1], sys.argv[2].split(","), sys.argv[3].split(","), int(sys.argv[4])
 def load(sys_, wl, r):
@@ -169,8 +175,13 @@ def load(sys_, wl, r):
 def lat(s):
     all_ = [l for l in s["run"]["latency"] if l["op"] == "ALL"] or s["run"]["latency"]
     return all_[0]
+kns_asked = int(os.environ["PEER_BENCH_KNS"])
 def row(d, r):
     """One round's figures: both systems' ops/s and p50/p99, RTs/op, CPU us/op."""
+    kns = (d.get("dinomo") or {}).get("kns")
+    if kns != kns_asked:
+        sys.exit(f"a Dinomo run served by {kns} KV nodes, not {kns_asked}: the cluster changed "
+                 f"under the benchmark (its JSON: {d['workload']} in {out}); not reporting it")
     dl, rl = lat(d), lat(r)
     cpu = {c["name"]: c["us_per_op"] for c in d.get("cpu", [])}
     rcpu = {c["name"]: c["us_per_op"] for c in r.get("cpu", [])}
