@@ -12,6 +12,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 kills=${1:-20}
 export DINOMO_AUTO_FAILOVER_KILLS=$kills
+# Built first: the time limit below is for the run, not for a cold build.
+cargo test -q -p dinomo-cli --test integration --no-run
 # Each kill waits for the backups to be in sync again and for the failover delay: ~15 s.
 timeout $((180 + kills * 15)) cargo test -q -p dinomo-cli --test integration \
   kv_nodes_follow_the_primary -- --nocapture 2>&1 | grep -v '^client ' | grep -E 'AUTO-FAILOVER|panicked|VIOLATION|kill [0-9]|test result'

@@ -10,6 +10,8 @@ cd "$(dirname "$0")/.."
 kills=${1:-50}
 export DINOMO_DPM_FAILOVER_KILLS=$kills
 if [ -n "${2:-}" ]; then export DINOMO_DPM_FAILOVER_SEED=$2; fi
+# Built first: the time limit below is for the run, not for a cold build.
+cargo test -q -p dinomo-cli --test integration --no-run
 # Each kill waits for the backups to be in sync again (seconds), so allow ~10 s per kill.
 timeout $((120 + kills * 10)) cargo test -q -p dinomo-cli --test integration \
   dpm_failover -- --nocapture 2>&1 | grep -v '^client ' | grep -E 'DPM-FAILOVER|dpm failover|killed|answered|panicked|VIOLATION|test result'
