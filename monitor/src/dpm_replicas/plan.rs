@@ -44,13 +44,18 @@
 //!   first, and on the same backup again once `failover_after` passed.
 //! - **The term floor**: a primary of a term older than one this watcher saw serve with a
 //!   backup in sync, or than a promotion it made, saw take effect, or waits for (promoted, or
-//!   perhaps promoted: pinned or noted), is never the serving one, backups in sync or not: the
+//!   perhaps promoted: pinned or noted), or than one a member answering as a backup this
+//!   round accepted (it refuses older primaries: [`backups_term`]; what a monitor started
+//!   afresh, or a standby that missed the promotion, learns the floor from), is never the
+//!   serving one, backups in sync or not: the
 //!   old primary answering again after a partition healed, its view of its backups stale, does
 //!   not end the wait for the promoted backup (if it died again, another backup would be
 //!   promoted beside the first), nor is it served once the promoted one serves. Every start and
 //!   every promotion takes a newer term, so no primary whose pool continues the history this
 //!   watcher saw is below the floor (one on a new or restored pool is: reported, for an
-//!   operator). See [`term_floor`].
+//!   operator; so is the primary a Promote was to replace when that Promote recorded its term
+//!   at the backup and then failed; and the open cases of docs/decisions/0007). See
+//!   [`term_floor`].
 //! - Members answering as backups that the serving primary does not list are to be added to
 //!   it (the old primary, demoted after a failover, comes back that way), unless the primary
 //!   lists a backup no member names (a member under another name would be attached twice).
@@ -138,8 +143,10 @@ pub struct Memory {
     /// The oldest term a primary may serve under, as far as this watcher has seen: raised to
     /// the term of every primary that served with a backup in sync, to the term after the one
     /// a promotion replaced once the Promote was answered OK or its backup answered as a
-    /// primary, and to the term after the observation's when a primary of a newer term
-    /// appeared ([`term_floor`]). It only grows.
+    /// primary, to the term after the observation's when a primary of a newer term
+    /// appeared, and to the floor of a round in which the chosen primary served without a
+    /// backup in sync (at most its term) ([`term_floor`]; this round's [`backups_term`] is
+    /// counted there, not kept here). It only grows.
     pub term_floor: u64,
     /// Since when (at the earliest, since this watcher started) no member has served as a
     /// primary with a backup in sync, whatever the plan waits for: no backup could be
@@ -233,10 +240,34 @@ fn promotion_under_way(mem: &Memory, seen: &[Seen]) -> Option<u64> {
 /// grants there are revoked); if a pinned or noted backup was never reached and does not
 /// answer, a primary that could serve is held back, and the failover is reported stuck after
 /// `promotion_stuck_after_ms`. A restarted old primary takes a newer term and may serve (the
-/// tie of that term with the promotion's is an open case, docs/decisions/0007).
+/// tie of that term with the promotion's is an open case, docs/decisions/0007). And this
+/// round's [`backups_term`], which [`Memory::term_floor`] keeps only as far as a primary
+/// served above it (a chosen primary serving without a backup in sync keeps the whole floor,
+/// at most its own term): a backup that stops answering, or whose `.term` an operator
+/// deleted, raises nothing beyond that from then on, as the stuck rule and a Promote's
+/// `min_term` also read this round's answers only.
 fn term_floor(mem: &Memory, seen: &[Seen]) -> u64 {
     let under_way = promotion_under_way(mem, seen).map_or(0, |t| t + 1);
-    mem.term_floor.max(under_way)
+    mem.term_floor.max(under_way).max(backups_term(seen))
+}
+
+/// The newest term a member answering as a backup accepted this round: a primary of that term
+/// attached it (or, being promoted, it recorded that term itself), and it refuses every primary
+/// of an older term from then on (the older one's key there is revoked, so it acknowledges
+/// nothing that needs that backup, and its next attach or control call there deposes it). A
+/// primary below it is stale, the backups it still reports in sync notwithstanding: its view
+/// is from before. The watcher's memory of the floor cannot say so after a restart, or a lead
+/// change that missed the promotion; the backups' answers do, while they answer. (A Promote
+/// that recorded its term and then failed on an I/O error leaves such a backup too: the
+/// primary it was to replace is then not served, though its key may still work there, until
+/// an operator settles it; docs/decisions/0007.)
+fn backups_term(seen: &[Seen]) -> u64 {
+    seen.iter()
+        .filter_map(|s| s.as_ref().ok())
+        .filter(|s| s.role == Role::Backup)
+        .map(|s| s.term)
+        .max()
+        .unwrap_or(0)
 }
 
 /// Once no member has served as a primary with a backup in sync for `stuck_after`
@@ -315,8 +346,8 @@ fn below_floor_clause(members: &[String], seen: &[Seen], floor: u64) -> String {
         .map(|(m, t)| {
             format!(
                 "; {} answers as a primary of term {t}, below term {floor} (a backup was \
-                 promoted, or a primary served, under a newer term since; or its pool is new or \
-                 restored): not served",
+                 promoted, a primary served, or a backup accepted a primary, under a newer term \
+                 since; or its pool is new or restored): not served",
                 members[m]
             )
         })
@@ -370,7 +401,8 @@ fn with_below_floor(plan: Plan, members: &[String], seen: &[Seen], floor: u64) -
             "{why}{clause}. Only if the replica set was recreated on empty pools or restored \
              from a copy (its terms start again, below the floor), restart every monitor pod \
              (`kubectl rollout restart deployment/<release>-monitor`: they forget the terms they \
-             saw); otherwise that primary was replaced and must not serve"
+             saw; a backup that kept its `.term` still refuses, and still raises the floor to, \
+             the term it accepted); otherwise that primary was replaced and must not serve"
         )),
         other => other,
     }
@@ -1422,6 +1454,103 @@ mod tests {
         assert_eq!(mem.term_floor, 5);
         // b1 dies; p comes back still reporting b2 in sync at term 3: not served.
         b1_dies_and_b2_not_p_takes_over(&mut mem, t0, 5);
+    }
+
+    /// b1 was promoted from p's term 3 and serves with b2 in sync (b2 accepted term 4), out of
+    /// this monitor's reach; p is back with its stale view (term 3, b2 in sync).
+    fn b1_serves_out_of_reach_and_p_is_back() -> [Seen; 3] {
+        [stale_old_primary(), silent(), backup(4, true, 4, 0)]
+    }
+
+    #[test]
+    fn a_monitor_started_afresh_does_not_serve_a_primary_below_a_backups_term() {
+        // No memory at all (a monitor pod started since the promotion): b2's own answer says
+        // a primary of term 4 attached it, so p, below it, is not served.
+        let mut mem = Memory::default();
+        let t0 = Instant::now();
+        let p = plan(
+            &members(),
+            &b1_serves_out_of_reach_and_p_is_back(),
+            &mut mem,
+            t0,
+            AFTER,
+        );
+        assert!(
+            matches!(&p, Plan::Wait(w) if w.contains("p:1 answers as a primary of term 3, below term 4")),
+            "{p:?}"
+        );
+        assert_eq!(term_floor(&mem, &b1_serves_out_of_reach_and_p_is_back()), 4);
+        // Counted for the round, not kept: nothing served.
+        assert_eq!(mem.term_floor, 0);
+        assert_eq!(mem.pointed, None);
+        // b1 reachable again: it serves.
+        let seen = [
+            stale_old_primary(),
+            primary_of(4, &[("b2:1", "in-sync")]),
+            backup(4, true, 4, 0),
+        ];
+        let p = plan(&members(), &seen, &mut mem, t0, AFTER);
+        assert_eq!(p, serving(1, 4, true, vec![]));
+    }
+
+    #[test]
+    fn a_standby_that_missed_the_promotion_does_not_serve_the_old_primary() {
+        // This monitor last saw p serve (term 3) and none of the rounds since: it takes over
+        // while b1 serves out of its reach. p is not served, and nothing is promoted from the
+        // old observation (b2 holds a newer term: stuck, for an operator).
+        let mut mem = Memory::default();
+        let t0 = Instant::now();
+        steady(&mut mem, t0);
+        mem.pointed = None;
+        let seen = b1_serves_out_of_reach_and_p_is_back();
+        let p = plan(&members(), &seen, &mut mem, t0, AFTER);
+        assert!(
+            matches!(&p, Plan::Wait(w) if w.contains("below term 4")),
+            "{p:?}"
+        );
+        let p = plan(&members(), &seen, &mut mem, t0 + 2 * AFTER, AFTER);
+        assert!(
+            matches!(&p, Plan::Stuck(w) if w.contains("holds term 4")),
+            "{p:?}"
+        );
+        assert_eq!(mem.pointed, None);
+    }
+
+    #[test]
+    fn a_backup_that_no_longer_answers_raises_nothing() {
+        // b2 answered once as a backup of term 6 and went silent: the floor is not kept, so
+        // the failover from p's observation goes on (as the stuck rule, which reads this
+        // round's answers, lets it), and the backup it promotes serves.
+        let mut mem = Memory::default();
+        let t0 = Instant::now();
+        steady(&mut mem, t0);
+        let seen = [silent(), backup(3, true, 3, 0), backup(6, false, 6, 0)];
+        let p = plan(&members(), &seen, &mut mem, t0, AFTER);
+        assert!(matches!(p, Plan::Wait(_)), "{p:?}");
+        let seen = [silent(), backup(3, true, 3, 0), silent()];
+        let p = plan(&members(), &seen, &mut mem, t0 + AFTER, AFTER);
+        assert!(
+            matches!(
+                p,
+                Plan::Promote {
+                    member: 1,
+                    min_term: 3,
+                    ..
+                }
+            ),
+            "{p:?}"
+        );
+        mem.promoted = Some(Promoted {
+            member: 1,
+            stuck_at: t0 + 10 * AFTER,
+            from_term: 3,
+            noted: false,
+        });
+        mem.pointed = Some(1);
+        mem.serving = None;
+        let seen = [silent(), primary_of(5, &[("b2:1", "attaching")]), silent()];
+        let p = plan(&members(), &seen, &mut mem, t0 + AFTER, AFTER);
+        assert!(matches!(p, Plan::Serving { primary: 1, .. }), "{p:?}");
     }
 
     #[test]

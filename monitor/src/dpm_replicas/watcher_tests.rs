@@ -1061,3 +1061,22 @@ async fn no_backup_in_sync_for_the_stuck_delay_is_logged_once_per_episode() {
     watcher.round().await;
     assert_eq!(watcher.unserved_reports, 3);
 }
+
+#[tokio::test]
+async fn a_watcher_started_afresh_labels_no_primary_below_a_backups_term() {
+    // b1, promoted from p's term 3, serves with b2 in sync out of this monitor's reach; p is
+    // back from a partition with its stale view. A monitor pod started since (no memory, no
+    // note: the leader removed it once b2 was in sync) learns the newer term from b2.
+    let w = World::new(true);
+    let mut watcher = w.watcher();
+    w.answers(P, primary_of(3, &[(B1, "failed"), (B2, "in-sync")]));
+    w.answers(B2, backup(4));
+    for _ in 0..2 {
+        assert!(matches!(watcher.round().await, Outcome::Waiting(_)));
+    }
+    assert_eq!(w.take(), vec![]);
+    // b1 reachable again: labelled.
+    w.answers(B1, primary_of(4, &[(B2, "in-sync")]));
+    assert_eq!(watcher.round().await, Outcome::Serving { primary: 1 });
+    assert_eq!(w.take(), vec![Call::PointAt(B1.into())]);
+}
