@@ -5,10 +5,13 @@
 # DPM-FAILOVER line: kills, promotions, operations, unknown outcomes, violations, failover
 # times (median and max). CI runs the short form (3 kills) with the tests.
 #   bash scripts/dpm-failover.sh [KILLS] [SEED]
+# DINOMO_DPM_FAILOVER_FABRIC=tcp|shm picks the KV nodes' fabric (default tcp; shm: the KV nodes
+# forward each batch they store, docs/decisions/0007 "One-sided fabrics").
 set -euo pipefail
 cd "$(dirname "$0")/.."
 kills=${1:-50}
 export DINOMO_DPM_FAILOVER_KILLS=$kills
+export DINOMO_DPM_FAILOVER_FABRIC=${DINOMO_DPM_FAILOVER_FABRIC:-tcp}
 if [ -n "${2:-}" ]; then export DINOMO_DPM_FAILOVER_SEED=$2; fi
 # Built first: the time limit below is for the run, not for a cold build.
 cargo test -q -p dinomo-cli --test integration --no-run

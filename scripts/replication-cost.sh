@@ -1,17 +1,18 @@
 #!/usr/bin/env bash
 # What replicating the dpm-node costs (issue 14), in one run: the same `dinomo bench`
-# workloads against `dinomo up --fabric tcp` (no replication) and `dinomo up --dpm-replicas 3`
-# (a primary and two backups), one cluster after the other on the same ports. Prints a
+# workloads against `dinomo up --fabric F` (no replication) and `dinomo up --fabric F
+# --dpm-replicas 3` (a primary and two backups), one cluster after the other on the same
+# ports; F is tcp unless --fabric says shm (the KV nodes then forward each batch they store). Prints a
 # markdown table per workload: throughput and the ratio, write latency p50/p99, CPU per
 # operation of the client, the primary and each backup (from /proc, as `dinomo bench`
 # reports it), and the bytes the primary shipped to each backup per write (its
 # ReplicaStatus, from `dinomo status`). Then a backup is killed and `up` brings it back: the
 # time and bytes of its re-replication; and the primary is failed (`dinomo admin fail-dpm`):
 # the time and bytes until both backups are in sync with the new primary.
-#   bash scripts/replication-cost.sh [--dinomo PATH] [--records N] [--duration S] [--workloads load,a]
+#   bash scripts/replication-cost.sh [--dinomo PATH] [--records N] [--duration S] [--workloads load,a] [--fabric tcp|shm]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-dinomo=target/release/dinomo records=20000 duration=8 workloads=a clients=4 outstanding=4
+dinomo=target/release/dinomo records=20000 duration=8 workloads=a clients=4 outstanding=4 fabric=tcp
 base=28700
 while [ $# -gt 0 ]; do
   case "$1" in
@@ -21,6 +22,7 @@ while [ $# -gt 0 ]; do
     --workloads) workloads=$2; shift 2 ;;
     --clients) clients=$2; shift 2 ;;
     --outstanding) outstanding=$2; shift 2 ;;
+    --fabric) fabric=$2; shift 2 ;;
     -h|--help) sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "unknown argument $1" >&2; exit 2 ;;
   esac
@@ -31,14 +33,14 @@ work=$(mktemp -d /tmp/dinomo-replication-cost.XXXXXX)
 up_pid=""
 cleanup() {
   if [ -n "$up_pid" ]; then kill -TERM "$up_pid" 2>/dev/null || true; wait "$up_pid" 2>/dev/null || true; fi
-  rm -rf "$work"
+  [ -n "${KEEP_WORK:-}" ] || rm -rf "$work"
 }
 trap cleanup EXIT
 export DINOMO_INSECURE=1 RUST_BACKTRACE=0
 routing=127.0.0.1:$((base + 200)) dpm=127.0.0.1:$base
 
 start() { # replicas
-  "$dinomo" up --data-dir "$work/data-$1" --port-base $base --kns 2 --fabric tcp \
+  "$dinomo" up --data-dir "$work/data-$1" --port-base $base --kns 2 --fabric "$fabric" \
     --dpm-replicas "$1" --pool-size 1GiB >"$work/up-$1.log" 2>&1 &
   up_pid=$!
   for _ in $(seq 1 600); do

@@ -65,7 +65,7 @@ pub struct Args {
     pub role: Option<ReplicaRole>,
     /// A backup's gRPC address, repeatable or comma-separated: this primary replicates its
     /// pool to each one, and acknowledges a write only once every backup in sync holds it
-    /// (needs --fabric tcp; overrides backups).
+    /// (overrides backups).
     #[arg(long = "backup", env = "DINOMO_DPM_BACKUPS", value_delimiter = ',')]
     pub backups: Vec<String>,
     /// Last resort, loses data: open a half-copied backup pool as a primary.

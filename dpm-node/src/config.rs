@@ -100,7 +100,9 @@ pub struct DpmConfigFile {
     #[serde(deserialize_with = "from_str_field")]
     pub role: ReplicaRole,
     /// gRPC addresses of the backups a primary replicates its pool to (empty: no replication).
-    /// Needs `fabric = "tcp"`. Every acknowledgement then waits for every backup in sync.
+    /// Every acknowledgement then waits for every backup in sync. On tcp the NIC ships what KNs
+    /// write; on shm and verbs KNs store into the pool without this node's CPU, so they
+    /// forward each write's range (`ForwardWrites`) before acknowledging it.
     pub backups: Vec<String>,
     /// Milliseconds a backup may take to acknowledge a WRITE before it counts as failed (the
     /// primary then acknowledges nothing until it is removed or added again). Below the KNs'
@@ -311,16 +313,6 @@ impl DpmConfigFile {
                     "a backup has no backups of its own: set them on the primary",
                 ));
             }
-            if fabric != FabricKind::Tcp {
-                return Err(invalid(
-                    "backups",
-                    format!(
-                        "replication needs fabric = \"tcp\", not {fabric:?}: on shm the KNs \
-                         store into the pool file themselves and on verbs the RDMA NIC does, so \
-                         the primary never sees their writes to ship them to the backups"
-                    ),
-                ));
-            }
             for b in &self.backups {
                 if b.trim().is_empty() || !b.contains(':') {
                     return Err(invalid(
@@ -420,10 +412,6 @@ mod tests {
     fn replication_is_refused_where_it_cannot_work() {
         let bad = [
             (
-                "backups = [\"127.0.0.1:7720\"]",
-                "replication needs fabric = \"tcp\"",
-            ),
-            (
                 "fabric = \"tcp\"\nrole = \"backup\"\nbackups = [\"127.0.0.1:7720\"]",
                 "a backup has no backups",
             ),
@@ -451,6 +439,18 @@ mod tests {
         .validate()
         .unwrap();
         assert_eq!(ok.backups.len(), 2);
+        // One-sided fabrics replicate too: their KNs forward what they store.
+        for fabric in ["shm", "verbs"] {
+            let file = DpmConfigFile::from_toml(
+                &format!("fabric = \"{fabric}\"\nbackups = [\"127.0.0.1:7720\"]"),
+                "t",
+            )
+            .unwrap();
+            if fabric == "verbs" && !FabricKind::Verbs.available() {
+                continue;
+            }
+            assert_eq!(file.validate().unwrap().backups.len(), 1, "{fabric}");
+        }
     }
 
     #[test]

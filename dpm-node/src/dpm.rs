@@ -831,6 +831,25 @@ impl Dpm {
     /// seal in any other name (a bogus epoch above the current one passes the fence check)
     /// must still stop the KN writing into the sealed segment, or its later writes would be
     /// acknowledged and never merged. An epoch above the current session's is refused.
+    /// The segment of `kn` that `[offset, offset + len)` lies in, with its use's generation and
+    /// the range's end: `(segment, generation, offset, end)` (`None`: not inside one segment of
+    /// `kn`, e.g. an indirect cell).
+    pub fn forwarded_segment(
+        &self,
+        kn: u32,
+        offset: u64,
+        len: u64,
+    ) -> Option<(u64, u64, u64, u64)> {
+        let sb = self.pool.superblock();
+        let id = sb.segment_of(offset)?;
+        let end = offset.checked_add(len)?;
+        if end > sb.segment_offset(id) + sb.segment_size {
+            return None;
+        }
+        let entry = self.segments.entry_of(kn, id).ok()?;
+        Some((id, entry.generation, offset, end))
+    }
+
     pub fn seal_segment(&self, kn: u32, epoch: u64, segment: u64) -> Result<u64> {
         self.check_epoch(kn, epoch)?;
         self.segments.entry_of(kn, segment)?;

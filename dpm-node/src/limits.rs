@@ -32,6 +32,9 @@ pub const MAX_LIST_BYTES: usize = 4 << 20;
 /// the first entry left out (the answer holds every matching entry before it, in name order).
 pub const LIST_TRUNCATED_HEADER: &str = "dinomo-list-truncated-at";
 
+/// Most ranges in one ForwardWrites call (a shard forwards one batch, or its cells).
+pub const MAX_FORWARDED_RANGES: usize = 64;
+
 /// The names whose values may reach [`MAX_CLUSTER_VALUE`].
 const LARGE_VALUE_NAMES: [&str; 2] = ["cluster/map", "cluster/reconfiguration"];
 
@@ -42,6 +45,33 @@ pub fn max_value_len(name: &str) -> usize {
     } else {
         MAX_METADATA_VALUE
     }
+}
+
+/// Checks the ranges of a ForwardWrites call: at most [`MAX_FORWARDED_RANGES`], none empty or
+/// longer than a segment (`segment_size`), each inside the pool (`pool_len` bytes).
+pub fn check_forwarded_ranges(
+    ranges: impl ExactSizeIterator<Item = (u64, u64)>,
+    pool_len: u64,
+    segment_size: u64,
+) -> Result<Vec<(u64, u64)>> {
+    if ranges.len() > MAX_FORWARDED_RANGES {
+        return Err(DpmError::InvalidArgument(format!(
+            "{} ranges in one ForwardWrites call: at most {MAX_FORWARDED_RANGES}",
+            ranges.len()
+        )));
+    }
+    ranges
+        .map(|(offset, len)| {
+            let inside = offset.checked_add(len).is_some_and(|end| end <= pool_len);
+            if len == 0 || len > segment_size || !inside {
+                return Err(DpmError::InvalidArgument(format!(
+                    "forwarded range [{offset}, +{len}) is empty, longer than a segment \
+                     ({segment_size} B) or outside the pool ({pool_len} B)"
+                )));
+            }
+            Ok((offset, len))
+        })
+        .collect()
 }
 
 /// Checks the sizes of a metadata write (PutMetadata or CompareAndPutMetadata; `expected` is
@@ -136,6 +166,18 @@ mod tests {
             Err(DpmError::InvalidArgument(m)) => m,
             other => panic!("expected InvalidArgument, got {other:?}"),
         }
+    }
+
+    #[test]
+    fn forwarded_ranges_are_inside_the_pool_and_at_most_a_segment() {
+        let check = |r: Vec<(u64, u64)>| check_forwarded_ranges(r.into_iter(), 1 << 20, 4096);
+        assert_eq!(check(vec![(0, 4096), (1_044_480, 4096)]).unwrap().len(), 2);
+        for bad in [(0, 0), (0, 4097), ((1 << 20) - 8, 16), (u64::MAX - 4, 8)] {
+            let m = refused(check(vec![bad]).map(|_| ()));
+            assert!(m.contains("outside the pool"), "{bad:?}: {m}");
+        }
+        let m = refused(check(vec![(0, 8); MAX_FORWARDED_RANGES + 1]).map(|_| ()));
+        assert!(m.contains("at most 64"), "{m}");
     }
 
     #[test]

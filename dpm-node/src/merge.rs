@@ -77,6 +77,22 @@ pub struct Merger {
     retry: Mutex<HashMap<LogId, (Instant, Duration)>>,
     /// Background passes finished (tests wait on it instead of sleeping).
     passes: AtomicU64,
+    /// Set when KNs store into this replicated pool one-sidedly (shm, verbs): merges ship the
+    /// batches they index to the backups first, waiting on this runtime ([`Merger::forward`]).
+    forwarded: std::sync::OnceLock<tokio::runtime::Handle>,
+    /// Per segment, the part its KN forwarded and the backups acknowledged (ForwardWrites):
+    /// a merge need not ship it again. In memory only: after a restart everything is shipped.
+    forwarded_prefix: Mutex<HashMap<u64, ForwardedPrefix>>,
+}
+
+/// Pool offsets `[start, end)` of one use (`generation`) of a segment that its KN forwarded.
+/// A KN writes a segment's batches in order and forwards each before the next (it abandons the
+/// segment when a forward fails), so what it forwarded is one range.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ForwardedPrefix {
+    generation: u64,
+    start: u64,
+    end: u64,
 }
 
 impl Merger {
@@ -89,7 +105,36 @@ impl Merger {
             wake: (Mutex::new(false), Condvar::new()),
             retry: Mutex::new(HashMap::new()),
             passes: AtomicU64::new(0),
+            forwarded: std::sync::OnceLock::new(),
+            forwarded_prefix: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// `[offset, end)` of use `generation` of `segment` was forwarded by its KN and is at the
+    /// backups. Kept as one range per segment: a range that does not continue it replaces it
+    /// (whatever is left out is shipped by the merge, as if never forwarded).
+    pub fn note_forwarded(&self, segment: u64, generation: u64, offset: u64, end: u64) {
+        let mut m = self.forwarded_prefix.lock();
+        let next = ForwardedPrefix {
+            generation,
+            start: offset,
+            end,
+        };
+        match m.get_mut(&segment) {
+            Some(p) if p.generation == generation && p.end == offset => p.end = end,
+            Some(p) if p.generation == generation && p.start <= offset && end <= p.end => {}
+            _ => {
+                m.insert(segment, next);
+            }
+        }
+    }
+
+    /// From now on every merge ships the batches it indexes to the pool's backups and waits
+    /// for them (on `runtime`, whose timers the barrier uses) before indexing: KNs store into
+    /// this replicated pool without the memory node's CPU (shm, verbs). Merges run on threads
+    /// outside the runtime's workers (merge workers, the blocking pool), where waiting is fine.
+    pub fn forward(&self, runtime: tokio::runtime::Handle) {
+        let _ = self.forwarded.set(runtime);
     }
 
     pub fn entries_merged(&self) -> u64 {
@@ -126,44 +171,53 @@ impl Merger {
         let progress = Progress::from_word(entry.merged_upto);
         let mut s = scan(view, progress.offset as usize, progress.chain);
         let mut report = MergeReport::default();
-        // A batch in a sealed segment was persisted before its KN sealed it. In a segment
-        // still open, the KN may be between storing a batch and persisting it (a batch is
-        // visible, checksums and all, before it is durable): persist it before indexing it,
-        // so the index never points at bytes a power failure could take back.
-        let open = entry.state == SegState::Open;
-        for batch in s.by_ref() {
-            if open {
-                self.pool
-                    .region()
-                    .persist(seg_off + batch.offset as u64, batch.len as u64)?;
-            }
-            for (at, e) in &batch.entries {
-                let ptr =
-                    EntryPtr::new(seg_off + *at as u64, entry_len(e.key.len(), e.value.len()));
-                let hash = dinomo_layout::key_hash(e.key);
-                // The index changes first and either fully or not at all; the accounting that
-                // follows cannot fail, so a failed merge leaves the counters matching the index.
-                let old = match e.op {
-                    LogOp::Put => {
-                        let old = self.index.upsert(e.key, hash, ptr)?;
-                        self.segments.add_live(ptr, 1);
-                        old
-                    }
-                    LogOp::Delete => self.index.remove(e.key, hash)?,
-                };
-                if let Some(old) = old {
-                    self.segments.add_live(old, -1);
+        let region = self.pool.region();
+        if let Some(rt) = self.forwarded.get() {
+            // KNs store into this replicated pool without this node's CPU (shm, verbs): a
+            // batch whose ForwardWrites never completed (its KN died, or the call failed) is
+            // here alone. Ship every batch about to be indexed, and wait until the backups
+            // hold them, before the index points at them: a backup never gets an index line
+            // before the bytes it points at, and no KN reads through the index a write that
+            // this node's loss could take back.
+            // What its KN forwarded is there already (acknowledged by the backups).
+            let shipped = self
+                .forwarded_prefix
+                .lock()
+                .get(&id)
+                .copied()
+                .filter(|p| p.generation == entry.generation);
+            let batches: Vec<_> = s.by_ref().collect();
+            let mut recorded = false;
+            for batch in &batches {
+                let (at, len) = (seg_off + batch.offset as u64, batch.len as u64);
+                if shipped.is_some_and(|p| p.start <= at && at + len <= p.end) {
+                    continue;
                 }
+                region.persist(at, len)?;
+                recorded = true;
             }
-            report.batches += 1;
-            report.entries += batch.entries.len() as u64;
-            self.segments.set_progress(
-                id,
-                Progress {
-                    offset: (batch.offset + batch.len) as u32,
-                    chain: batch.chain,
-                },
-            )?;
+            if recorded {
+                rt.block_on(region.mirror_barrier()).map_err(|e| {
+                    DpmError::Replication(format!(
+                        "segment {id} of KN {kn} is not at the backups yet ({e}); merged later"
+                    ))
+                })?;
+            }
+            for batch in batches {
+                self.index_batch(id, seg_off, batch, &mut report)?;
+            }
+        } else {
+            // A batch in a sealed segment was persisted before its KN sealed it. In a segment
+            // still open, the KN may be between storing a batch and persisting it (a batch is
+            // visible, checksums and all, before it is durable): persist it before indexing
+            // it, so the index never points at bytes a power failure could take back.
+            let open = entry.state == SegState::Open;
+            for batch in s.by_ref() {
+                if open {
+                    region.persist(seg_off + batch.offset as u64, batch.len as u64)?;
+                }
+                self.index_batch(id, seg_off, batch, &mut report)?;
+            }
         }
         let clean = s.stop_reason().is_none();
         if let Some(why) = s.stop_reason() {
@@ -175,6 +229,43 @@ impl Merger {
         metrics::counter!("dinomo_dpm_merged_entries_total").increment(report.entries);
         metrics::counter!("dinomo_dpm_merged_batches_total").increment(report.batches);
         Ok((report, clean))
+    }
+
+    /// Indexes one scanned batch of segment `id` (at pool offset `seg_off`) and records the
+    /// segment's merge progress past it.
+    fn index_batch(
+        &self,
+        id: u64,
+        seg_off: u64,
+        batch: dinomo_layout::log::ScannedBatch<'_>,
+        report: &mut MergeReport,
+    ) -> Result<()> {
+        for (at, e) in &batch.entries {
+            let ptr = EntryPtr::new(seg_off + *at as u64, entry_len(e.key.len(), e.value.len()));
+            let hash = dinomo_layout::key_hash(e.key);
+            // The index changes first and either fully or not at all; the accounting that
+            // follows cannot fail, so a failed merge leaves the counters matching the index.
+            let old = match e.op {
+                LogOp::Put => {
+                    let old = self.index.upsert(e.key, hash, ptr)?;
+                    self.segments.add_live(ptr, 1);
+                    old
+                }
+                LogOp::Delete => self.index.remove(e.key, hash)?,
+            };
+            if let Some(old) = old {
+                self.segments.add_live(old, -1);
+            }
+        }
+        report.batches += 1;
+        report.entries += batch.entries.len() as u64;
+        self.segments.set_progress(
+            id,
+            Progress {
+                offset: (batch.offset + batch.len) as u32,
+                chain: batch.chain,
+            },
+        )
     }
 
     /// Merges one log's chain according to `mode`, in chain order. The caller holds

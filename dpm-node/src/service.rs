@@ -99,14 +99,19 @@ pub struct DpmGrpc {
     /// What KNs are told to use to reach the pool.
     fabric_kind: FabricKind,
     fabric_address: String,
+    /// KNs store into the pool without this node's CPU (shm, verbs) and the pool is
+    /// replicated: they forward each write (ForwardWrites) before acknowledging it.
+    forward_writes: bool,
 }
 
 impl DpmGrpc {
     pub fn new(dpm: Arc<Dpm>, fabric_kind: FabricKind, fabric_address: String) -> Self {
+        let forward_writes = !dpm.config.backups.is_empty() && fabric_kind != FabricKind::Tcp;
         DpmGrpc {
             dpm,
             fabric_kind,
             fabric_address,
+            forward_writes,
         }
     }
 
@@ -192,7 +197,46 @@ impl DpmService for DpmGrpc {
             pool_len: reg.pool_len,
             segment_size: reg.segment_size,
             index_root: reg.index_root,
+            forward_writes: self.forward_writes,
         }))
+    }
+
+    async fn forward_writes(
+        &self,
+        req: Request<pb::ForwardWritesRequest>,
+    ) -> Result<Response<pb::ForwardWritesResponse>, Status> {
+        let r = req.into_inner();
+        let ranges = limits::check_forwarded_ranges(
+            r.ranges.iter().map(|g| (g.offset, g.len)),
+            self.dpm.pool().region().len(),
+            self.dpm.pool().superblock().segment_size,
+        )
+        .map_err(to_status)?;
+        let kn = r.kn_id;
+        let d = &self.dpm;
+        d.check_epoch(kn, r.epoch).map_err(to_status)?;
+        // Recorded with their current bytes, after everything persisted before: what the KN
+        // stored (or read in a cell) reaches the backups in order with the rest. On this
+        // thread, as the tcp NIC records a post it applied: a persist of a batch is a flush
+        // and a copy into the mirror's queue (which blocks only while that queue is full).
+        let mut in_segments = Vec::new();
+        for (offset, len) in ranges {
+            d.pool()
+                .region()
+                .persist(offset, len)
+                .map_err(|e| to_status(e.into()))?;
+            if let Some(s) = d.forwarded_segment(kn, offset, len) {
+                in_segments.push(s);
+            }
+        }
+        self.replicated().await?;
+        // At the backups now: a merge of these batches need not ship them again.
+        for (segment, generation, offset, end) in in_segments {
+            self.dpm
+                .merger()
+                .note_forwarded(segment, generation, offset, end);
+        }
+        Ok(Response::new(pb::ForwardWritesResponse {}))
     }
 
     async fn allocate_segment(

@@ -21,6 +21,11 @@ use crate::segments::SegmentGrant;
 pub trait SegmentSource: Send + Sync {
     async fn allocate(&self) -> Result<SegmentGrant>;
     async fn seal(&self, segment: u64) -> Result<u64>;
+    /// Called after every WRITE of a batch, before it counts as done: a source whose
+    /// registration said `forward_writes` calls ForwardWrites here. Nothing by default.
+    async fn forward(&self, _offset: u64, _len: u64) -> Result<()> {
+        Ok(())
+    }
 }
 
 /// In-process source: a KN registered with a local [`Dpm`].
@@ -66,6 +71,11 @@ impl<F: Fabric, S: SegmentSource> LogWriter<F, S> {
         }
     }
 
+    /// The segment source (a test changes how it behaves midway).
+    pub fn source_mut(&mut self) -> &mut S {
+        &mut self.source
+    }
+
     pub fn fabric(&self) -> &F {
         &self.fabric
     }
@@ -100,6 +110,7 @@ impl<F: Fabric, S: SegmentSource> LogWriter<F, S> {
         let (bytes, next_chain) = b.finish(*chain);
         let base = g.offset + *pos;
         self.fabric.write(base, Bytes::from(bytes)).await?;
+        self.source.forward(base, need).await?;
         *pos += need;
         *chain = next_chain;
         Ok(records

@@ -20,6 +20,11 @@
 //! and then waits for the barrier like a write. Stores of the memory node's own CPU (merge, GC, metadata) are not
 //! gated: what a KN may read of them is either rebuilt by recovery (index pieces) or answered
 //! through the control path, which waits for the barrier.
+//!
+//! On fabrics whose posts never reach the memory node's CPU (shm, verbs) none of this runs for
+//! a KN's posts: the KN forwards each store, and each indirect-cell read, to the memory node,
+//! which persists the ranges (recording them) and answers after the barrier (`ForwardWrites`,
+//! docs/decisions/0007 "One-sided fabrics").
 
 use std::future::Future;
 use std::pin::Pin;

@@ -48,6 +48,9 @@ pub struct Segment {
     pub chain_seed: u32,
 }
 
+/// Most ranges one ForwardWrites call may carry (the DPM's limit).
+pub const MAX_FORWARDED_RANGES: usize = 64;
+
 /// How long a control call to the DPM may take (allocation and sealing are quick; a DPM that
 /// does not answer in this time is treated as unreachable).
 const CALL_TIMEOUT: Duration = Duration::from_secs(10);
@@ -61,6 +64,10 @@ pub struct Session {
     pub fabric: pb::FabricInfo,
     /// 1 for the first registration of this process, +1 for each re-registration.
     pub generation: u64,
+    /// The pool is replicated and this fabric stores without the DPM's CPU (shm, verbs): every
+    /// WRITE and CAS, and every indirect cell read, is forwarded ([`DpmLink::forward`]) before
+    /// it counts.
+    pub forward_writes: bool,
 }
 
 impl Session {
@@ -183,6 +190,7 @@ impl DpmLink {
                 epoch: r.epoch,
                 fabric,
                 generation: 1,
+                forward_writes: r.forward_writes,
             }),
             lost: AtomicBool::new(false),
             reregistering: tokio::sync::Mutex::new(()),
@@ -252,6 +260,7 @@ impl DpmLink {
             epoch: r.epoch,
             fabric,
             generation: current.generation + 1,
+            forward_writes: r.forward_writes,
         };
         {
             let mut session = self.session.write();
@@ -374,6 +383,32 @@ impl DpmLink {
                 s.generation
             )))
         }
+    }
+
+    /// Has the DPM ship `ranges` (offset, length) of the pool, which this KN stored into or read
+    /// an indirect cell from, to its backups, and returns once they hold them (only when the
+    /// session says `forward_writes`). An error means the ranges may be on the primary alone:
+    /// the write's outcome is unknown, and a cell read must not be answered.
+    pub async fn forward(&self, generation: u64, ranges: &[(u64, u64)]) -> KvResult<()> {
+        let epoch = self.epoch_of(generation)?;
+        let ranges = ranges
+            .iter()
+            .map(|&(offset, len)| pb::PoolRange { offset, len })
+            .collect();
+        with_deadline(
+            "forward writes",
+            CALL_TIMEOUT,
+            self.client
+                .clone()
+                .forward_writes(pb::ForwardWritesRequest {
+                    kn_id: self.kn_id,
+                    epoch,
+                    ranges,
+                }),
+        )
+        .await
+        .map_err(|s| self.failed(generation, "forward writes", s))?;
+        Ok(())
     }
 
     /// The next segment of log `stream` (one log per shard) in session `generation`.

@@ -332,6 +332,9 @@ struct Shard {
     fabric: Arc<dyn Fabric>,
     /// The DPM session `fabric` and the log state belong to (see `dpm_link`).
     generation: u64,
+    /// That session's `forward_writes`: every WRITE, CAS and cell read is forwarded to the
+    /// DPM's backups before it counts (a replicated pool on shm or verbs; `dpm_link`).
+    forward: bool,
     /// Wraps every fabric handle (tests inject faults with it).
     hook: Option<Hook>,
     cache: Cache,
@@ -374,6 +377,7 @@ pub async fn spawn(
     hook: Option<&crate::node::FabricHook>,
 ) -> KvResult<ShardHandle> {
     let (mut fabric, generation) = link.connect_fabric().await?;
+    let forward = link.session().forward_writes;
     if let Some(h) = hook {
         fabric = h(id, fabric);
     }
@@ -390,6 +394,7 @@ pub async fn spawn(
         link,
         fabric: fabric.clone(),
         generation,
+        forward,
         hook: hook.cloned().map(Hook),
         unmerged: Unmerged::default(),
         segment: None,
@@ -612,6 +617,7 @@ impl Shard {
         // A new session: serve (and write) only once the DPM confirms it (lease module).
         self.cfg.lease.expire();
         let (mut fabric, generation) = self.link.connect_fabric().await?;
+        self.forward = self.link.session().forward_writes;
         if let Some(Hook(h)) = &self.hook {
             fabric = h(self.id, fabric);
         }
@@ -852,6 +858,19 @@ impl Shard {
 
     /// A replicated key's current cell word and value (`None`: it does not exist).
     async fn read_cell(&mut self, key: &[u8], cell: u64) -> KvResult<(u64, Option<Bytes>)> {
+        let read = self.read_cell_word(key, cell).await?;
+        if self.forward {
+            // Another KN's CAS may be in the primary's pool alone: answering from it would
+            // show a write the primary's loss could take back. Forwarding the cell ships its
+            // current word (this one or a newer) first; the entry it points at was forwarded
+            // before its CAS.
+            self.link.forward(self.generation, &[(cell, 8)]).await?;
+        }
+        Ok(read)
+    }
+
+    /// [`Shard::read_cell`] without forwarding.
+    async fn read_cell_word(&mut self, key: &[u8], cell: u64) -> KvResult<(u64, Option<Bytes>)> {
         for _ in 0..MAX_CELL_READS {
             let word = read_word(&*self.fabric, cell).await?;
             let Some(ptr) = EntryPtr::from_word(word) else {
@@ -994,8 +1013,18 @@ impl Shard {
         let fabric = self.fabric.clone();
         let done_tx = done_tx.clone();
         let waiters = batch.waiters;
+        let forward = self.forward.then(|| (self.link.clone(), self.generation));
         tokio::spawn(async move {
-            let result = fabric.write(base, Bytes::from(bytes)).await;
+            let len = bytes.len() as u64;
+            let mut result = fabric.write(base, Bytes::from(bytes)).await;
+            if let (Ok(()), Some((link, generation))) = (&result, &forward) {
+                // The batch is in the primary's pool alone until its backups hold it.
+                if let Err(e) = link.forward(*generation, &[(base, len)]).await {
+                    result = Err(dinomo_fabric::FabricError::Transport(format!(
+                        "the memory node did not confirm the batch at its backups: {e}"
+                    )));
+                }
+            }
             let mut cell_errors = Vec::new();
             if result.is_ok() && waiters.iter().any(|w| w.cell.is_some()) {
                 // In log order, so two writes of one key in this batch land in order.
@@ -1007,6 +1036,9 @@ impl Shard {
                         }
                         None => None,
                     });
+                }
+                if let Some((link, generation)) = &forward {
+                    forward_cells(link, *generation, &waiters, &mut cell_errors).await;
                 }
             }
             let _ = done_tx.send(Done {
@@ -1215,6 +1247,37 @@ async fn read_word(f: &dyn Fabric, offset: u64) -> KvResult<u64> {
         .try_into()
         .map_err(|_| KvError::Internal(format!("a READ of 8 bytes returned {}", b.len())))?;
     Ok(u64::from_le_bytes(bytes))
+}
+
+/// Forwards the cells this batch swung (`cell_errors[i]` is `None`) to the DPM's backups; if
+/// that fails, their writes' outcome is unknown (the cell may point at them on the primary
+/// alone).
+async fn forward_cells(
+    link: &DpmLink,
+    generation: u64,
+    waiters: &[Waiter],
+    cell_errors: &mut [Option<KvError>],
+) {
+    let swung: Vec<usize> = (0..waiters.len())
+        .filter(|&i| waiters[i].cell.is_some() && cell_errors[i].is_none())
+        .collect();
+    let mut cells: Vec<(u64, u64)> = swung
+        .iter()
+        .map(|&i| (waiters[i].cell.expect("filtered").cell, 8))
+        .collect();
+    cells.sort_unstable();
+    cells.dedup();
+    for chunk in cells.chunks(crate::dpm_link::MAX_FORWARDED_RANGES) {
+        if let Err(e) = link.forward(generation, chunk).await {
+            for &i in &swung {
+                cell_errors[i] = Some(KvError::OutcomeUnknown(format!(
+                    "the memory node did not confirm the replicated key's cell at its \
+                     backups: {e}"
+                )));
+            }
+            return;
+        }
+    }
 }
 
 /// Points a replicated key's cell at its newly logged entry (module doc).

@@ -68,6 +68,12 @@ impl DpmService for FakeDpm {
     ) -> Result<Response<pb::RegisterKnResponse>, Status> {
         Err(unused())
     }
+    async fn forward_writes(
+        &self,
+        _: Request<pb::ForwardWritesRequest>,
+    ) -> Result<Response<pb::ForwardWritesResponse>, Status> {
+        Err(unused())
+    }
     async fn allocate_segment(
         &self,
         _: Request<pb::AllocateSegmentRequest>,

@@ -60,6 +60,7 @@ pub static TABLE: &[Rule] = rules! {
     }
     "dinomo.dpm.v1.DpmService" {
         "RegisterKn": NODE, "AllocateSegment": NODE, "SealSegment": NODE, "ConfirmServing": NODE,
+        "ForwardWrites": NODE,
         "PendingSegments": NODE_MONITOR_ADMIN,
         "MergeAll": MONITOR, "FenceKn": MONITOR, "RemoveIndirectCell": MONITOR,
         "PutMetadata": MONITOR, "NewMonitorTerm": MONITOR,

@@ -74,7 +74,9 @@ pub struct UpArgs {
     /// Memory-node replicas: 1 (no replication), or a primary and N-1 backups, each with its
     /// own pool in the data directory (backup i serves at BASE+20+2(i-1)). A write is
     /// acknowledged once it is on every backup in sync; when the primary dies, a backup in sync
-    /// takes its place (see docs/decisions/0007-dpm-replication.md). Needs the tcp fabric.
+    /// takes its place (see docs/decisions/0007-dpm-replication.md). On shm and verbs the KV
+    /// nodes forward each write to the dpm-node, which ships it to the backups (a round trip
+    /// more per batch); on tcp its NIC ships what it applies.
     #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u32).range(1..=i64::from(replicas::MAX_REPLICAS)))]
     pub dpm_replicas: u32,
     /// RDMA device of the dpm-node and the KV nodes with --fabric verbs (default:
@@ -237,13 +239,6 @@ pub async fn run(a: UpArgs) -> anyhow::Result<()> {
         .fabric
         .clone()
         .unwrap_or_else(|| if a.dpm_replicas > 1 { "tcp" } else { "shm" }.to_string());
-    if a.dpm_replicas > 1 && fabric != "tcp" {
-        bail!(
-            "--dpm-replicas {} needs --fabric tcp: on {fabric} the KV nodes write the pool \
-             without the dpm-node seeing it, so it cannot copy their writes to its backups",
-            a.dpm_replicas
-        );
-    }
     if fabric == "verbs" && !cfg!(feature = "rdma") {
         bail!(
             "--fabric verbs: this dinomo binary was built without the `rdma` cargo feature; \

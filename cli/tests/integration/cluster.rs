@@ -425,11 +425,16 @@ impl UpCluster {
         Self::start_with(fabric, kns, max_kns, monitor_toml, false, &[])
     }
 
-    /// [`UpCluster::start_on`] tcp with the dpm-node replicated (`--dpm-replicas`).
-    pub fn start_replicated(kns: u32, replicas: u32, monitor_toml: Option<&str>) -> UpCluster {
+    /// [`UpCluster::start_on`] `fabric` with the dpm-node replicated (`--dpm-replicas`).
+    pub fn start_replicated_on(
+        fabric: &str,
+        kns: u32,
+        replicas: u32,
+        monitor_toml: Option<&str>,
+    ) -> UpCluster {
         let r = replicas.to_string();
         Self::start_with(
-            "tcp",
+            fabric,
             kns,
             kns as u16,
             monitor_toml,

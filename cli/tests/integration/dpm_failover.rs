@@ -1,4 +1,4 @@
-//! Failover of the dpm-node (issue 14): `dinomo up --dpm-replicas 3` (tcp fabric), SDK clients
+//! Failover of the dpm-node (issue 14): `dinomo up --dpm-replicas 3`, SDK clients
 //! on a Zipf workload recording a history, and the primary killed with SIGKILL several times at
 //! random moments, each time once every backup has been in sync for a while (one failure at a
 //! time: a replica set of 3 survives one loss, then re-replicates before the next). `up`
@@ -13,8 +13,12 @@
 //! and the failover times (kill -> a new primary answers; kill -> a probe client's write is
 //! acknowledged again), median and max.
 //!
-//! Environment: `DINOMO_DPM_FAILOVER_KILLS` (default 3), `DINOMO_DPM_FAILOVER_SEED` (default:
-//! random, printed). `scripts/dpm-failover.sh` runs the long form (50 kills).
+//! Run on tcp (the dpm-node's NIC ships what it applies) and on shm (the KV nodes forward each
+//! batch they store, docs/decisions/0007 "One-sided fabrics").
+//!
+//! Environment: `DINOMO_DPM_FAILOVER_KILLS` (default 3 on tcp, 2 on shm),
+//! `DINOMO_DPM_FAILOVER_SEED` (default: random, printed), `DINOMO_DPM_FAILOVER_FABRIC` (only
+//! this fabric's test runs). `scripts/dpm-failover.sh` runs the long form (50 kills).
 
 use std::time::{Duration, Instant};
 
@@ -22,6 +26,8 @@ use dinomo_checker::{check, History, Op, Res};
 use dinomo_client::{Client, ClientConfig, ClientError};
 use dinomo_proto::dpm::replica_service_client::ReplicaServiceClient;
 use dinomo_proto::dpm::{ReplicaStatusRequest, ReplicaStatusResponse};
+use dinomo_proto::monitor::monitor_service_client::MonitorServiceClient;
+use dinomo_proto::monitor::StatusRequest;
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
 use std::sync::atomic::Ordering;
@@ -129,17 +135,77 @@ fn median_max(v: &mut [u128]) -> (u128, u128) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn killing_the_dpm_primary_loses_no_acknowledged_write() {
+    if env::<String>("DINOMO_DPM_FAILOVER_FABRIC").is_some_and(|f| f != "tcp") {
+        return; // the long form runs one fabric at a time
+    }
     let kills: u32 = env("DINOMO_DPM_FAILOVER_KILLS").unwrap_or(3);
+    failover("tcp", kills, None).await;
+}
+
+/// The same on shm: the KV nodes store into the pool themselves and forward each batch to the
+/// dpm-node, which ships it to its backups before the batch counts (docs/decisions/0007,
+/// "One-sided fabrics"). Verbs takes the same path (run in the VM). The monitor's policy is
+/// set to replicate hot keys (an SLO every operation violates), so the hottest keys are
+/// served through indirect cells, whose CASes and reads the KV nodes forward too: the first
+/// kill waits until one is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killing_the_dpm_primary_on_shm_loses_no_acknowledged_write() {
+    if env::<String>("DINOMO_DPM_FAILOVER_FABRIC").is_some_and(|f| f != "shm") {
+        return; // the long form runs one fabric at a time
+    }
+    let kills: u32 = env("DINOMO_DPM_FAILOVER_KILLS").unwrap_or(2);
+    failover("shm", kills, Some(HOT_KEYS_REPLICATED)).await;
+}
+
+/// A monitor policy that replicates hot keys and never adds or removes a KV node.
+const HOT_KEYS_REPLICATED: &str = r#"
+[policy]
+avg_latency_slo_us = 1
+tail_latency_slo_us = 1000000000
+over_utilized = 1.0
+under_utilized = 0.0
+epoch_ms = 400
+grace_period_ms = 0
+"#;
+
+/// Waits until the monitor reports a replicated key (served through an indirect cell).
+async fn wait_replicated(monitor: &str) -> Result<String, String> {
+    let deadline = Instant::now() + BOUND;
+    let mut admin = MonitorServiceClient::connect(format!("http://{monitor}"))
+        .await
+        .map_err(|e| format!("the monitor at {monitor}: {e}"))?;
+    loop {
+        let s = admin
+            .status(StatusRequest {})
+            .await
+            .map_err(|e| format!("monitor status: {e}"))?
+            .into_inner();
+        if !s.replicated.is_empty() {
+            return Ok(format!("{:?}", s.replicated));
+        }
+        if Instant::now() > deadline {
+            return Err(format!("no key replicated within {BOUND:?}: {s:?}"));
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// `monitor_toml`: a policy that replicates hot keys (then the first kill waits for one).
+async fn failover(fabric: &str, kills: u32, monitor_toml: Option<&str>) {
     let seed: u64 = env("DINOMO_DPM_FAILOVER_SEED").unwrap_or_else(rand::random);
-    println!("dpm failover: {kills} kills, seed {seed} (replay with DINOMO_DPM_FAILOVER_SEED)");
+    println!(
+        "dpm failover on {fabric}: {kills} kills, seed {seed} (replay with DINOMO_DPM_FAILOVER_SEED)"
+    );
     let mut rng = StdRng::seed_from_u64(seed);
     // Started on this thread, not the blocking pool: `up` gets SIGTERM when the thread that
     // started it exits (PR_SET_PDEATHSIG), and an idle blocking-pool thread exits after 10 s.
-    let mut up = UpCluster::start_replicated(2, 3, None);
+    let mut up = UpCluster::start_replicated_on(fabric, 2, 3, monitor_toml);
     let dpm = up.dpm_addr();
     let client = |deadline| {
         let mut cfg = ClientConfig::new(&[up.routing_addr()]);
         cfg.deadline = deadline;
+        // Within the policy's 400 ms epoch, so that every epoch has latencies.
+        cfg.report_every = Duration::from_millis(200);
         Client::connect_with(cfg)
     };
     let mut clients = Vec::new();
@@ -177,7 +243,16 @@ async fn killing_the_dpm_primary_loses_no_acknowledged_write() {
 
     let (mut serving_ms, mut writing_ms) = (Vec::new(), Vec::new());
     let mut failure = None;
+    if monitor_toml.is_some() {
+        match wait_replicated(&up.monitor_addr()).await {
+            Ok(keys) => println!("replicated keys (hex key -> factor): {keys}"),
+            Err(e) => failure = Some(e),
+        }
+    }
     for k in 0..kills {
+        if failure.is_some() {
+            break;
+        }
         let before = match wait_in_sync(&dpm, 2).await {
             Ok(s) => s,
             Err(e) => {
@@ -261,7 +336,7 @@ async fn killing_the_dpm_primary_loses_no_acknowledged_write() {
         median_max(&mut writing_ms)
     };
     println!(
-        "DPM-FAILOVER seed={seed} kills={} promotions={promotions} in_place_restarts={in_place} \
+        "DPM-FAILOVER fabric={fabric} seed={seed} kills={} promotions={promotions} in_place_restarts={in_place} \
          ops={ops} unknown={unknown} other_errors={} violations={} \
          new_primary_ms_median={s_med} new_primary_ms_max={s_max} \
          first_write_ms_median={w_med} first_write_ms_max={w_max}",

@@ -4,7 +4,8 @@
 //! The primary ships every persisted line of its pool to every backup, in one order, with
 //! one-sided WRITEs over the tcp fabric ([`replicator`]); a backup's CPU applies nothing itself
 //! ([`backup`]). KNs write their log batches to the primary's NIC as before; the NIC answers
-//! a post only once its lines are at every backup in sync, and so does every control answer:
+//! a post only once its lines are at every backup in sync (on shm and verbs the KN forwards
+//! them, see below), and so does every control answer:
 //! an acknowledged batch, metadata write or segment state is on every live replica. A backup's
 //! pool is always a state a power failure of the primary could have left once its copy is
 //! complete, so promoting it is opening it as a primary (the recovery that runs after a power
@@ -30,8 +31,11 @@
 //! acknowledgements is removed ([`Primary::remove_backup`]); a backup refuses to be
 //! overwritten by an image older than what it accepted.
 //!
-//! Replication needs the tcp fabric: on shm the KNs store into the pool file themselves and on
-//! verbs the RNIC does, so the primary never sees their WRITEs to ship them.
+//! On shm and verbs the KNs store into the pool without this node's CPU (the pool file, the
+//! RNIC), so the primary never sees their WRITEs to ship them: such a primary tells its KNs to
+//! forward each store (`forward_writes` in RegisterKn; the ForwardWrites call records the
+//! ranges and answers after the barrier), and its merges ship the batches they index before
+//! indexing them ([`crate::merge::Merger::forward`]). docs/decisions/0007, "One-sided fabrics".
 
 pub mod backup;
 mod confirm;

@@ -11,6 +11,7 @@ mod publication;
 mod replication;
 mod replication_fencing;
 mod replication_generation;
+mod replication_one_sided;
 mod replication_pipelining;
 mod replication_resync;
 mod service;

@@ -17,8 +17,9 @@ use dinomo_layout::log::LogOp;
 use dinomo_proto::dpm::dpm_service_client::DpmServiceClient;
 use dinomo_proto::dpm::replica_service_client::ReplicaServiceClient;
 use dinomo_proto::dpm::{
-    AllocateSegmentRequest, GetMetadataRequest, PromoteRequest, PutMetadataRequest,
-    RegisterKnRequest, ReplicaStatusRequest, ReplicaStatusResponse, SealSegmentRequest,
+    AllocateSegmentRequest, ForwardWritesRequest, GetMetadataRequest, PoolRange, PromoteRequest,
+    PutMetadataRequest, RegisterKnRequest, RegisterKnResponse, ReplicaStatusRequest,
+    ReplicaStatusResponse, SealSegmentRequest,
 };
 use tonic::transport::Channel;
 
@@ -51,6 +52,15 @@ pub(super) fn two_backups(
     dir: &Path,
     extra: &str,
 ) -> (DpmProcess, DpmProcess, PathBuf, [PathBuf; 2]) {
+    two_backups_on(dir, "tcp", extra)
+}
+
+/// [`two_backups`] with the primary serving KNs on `fabric`.
+pub(super) fn two_backups_on(
+    dir: &Path,
+    fabric: &str,
+    extra: &str,
+) -> (DpmProcess, DpmProcess, PathBuf, [PathBuf; 2]) {
     let (c1, pool1) = config(dir, "b1", "role = \"backup\"");
     let (c2, pool2) = config(dir, "b2", "role = \"backup\"");
     let b1 = DpmProcess::start(&c1, &dir.join("b1.log"));
@@ -59,7 +69,7 @@ pub(super) fn two_backups(
         dir,
         "p",
         &format!(
-            "fabric = \"tcp\"\nbackups = [\"{}\", \"{}\"]\n{extra}",
+            "fabric = \"{fabric}\"\nbackups = [\"{}\", \"{}\"]\n{extra}",
             b1.grpc, b2.grpc
         ),
     );
@@ -106,9 +116,11 @@ pub(super) async fn wait_in_sync(primary: std::net::SocketAddr, n: usize) -> Rep
 
 /// A KN's segment calls over gRPC.
 pub(super) struct GrpcSource {
-    client: tokio::sync::Mutex<DpmServiceClient<Channel>>,
-    kn: u32,
-    epoch: u64,
+    pub(super) client: tokio::sync::Mutex<DpmServiceClient<Channel>>,
+    pub(super) kn: u32,
+    pub(super) epoch: u64,
+    /// The registration's `forward_writes` (a one-sided fabric): each batch is forwarded.
+    pub(super) forward: bool,
 }
 
 #[async_trait]
@@ -151,27 +163,53 @@ impl SegmentSource for GrpcSource {
             .into_inner()
             .pending_segments)
     }
+    async fn forward(&self, offset: u64, len: u64) -> dinomo_dpm_node::Result<()> {
+        if !self.forward {
+            return Ok(());
+        }
+        self.client
+            .lock()
+            .await
+            .forward_writes(ForwardWritesRequest {
+                kn_id: self.kn,
+                epoch: self.epoch,
+                ranges: vec![PoolRange { offset, len }],
+            })
+            .await
+            .map_err(|s| DpmError::Replication(s.to_string()))?;
+        Ok(())
+    }
 }
 
-/// Registers a KN at `dpm` and returns its log writer over the tcp fabric.
-pub(super) async fn kn_writer(dpm: &DpmProcess) -> (u32, LogWriter<TcpFabric, GrpcSource>) {
+/// Registers KN `kn_id` at `dpm`: the client it registered with, the answer and its fabric key.
+pub(super) async fn register(
+    dpm: &DpmProcess,
+    kn_id: u32,
+) -> (DpmServiceClient<Channel>, RegisterKnResponse, AccessKey) {
     let mut client = dpm.client().await;
     let r = client
         .register_kn(RegisterKnRequest {
             pid: 0,
             pid_namespace: 0,
-            kn_id: Some(1),
+            kn_id: Some(kn_id),
             endpoint: "127.0.0.1:1".into(),
         })
         .await
         .unwrap()
         .into_inner();
-    let f = r.fabric.unwrap();
+    let f = r.fabric.as_ref().unwrap();
     let key = AccessKey {
         slot: f.grant_slot,
         generation: f.grant_generation,
         secret: f.grant_secret.as_slice().try_into().unwrap(),
     };
+    (client, r, key)
+}
+
+/// Registers a KN at `dpm` and returns its log writer over the tcp fabric.
+pub(super) async fn kn_writer(dpm: &DpmProcess) -> (u32, LogWriter<TcpFabric, GrpcSource>) {
+    let (client, r, key) = register(dpm, 1).await;
+    let f = r.fabric.as_ref().unwrap();
     let fabric = TcpFabric::connect(f.address.parse().unwrap(), key)
         .await
         .unwrap();
@@ -179,6 +217,7 @@ pub(super) async fn kn_writer(dpm: &DpmProcess) -> (u32, LogWriter<TcpFabric, Gr
         client: tokio::sync::Mutex::new(client),
         kn: r.kn_id,
         epoch: r.epoch,
+        forward: r.forward_writes,
     };
     (r.kn_id, LogWriter::new(fabric, source))
 }

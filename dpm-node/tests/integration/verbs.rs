@@ -13,14 +13,23 @@ use dinomo_fabric::verbs::{device_names, VerbsFabric};
 use dinomo_fabric::{FabricError, FabricExt};
 use dinomo_layout::segment::HEADER_SIZE;
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn fence_kn_and_reregistration_stop_a_verbs_kn_at_once() {
+/// Whether an RDMA device is here; without one says the test is skipped (outside the test VM)
+/// or fails it (inside: DINOMO_VM=1).
+fn rdma_device_here() -> bool {
     if device_names().is_empty() {
         assert!(
             std::env::var("DINOMO_VM").is_err(),
             "DINOMO_VM=1 but there is no RDMA device"
         );
         println!("SKIPPED: no RDMA device (not in the test VM; scripts/vm-cluster.sh runs this)");
+        return false;
+    }
+    true
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn fence_kn_and_reregistration_stop_a_verbs_kn_at_once() {
+    if !rdma_device_here() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
@@ -93,4 +102,17 @@ async fn fence_kn_and_reregistration_stop_a_verbs_kn_at_once() {
     ));
     drop((kn, kn2, nic));
     println!("verbs: FenceKn and re-registration fenced the KN at the device");
+}
+
+/// Replication with the KNs on verbs (docs/decisions/0007, "One-sided fabrics"): a KN's
+/// forwarded batches are in both backups' pools after the primary is killed, unforwarded ones
+/// are not; and a merge ships unforwarded batches before indexing them
+/// (`replication_one_sided.rs` runs the same on shm).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replication_with_verbs_kns_keeps_what_they_forward() {
+    if !rdma_device_here() {
+        return;
+    }
+    super::replication_one_sided::forwarded_writes_survive_the_primary("verbs").await;
+    super::replication_one_sided::merge_ships_unforwarded_batches("verbs").await;
 }

@@ -356,7 +356,7 @@ tls.existingSecrets.<id>. Call with (dict "ctx" $ "id" "dpm"). */}}
 {{- fail "dpm.fabric.kind: \"verbs\" needs rdma.enabled: true (the pods need the RDMA device, network and IPC_LOCK)" -}}
 {{- end -}}
 {{- if and (gt (int64 .Values.dpm.replication.backups) 0) (ne .Values.dpm.fabric.kind "tcp") -}}
-{{- fail "dpm.replication.backups needs dpm.fabric.kind: \"tcp\" (on verbs the RDMA NIC stores the KV nodes' writes, so the primary never sees them to ship them to its backups; docs/decisions/0007)" -}}
+{{- fail "dpm.replication.backups needs dpm.fabric.kind: \"tcp\" in this chart: the dpm-node replicates with verbs KV nodes (they forward each batch), but the backup pods get no RDMA device, so a backup promoted in place would serve its KV nodes tcp; docs/decisions/0007, \"One-sided fabrics\"" -}}
 {{- end -}}
 {{- if and (include "dinomo.dpm.autoFailover" .) (lt (int64 $o.lease_duration_secs) 15) -}}
 {{- fail "monitor.config.orchestrator.lease_duration_secs must be at least 15 with dpm.replication.automaticFailover: the monitor moves the primary label up to 7 s after renewing its Lease, which must stay within half of it" -}}

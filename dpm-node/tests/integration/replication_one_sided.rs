@@ -1,0 +1,161 @@
+//! Replication when KNs store into the pool without the memory node's CPU (shm here; the same
+//! tests run on verbs in the VM, `verbs.rs`; docs/decisions/0007 "One-sided fabrics"): a KN
+//! forwards each batch (ForwardWrites) before it counts, and a merge ships the batches it
+//! indexes first, so what was acknowledged, and what the index points at, is in every
+//! backup's pool.
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use dinomo_dpm_node::testkit::{LogRecord, LogWriter};
+use dinomo_fabric::shm::ShmFabric;
+use dinomo_fabric::{DurabilityRequest, Fabric};
+use dinomo_proto::dpm::{FabricKind, PendingSegmentsRequest};
+
+use super::process::DpmProcess;
+use super::replication::{check_pool, record, register, two_backups_on, wait_in_sync, GrpcSource};
+
+type Writer = LogWriter<Box<dyn Fabric>, GrpcSource>;
+
+/// Registers KN `kn_id` at `dpm` and returns whether the registration asks it to forward its
+/// writes, and its log writer over the fabric the DPM names (shm, or verbs in a build with
+/// `rdma`), forwarding its batches when `forward` (and the registration asks for it).
+async fn one_sided_writer(dpm: &DpmProcess, kn_id: u32, forward: bool) -> (bool, Writer) {
+    let (client, r, key) = register(dpm, kn_id).await;
+    let f = r.fabric.as_ref().unwrap();
+    let fabric: Box<dyn Fabric> = match f.kind() {
+        FabricKind::Shm => Box::new(
+            ShmFabric::connect(Path::new(&f.address), key, DurabilityRequest::Auto).unwrap(),
+        ),
+        #[cfg(feature = "rdma")]
+        FabricKind::Verbs => Box::new(
+            dinomo_fabric::verbs::VerbsFabric::connect(f.address.parse().unwrap(), key)
+                .await
+                .unwrap(),
+        ),
+        other => panic!("not a one-sided fabric: {other:?}"),
+    };
+    let source = GrpcSource {
+        client: tokio::sync::Mutex::new(client),
+        kn: r.kn_id,
+        epoch: r.epoch,
+        forward: forward && r.forward_writes,
+    };
+    (r.forward_writes, LogWriter::new(fabric, source))
+}
+
+async fn append_all(w: &mut Writer, keys: std::ops::Range<u32>) {
+    for chunk in keys.collect::<Vec<_>>().chunks(8) {
+        let recs: Vec<LogRecord> = chunk.iter().map(|&i| record(i)).collect();
+        w.append(&recs).await.unwrap();
+    }
+}
+
+/// Waits until the DPM reports none of `kn`'s segments unmerged.
+async fn wait_merged(dpm: &DpmProcess, kn: u32) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let pending = dpm
+            .client()
+            .await
+            .pending_segments(PendingSegmentsRequest { kn_id: kn })
+            .await
+            .unwrap()
+            .into_inner()
+            .pending_ids;
+        if pending.is_empty() {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "KN {kn}: {pending:?} still unmerged"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// Batches a shm KN stored and forwarded are in both backups' pools after the primary is
+/// killed. A KN that stores without forwarding (as every shm KN did before) leaves its
+/// batches on the primary alone: the backups lack them, which is what forwarding is for.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forwarded_shm_writes_survive_the_primary_in_every_backup() {
+    forwarded_writes_survive_the_primary("shm").await;
+}
+
+/// [`forwarded_shm_writes_survive_the_primary_in_every_backup`] with the primary on `fabric`.
+pub(super) async fn forwarded_writes_survive_the_primary(fabric: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut b1, mut b2, cp, pools) = two_backups_on(dir.path(), fabric, "");
+    let mut primary = DpmProcess::start(&cp, &dir.path().join("p.log"));
+    wait_in_sync(primary.grpc, 2).await;
+
+    let (asked, mut forwarding) = one_sided_writer(&primary, 1, true).await;
+    assert!(
+        asked,
+        "a replicated {fabric} pool asks its KNs to forward their writes"
+    );
+    let (_, mut silent) = one_sided_writer(&primary, 2, false).await;
+    append_all(&mut forwarding, 0..200).await;
+    append_all(&mut silent, 200..260).await;
+
+    primary.kill9();
+    b1.kill9();
+    b2.kill9();
+    for pool in &pools {
+        let (bad, _) = check_pool(pool, &[1, 2], 0..200);
+        assert!(
+            bad.is_empty(),
+            "{} of 200 forwarded records missing in {} (first: key-{})",
+            bad.len(),
+            pool.display(),
+            bad[0]
+        );
+        let (bad, _) = check_pool(pool, &[1, 2], 200..260);
+        assert_eq!(
+            bad.len(),
+            60,
+            "{}: records never forwarded reached the backup",
+            pool.display()
+        );
+    }
+}
+
+/// A KN that forwarded its first batches and then stored more without forwarding them (it
+/// died before the call, or the call failed), its segment then sealed: the primary merges them
+/// all, and ships what was not forwarded before its index points at it, so every backup that
+/// gets the index lines has the entries too. Without that, a backup's index would point at
+/// bytes it never received; a merge that skipped the whole segment because part of it was
+/// forwarded would lose the rest.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_merge_ships_unforwarded_batches_before_indexing_them() {
+    merge_ships_unforwarded_batches("shm").await;
+}
+
+/// [`a_merge_ships_unforwarded_batches_before_indexing_them`] with the primary on `fabric`.
+pub(super) async fn merge_ships_unforwarded_batches(fabric: &str) {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut b1, mut b2, cp, pools) = two_backups_on(dir.path(), fabric, "");
+    let mut primary = DpmProcess::start(&cp, &dir.path().join("p.log"));
+    wait_in_sync(primary.grpc, 2).await;
+
+    let (_, mut w) = one_sided_writer(&primary, 1, true).await;
+    append_all(&mut w, 0..150).await;
+    w.source_mut().forward = false;
+    append_all(&mut w, 150..300).await;
+    w.seal().await.unwrap();
+    wait_merged(&primary, 1).await;
+    // The merge's barrier passed before it indexed; anything after is not needed.
+    primary.kill9();
+    b1.kill9();
+    b2.kill9();
+    for pool in &pools {
+        let (bad, _) = check_pool(pool, &[1], 0..300);
+        assert!(
+            bad.is_empty(),
+            "{} of 300 merged records missing in {} (first: key-{})",
+            bad.len(),
+            pool.display(),
+            bad[0]
+        );
+    }
+}
