@@ -585,6 +585,17 @@ impl Dpm {
         Ok(())
     }
 
+    /// [`Dpm::check_epoch`], and `epoch` is `kn`'s session registered with this process
+    /// ([`DpmError::NoSession`] otherwise: a session of a process before a restart or a
+    /// failover, whose grant this one never gave).
+    pub fn check_session(&self, kn: u32, epoch: u64) -> Result<()> {
+        self.check_epoch(kn, epoch)?;
+        match self.sessions.lock().get(&kn) {
+            Some(s) if s.epoch == epoch => Ok(()),
+            _ => Err(DpmError::NoSession { kn, epoch }),
+        }
+    }
+
     /// Fences a KN: its fabric access is revoked, its epoch refused and its open segments
     /// sealed. Its logs stay; call [`Dpm::merge_all`] to make them readable by others.
     ///

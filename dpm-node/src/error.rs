@@ -50,6 +50,13 @@ pub enum DpmError {
     UnknownKn { kn: u32 },
     #[error("KN {kn} epoch {epoch} is fenced (the DPM accepts epoch {fence} or later)")]
     Fenced { kn: u32, epoch: u64, fence: u64 },
+    /// The KN's epoch was granted by another dpm-node process (this one restarted, or took
+    /// over as the primary): on shm the KN may still store into the old process's pool file.
+    #[error(
+        "KN {kn} epoch {epoch} is not a session of this dpm-node (it restarted, or took over \
+         from another primary)"
+    )]
+    NoSession { kn: u32, epoch: u64 },
     /// A KN fenced under the cluster map published now asked to renew its serving lease: it
     /// may serve again only under a later map (which the fencing reconfiguration publishes).
     #[error(

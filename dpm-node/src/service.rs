@@ -71,7 +71,7 @@ pub fn to_status(e: DpmError) -> Status {
         }
         // Not FAILED_PRECONDITION (a KN reads that as "register again"): it must wait.
         DpmError::FencedUnderMap { .. } => Status::unavailable(msg),
-        DpmError::UnknownKn { .. } => {
+        DpmError::UnknownKn { .. } | DpmError::NoSession { .. } => {
             Status::failed_precondition(format!("{msg}; call RegisterKn first"))
         }
         DpmError::KnOutOfRange { .. }
@@ -214,7 +214,9 @@ impl DpmService for DpmGrpc {
         .map_err(to_status)?;
         let kn = r.kn_id;
         let d = &self.dpm;
-        d.check_epoch(kn, r.epoch).map_err(to_status)?;
+        // The session must be this process's: a KN that stored into another primary's pool
+        // (shm, not knowing of a failover) must not hear its batch is at these backups.
+        d.check_session(kn, r.epoch).map_err(to_status)?;
         // Recorded with their current bytes, after everything persisted before: what the KN
         // stored (or read in a cell) reaches the backups in order with the rest. On this
         // thread, as the tcp NIC records a post it applied: a persist of a batch is a flush

@@ -10,10 +10,15 @@ use std::time::{Duration, Instant};
 use dinomo_dpm_node::testkit::{LogRecord, LogWriter};
 use dinomo_fabric::shm::ShmFabric;
 use dinomo_fabric::{DurabilityRequest, Fabric};
-use dinomo_proto::dpm::{FabricKind, PendingSegmentsRequest};
+use dinomo_proto::dpm::replica_service_client::ReplicaServiceClient;
+use dinomo_proto::dpm::{
+    FabricKind, ForwardWritesRequest, PendingSegmentsRequest, PoolRange, ReplicaStatusRequest,
+};
 
 use super::process::DpmProcess;
-use super::replication::{check_pool, record, register, two_backups_on, wait_in_sync, GrpcSource};
+use super::replication::{
+    check_pool, promote, record, register, two_backups_on, wait_in_sync, GrpcSource,
+};
 
 type Writer = LogWriter<Box<dyn Fabric>, GrpcSource>;
 
@@ -158,4 +163,59 @@ pub(super) async fn merge_ships_unforwarded_batches(fabric: &str) {
             bad[0]
         );
     }
+}
+
+/// A KN's session holds only with the primary process that granted it. On shm a KN that has
+/// not noticed a failover still maps the old primary's pool file and stores its next batch
+/// there; a primary that took over (here a backup promoted in place) must refuse that KN's
+/// forward, or the KN would acknowledge a batch the new primary's pool never got. Refused
+/// with FAILED_PRECONDITION, which makes the KN register again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_promoted_primary_refuses_forwards_of_sessions_it_did_not_grant() {
+    let dir = tempfile::tempdir().unwrap();
+    let (b1, b2, cp, _) = two_backups_on(dir.path(), "shm", "");
+    let mut primary = DpmProcess::start(&cp, &dir.path().join("p.log"));
+    let s = wait_in_sync(primary.grpc, 2).await;
+    let (_, mut w) = one_sided_writer(&primary, 1, true).await;
+    append_all(&mut w, 0..40).await;
+    let (kn, epoch) = (w.source_mut().kn, w.source_mut().epoch);
+
+    primary.kill9();
+    promote(b1.grpc, vec![b2.grpc.to_string()], s.term)
+        .await
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(30);
+    // The backup's server stops and the primary's starts on the same address.
+    while !is_primary(b1.grpc).await {
+        assert!(
+            Instant::now() < deadline,
+            "b1 does not answer as the primary"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // The KN stores a batch into the old pool (its mapping still works) and forwards it to
+    // the primary it finds at the DPM's address now.
+    w.source_mut().forward = false;
+    append_all(&mut w, 40..48).await;
+    let e = b1
+        .client()
+        .await
+        .forward_writes(ForwardWritesRequest {
+            kn_id: kn,
+            epoch,
+            ranges: vec![PoolRange { offset: 0, len: 64 }],
+        })
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+}
+
+/// Whether `addr` answers as a primary now (false while nothing listens there).
+async fn is_primary(addr: std::net::SocketAddr) -> bool {
+    let Ok(mut c) = ReplicaServiceClient::connect(format!("http://{addr}")).await else {
+        return false;
+    };
+    c.status(ReplicaStatusRequest {})
+        .await
+        .is_ok_and(|r| r.into_inner().role == "primary")
 }
