@@ -146,7 +146,14 @@ pub struct Dpm {
     grants: Arc<GrantTable>,
     /// How keys are revoked: the grant table, or the fabric NIC that needs more (verbs).
     key_fence: parking_lot::RwLock<Arc<dyn KeyFence>>,
+    /// Held across a registration's or a MergeAll's whole merge (see [`Dpm::merge_all`]), which
+    /// with backups on a one-sided fabric waits for them: never take it on a runtime worker.
     sessions: Mutex<HashMap<u32, KnSession>>,
+    /// Each registered KN's session epoch, as in `sessions` (changed only with it held), for
+    /// checks on the request path ([`Dpm::check_session`]): this lock is never held across
+    /// anything that waits, so a ForwardWrites handler on a runtime worker never stalls
+    /// behind a merge.
+    granted: parking_lot::RwLock<HashMap<u32, u64>>,
     /// Fenced shm KN processes that may still write (their segments are not reused).
     fenced_procs: Arc<FencedProcs>,
     stop: Arc<AtomicBool>,
@@ -372,6 +379,7 @@ impl Dpm {
             key_fence: parking_lot::RwLock::new(grants.clone()),
             grants,
             sessions: Mutex::new(HashMap::new()),
+            granted: parking_lot::RwLock::new(HashMap::new()),
             fenced_procs,
             stop,
             threads: Mutex::new(threads),
@@ -472,6 +480,7 @@ impl Dpm {
         fence.store(epoch, Ordering::Release);
         self.pool.persist_root(Roots::KN_FENCE + 8 * u64::from(kn));
         if let Some(old) = sessions.remove(&kn) {
+            self.granted.write().remove(&kn);
             self.revoke_key(old.key)?;
             if let Some(p) = old.process.filter(|p| Some(*p) != process) {
                 self.fenced_procs.watch(kn, p);
@@ -523,6 +532,7 @@ impl Dpm {
                 process,
             },
         );
+        self.granted.write().insert(kn, epoch);
         metrics::counter!("dinomo_dpm_kn_registrations_total").increment(1);
         tracing::info!(kn, epoch, endpoint, "KN registered");
         let sb = self.pool.superblock();
@@ -588,10 +598,11 @@ impl Dpm {
     /// [`Dpm::check_epoch`], and `epoch` is `kn`'s session registered with this process
     /// ([`DpmError::NoSession`] otherwise: a session of a process before a restart or a
     /// failover, whose grant this one never gave).
+    /// Takes no lock a merge holds: ForwardWrites calls it on a runtime worker.
     pub fn check_session(&self, kn: u32, epoch: u64) -> Result<()> {
         self.check_epoch(kn, epoch)?;
-        match self.sessions.lock().get(&kn) {
-            Some(s) if s.epoch == epoch => Ok(()),
+        match self.granted.read().get(&kn) {
+            Some(&granted) if granted == epoch => Ok(()),
             _ => Err(DpmError::NoSession { kn, epoch }),
         }
     }
@@ -639,6 +650,7 @@ impl Dpm {
                 .update(&[(&fenced_under_key(kn), Some(under.as_slice()))])?;
         }
         if let Some(s) = sessions.remove(&kn) {
+            self.granted.write().remove(&kn);
             self.revoke_key(s.key)?;
             if let Some(p) = s.process {
                 self.fenced_procs.watch(kn, p);
@@ -831,17 +843,6 @@ impl Dpm {
         (need - spare).div_ceil(seg) + 1
     }
 
-    /// Marks a segment sealed and wakes the merge workers; returns how many segments of this
-    /// KN are still unmerged.
-    ///
-    /// The segment leaves the KN's write window first: when that returns, every WRITE the
-    /// fabric checked against the old window is in place (tcp), or fails (shm), so the merge
-    /// of the sealed segment sees all that was acknowledged.
-    ///
-    /// The window closed is the KN's current session's, whatever epoch the caller gave: a
-    /// seal in any other name (a bogus epoch above the current one passes the fence check)
-    /// must still stop the KN writing into the sealed segment, or its later writes would be
-    /// acknowledged and never merged. An epoch above the current session's is refused.
     /// The segment of `kn` that `[offset, offset + len)` lies in, with its use's generation and
     /// the range's end: `(segment, generation, offset, end)` (`None`: not inside one segment of
     /// `kn`, e.g. an indirect cell).
@@ -861,6 +862,17 @@ impl Dpm {
         Some((id, entry.generation, offset, end))
     }
 
+    /// Marks a segment sealed and wakes the merge workers; returns how many segments of this
+    /// KN are still unmerged.
+    ///
+    /// The segment leaves the KN's write window first: when that returns, every WRITE the
+    /// fabric checked against the old window is in place (tcp), or fails (shm), so the merge
+    /// of the sealed segment sees all that was acknowledged.
+    ///
+    /// The window closed is the KN's current session's, whatever epoch the caller gave: a
+    /// seal in any other name (a bogus epoch above the current one passes the fence check)
+    /// must still stop the KN writing into the sealed segment, or its later writes would be
+    /// acknowledged and never merged. An epoch above the current session's is refused.
     pub fn seal_segment(&self, kn: u32, epoch: u64, segment: u64) -> Result<u64> {
         self.check_epoch(kn, epoch)?;
         self.segments.entry_of(kn, segment)?;
@@ -1354,4 +1366,51 @@ fn unhex(s: &str) -> Option<Vec<u8>> {
 
 fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::DpmConfigFile;
+
+    /// ForwardWrites checks the caller's session on a runtime worker, while a registration's
+    /// or a MergeAll's merge holds the sessions lock for as long as the backups take to
+    /// acknowledge what it ships: the check must not wait for that lock (with every worker
+    /// waiting there, nothing else the node serves would be answered until the merge ended).
+    #[test]
+    fn a_session_check_does_not_wait_for_a_merge_holding_the_sessions() {
+        let dir = tempfile::tempdir().unwrap();
+        let config = DpmConfigFile {
+            pool_size: "64MiB".parse().unwrap(),
+            segment_size: "256KiB".parse().unwrap(),
+            initial_index_buckets: 64,
+            ..DpmConfigFile::in_process(dir.path().join("pool"))
+        };
+        let dpm = Dpm::open(config.validate().unwrap()).unwrap();
+        let epoch = dpm.register_kn(Some(1), "test").unwrap().epoch;
+
+        let merging = dpm.sessions.lock();
+        let (tx, rx) = std::sync::mpsc::channel();
+        let d = dpm.clone();
+        let checker = std::thread::spawn(move || {
+            let _ = tx.send(d.check_session(1, epoch));
+        });
+        let answered = rx.recv_timeout(Duration::from_secs(5));
+        drop(merging);
+        checker.join().unwrap();
+        assert!(
+            matches!(answered, Ok(Ok(()))),
+            "the check waited for the sessions lock (or refused): {answered:?}"
+        );
+
+        assert!(matches!(
+            dpm.check_session(1, epoch + 1),
+            Err(DpmError::NoSession { .. })
+        ));
+        dpm.fence_kn(1).unwrap();
+        assert!(dpm.check_session(1, epoch).is_err(), "a fenced session");
+        let again = dpm.register_kn(Some(1), "test").unwrap().epoch;
+        dpm.check_session(1, again).unwrap();
+        dpm.shutdown();
+    }
 }

@@ -12,6 +12,9 @@
 //! - A segment holding the entry an indirect cell points to is skipped (see [`crate::cells`]),
 //!   and so is a segment of a KN whose fenced process may still write into it (see
 //!   [`crate::fenced_procs`]).
+//! - With backups and KNs on a one-sided fabric (they forward what they store), a pass first
+//!   has the backups acknowledge every live cell's word (see [`Gc::ship_cells`]): a cell whose
+//!   CAS its KN never forwarded must not point, at a backup, into a segment this pass frees.
 //!
 //! Crash safety: the copy is persisted before any slot points at it; a crash mid-clean leaves
 //! unreferenced copies (dead bytes in the cleaner's segment) and the old entries still indexed.
@@ -28,7 +31,7 @@ use dinomo_layout::segment::{SegState, HEADER_SIZE};
 use parking_lot::Mutex;
 
 use crate::cells::Cells;
-use crate::error::Result;
+use crate::error::{DpmError, Result};
 use crate::fenced_procs::FencedProcs;
 use crate::index::Index;
 use crate::pool::Pool;
@@ -69,6 +72,9 @@ pub struct Gc {
     pass: Mutex<()>,
     /// Passes finished (tests wait on it instead of sleeping).
     passes: std::sync::atomic::AtomicU64,
+    /// Set when KNs forward what they store ([`Gc::forward`]): the runtime whose timers the
+    /// backups' barrier uses.
+    forwarded: std::sync::OnceLock<tokio::runtime::Handle>,
 }
 
 impl Gc {
@@ -90,7 +96,48 @@ impl Gc {
             target: Mutex::new(None),
             pass: Mutex::new(()),
             passes: std::sync::atomic::AtomicU64::new(0),
+            forwarded: std::sync::OnceLock::new(),
         }
+    }
+
+    /// From now on every pass ships the indirect cells to the pool's backups first (KNs store
+    /// into this replicated pool without the memory node's CPU: shm, verbs). Passes run on
+    /// the GC thread or an allocation's blocking thread, where waiting is fine.
+    pub fn forward(&self, runtime: tokio::runtime::Handle) {
+        let _ = self.forwarded.set(runtime);
+    }
+
+    /// With forwarding on: records every live cell's word into the mirror and waits until the
+    /// backups hold it; returns the segments the cells pointed into before that, which the
+    /// pass must not free or clean either.
+    ///
+    /// Why: a KN swings a cell with a CAS the primary's CPU never sees and forwards it after;
+    /// a KN that dies or is fenced in between (or whose forward failed) leaves the new word on
+    /// the primary alone, and the backups' cell pointing at the entry it replaced. Once the
+    /// index moved past that entry (a merge), nothing here would pin its segment, and freeing
+    /// it would leave a promoted backup's cell pointing into reused bytes. What the backups
+    /// now hold for a cell is a word read between the snapshot and the barrier: the one the
+    /// snapshot saw, the one the pass checks later, or (another CAS in between, whose KN
+    /// forwards it in turn) one that KN ships itself.
+    fn ship_cells(&self) -> Result<std::collections::HashSet<u64>> {
+        let Some(rt) = self.forwarded.get() else {
+            return Ok(Default::default());
+        };
+        if self.cells.is_empty() {
+            return Ok(Default::default());
+        }
+        let pinned = self.cells.pinned_segments(&self.pool);
+        let region = self.pool.region();
+        for offset in self.cells.offsets() {
+            region.persist(offset, 8)?;
+        }
+        rt.block_on(region.mirror_barrier()).map_err(|e| {
+            DpmError::Replication(format!(
+                "the indirect cells are not at the backups ({e}): nothing freed or cleaned \
+                 this pass"
+            ))
+        })?;
+        Ok(pinned)
     }
 
     /// One pass over the segment table: frees dead segments, then cleans sparse ones, the
@@ -112,6 +159,7 @@ impl Gc {
 
     fn pass_locked(&self) -> Result<GcReport> {
         let _pass = self.pass.lock();
+        let shipped_pins = self.ship_cells()?;
         let mut report = GcReport::default();
         let current_target = self.target.lock().as_ref().map(|t| t.grant.segment_id);
         let mut sparse = Vec::new();
@@ -124,7 +172,9 @@ impl Gc {
             if e.state != SegState::Merged {
                 continue;
             }
-            if !self.cells.is_empty() && self.cells.pins(&self.pool, id) {
+            if shipped_pins.contains(&id)
+                || (!self.cells.is_empty() && self.cells.pins(&self.pool, id))
+            {
                 continue;
             }
             // Its KN's fenced process may still copy a batch in (shm): reused, the segment

@@ -47,8 +47,10 @@ pub fn max_value_len(name: &str) -> usize {
     }
 }
 
-/// Checks the ranges of a ForwardWrites call: at most [`MAX_FORWARDED_RANGES`], none empty or
-/// longer than a segment (`segment_size`), each inside the pool (`pool_len` bytes).
+/// Checks the ranges of a ForwardWrites call: at most [`MAX_FORWARDED_RANGES`], none empty,
+/// each inside the pool (`pool_len` bytes), no more than a segment (`segment_size`) in all. A
+/// KN forwards one log batch (at most a segment) or a few cells per call; the handler copies
+/// what it is given into the backups' queues on a runtime worker, so one call stays small.
 pub fn check_forwarded_ranges(
     ranges: impl ExactSizeIterator<Item = (u64, u64)>,
     pool_len: u64,
@@ -60,13 +62,24 @@ pub fn check_forwarded_ranges(
             ranges.len()
         )));
     }
+    let ranges: Vec<(u64, u64)> = ranges.collect();
+    let total = ranges
+        .iter()
+        .try_fold(0u64, |sum, &(_, len)| sum.checked_add(len));
+    if total.is_none_or(|t| t > segment_size) {
+        return Err(DpmError::InvalidArgument(format!(
+            "forwarded ranges of more than a segment ({segment_size} B) in all: a call \
+             forwards one log batch or a few cells"
+        )));
+    }
     ranges
+        .into_iter()
         .map(|(offset, len)| {
             let inside = offset.checked_add(len).is_some_and(|end| end <= pool_len);
-            if len == 0 || len > segment_size || !inside {
+            if len == 0 || !inside {
                 return Err(DpmError::InvalidArgument(format!(
-                    "forwarded range [{offset}, +{len}) is empty, longer than a segment \
-                     ({segment_size} B) or outside the pool ({pool_len} B)"
+                    "forwarded range [{offset}, +{len}) is empty or outside the pool \
+                     ({pool_len} B)"
                 )));
             }
             Ok((offset, len))
@@ -171,10 +184,18 @@ mod tests {
     #[test]
     fn forwarded_ranges_are_inside_the_pool_and_at_most_a_segment() {
         let check = |r: Vec<(u64, u64)>| check_forwarded_ranges(r.into_iter(), 1 << 20, 4096);
-        assert_eq!(check(vec![(0, 4096), (1_044_480, 4096)]).unwrap().len(), 2);
-        for bad in [(0, 0), (0, 4097), ((1 << 20) - 8, 16), (u64::MAX - 4, 8)] {
+        assert_eq!(check(vec![(0, 2048), (1_044_480, 2048)]).unwrap().len(), 2);
+        for bad in [(0, 0), ((1 << 20) - 8, 16), (u64::MAX - 4, 8)] {
             let m = refused(check(vec![bad]).map(|_| ()));
             assert!(m.contains("outside the pool"), "{bad:?}: {m}");
+        }
+        for bad in [
+            vec![(0, 4097)],
+            vec![(0, 4096), (1_044_480, 8)],
+            vec![(0, u64::MAX), (0, 2)],
+        ] {
+            let m = refused(check(bad.clone()).map(|_| ()));
+            assert!(m.contains("in all"), "{bad:?}: {m}");
         }
         let m = refused(check(vec![(0, 8); MAX_FORWARDED_RANGES + 1]).map(|_| ()));
         assert!(m.contains("at most 64"), "{m}");

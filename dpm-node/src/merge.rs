@@ -194,6 +194,7 @@ impl Merger {
                     continue;
                 }
                 region.persist(at, len)?;
+                metrics::counter!("dinomo_dpm_merge_shipped_bytes_total").increment(len);
                 recorded = true;
             }
             if recorded {

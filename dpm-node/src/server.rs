@@ -354,9 +354,11 @@ async fn start_replication(dpm: &Arc<Dpm>, grpc: SocketAddr) -> Result<ReplicaGr
         ack_timeout: dpm.config.replica_ack_timeout,
     };
     if dpm.config.fabric != FabricKind::Tcp {
-        // KNs store into the pool themselves: they forward their writes (ForwardWrites), and
-        // merges ship what they index first (docs/decisions/0007, "One-sided fabrics").
+        // KNs store into the pool themselves: they forward their writes (ForwardWrites),
+        // merges ship what they index first, and GC passes ship the indirect cells
+        // (docs/decisions/0007, "One-sided fabrics").
         dpm.merger().forward(tokio::runtime::Handle::current());
+        dpm.gc().forward(tokio::runtime::Handle::current());
     }
     let (d, security) = (dpm.clone(), dpm.config.security.clone());
     let primary = tokio::task::spawn_blocking(move || Primary::start(d, address, security, opts))

@@ -162,6 +162,15 @@ impl DpmService for DpmGrpc {
     ) -> Result<Response<pb::RegisterKnResponse>, Status> {
         let r = req.into_inner();
         limits::check_endpoint(&r.endpoint).map_err(to_status)?;
+        if self.forward_writes && !r.forwards_writes {
+            // A KN built before ForwardWrites existed would ignore `forward_writes` in the
+            // answer and acknowledge writes that are on this node alone.
+            return Err(Status::failed_precondition(
+                "this memory node is replicated and its fabric is one-sided: its KNs must \
+                 forward what they store (ForwardWrites), and this KN does not say it does \
+                 (built before forwarding existed?); upgrade the KN",
+            ));
+        }
         let reg = self
             .blocking(move |d| {
                 // A pid means something here only within the dpm-node's own pid namespace.
@@ -216,7 +225,13 @@ impl DpmService for DpmGrpc {
         let d = &self.dpm;
         // The session must be this process's: a KN that stored into another primary's pool
         // (shm, not knowing of a failover) must not hear its batch is at these backups.
-        d.check_session(kn, r.epoch).map_err(to_status)?;
+        if let Err(e) = d.check_session(kn, r.epoch) {
+            metrics::counter!("dinomo_dpm_forwards_refused_total").increment(1);
+            return Err(to_status(e));
+        }
+        metrics::counter!("dinomo_dpm_forwards_total").increment(1);
+        metrics::counter!("dinomo_dpm_forwarded_bytes_total")
+            .increment(ranges.iter().map(|&(_, len)| len).sum());
         // Recorded with their current bytes, after everything persisted before: what the KN
         // stored (or read in a cell) reaches the backups in order with the rest. On this
         // thread, as the tcp NIC records a post it applied: a persist of a batch is a flush

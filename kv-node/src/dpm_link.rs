@@ -153,11 +153,31 @@ async fn register_once(
             endpoint: endpoint.to_string(),
             pid: std::process::id(),
             pid_namespace: dinomo_node_common::process::pid_namespace().unwrap_or(0),
+            // It does, whenever the answer asks (`Shard::forward`).
+            forwards_writes: true,
         }),
     )
     .await
     .map(|r| r.into_inner())
     .map_err(|s| unavailable("register", s))
+}
+
+/// A fabric handle and the session it was connected under ([`DpmLink::connect_fabric`]).
+#[derive(Clone)]
+pub struct SessionFabric {
+    pub fabric: Arc<dyn Fabric>,
+    pub generation: u64,
+    /// Whether that session asks for every store to be forwarded (ForwardWrites).
+    pub forward_writes: bool,
+}
+
+impl std::fmt::Debug for SessionFabric {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SessionFabric")
+            .field("generation", &self.generation)
+            .field("forward_writes", &self.forward_writes)
+            .finish_non_exhaustive()
+    }
 }
 
 impl DpmLink {
@@ -289,8 +309,9 @@ impl DpmLink {
     }
 
     /// A new fabric handle for the current session (one per shard, so round trips are counted
-    /// per shard), and that session's generation.
-    pub async fn connect_fabric(&self) -> KvResult<(Arc<dyn Fabric>, u64)> {
+    /// per shard), with that session's generation and `forward_writes`: all three from one
+    /// session, though another shard may register a newer one meanwhile.
+    pub async fn connect_fabric(&self) -> KvResult<SessionFabric> {
         let session = self.session();
         let key = session.access_key()?;
         let fabric = &session.fabric;
@@ -329,7 +350,11 @@ impl DpmLink {
                 )))
             }
         };
-        Ok((handle, session.generation))
+        Ok(SessionFabric {
+            fabric: handle,
+            generation: session.generation,
+            forward_writes: session.forward_writes,
+        })
     }
 
     /// An RDMA queue pair to the DPM's verbs NIC, whose side channel is at `address`.

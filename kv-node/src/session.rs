@@ -100,7 +100,7 @@ pub async fn keep(link: Weak<DpmLink>, health: Arc<SessionHealth>, probe_offset:
         // A handle of the current session (a new one after a re-registration).
         if fabric.as_ref().is_none_or(|(_, g)| *g != generation) {
             fabric = match link.connect_fabric().await {
-                Ok(f) => Some(f),
+                Ok(c) => Some((c.fabric, c.generation)),
                 Err(e) => {
                     // A refused grant marked the session lost already (dpm_link).
                     health.broken();

@@ -376,8 +376,12 @@ pub async fn spawn(
     versions: Arc<AtomicU64>,
     hook: Option<&crate::node::FabricHook>,
 ) -> KvResult<ShardHandle> {
-    let (mut fabric, generation) = link.connect_fabric().await?;
-    let forward = link.session().forward_writes;
+    let connected = link.connect_fabric().await?;
+    let (mut fabric, generation, forward) = (
+        connected.fabric,
+        connected.generation,
+        connected.forward_writes,
+    );
     if let Some(h) = hook {
         fabric = h(id, fabric);
     }
@@ -616,8 +620,11 @@ impl Shard {
         }
         // A new session: serve (and write) only once the DPM confirms it (lease module).
         self.cfg.lease.expire();
-        let (mut fabric, generation) = self.link.connect_fabric().await?;
-        self.forward = self.link.session().forward_writes;
+        let connected = self.link.connect_fabric().await?;
+        let (mut fabric, generation) = (connected.fabric, connected.generation);
+        // Of the session the fabric belongs to: another shard may have registered a newer
+        // one while this one connected.
+        self.forward = connected.forward_writes;
         if let Some(Hook(h)) = &self.hook {
             fabric = h(self.id, fabric);
         }

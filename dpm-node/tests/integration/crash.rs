@@ -78,6 +78,7 @@ async fn register(dpm: &DpmProcess, log: &std::path::Path) -> (GrpcSource, Acces
         .register_kn(RegisterKnRequest {
             pid: 0,
             pid_namespace: 0,
+            forwards_writes: false,
             kn_id: Some(KN),
             endpoint: "127.0.0.1:1".into(),
         })

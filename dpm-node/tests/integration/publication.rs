@@ -422,6 +422,7 @@ async fn oversized_metadata_and_bad_endpoints_are_refused() {
         endpoint,
         pid: 0,
         pid_namespace: 0,
+        forwards_writes: false,
     };
     for bad in [
         String::new(),

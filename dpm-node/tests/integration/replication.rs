@@ -191,6 +191,7 @@ pub(super) async fn register(
         .register_kn(RegisterKnRequest {
             pid: 0,
             pid_namespace: 0,
+            forwards_writes: true,
             kn_id: Some(kn_id),
             endpoint: "127.0.0.1:1".into(),
         })

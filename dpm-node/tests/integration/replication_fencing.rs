@@ -184,6 +184,7 @@ async fn an_allocation_answered_unavailable_leaves_no_open_segment() {
         .register_kn(tonic::Request::new(RegisterKnRequest {
             pid: 0,
             pid_namespace: 0,
+            forwards_writes: false,
             kn_id: Some(1),
             endpoint: "127.0.0.1:1".into(),
         }))
@@ -339,6 +340,7 @@ async fn a_stopping_primary_acknowledges_no_write_alone() {
         .register_kn(RegisterKnRequest {
             pid: 0,
             pid_namespace: 0,
+            forwards_writes: false,
             kn_id: Some(1),
             endpoint: "127.0.0.1:1".into(),
         })
@@ -406,6 +408,7 @@ async fn control_a_sealed_segment_is_merged() {
         .register_kn(tonic::Request::new(RegisterKnRequest {
             pid: 0,
             pid_namespace: 0,
+            forwards_writes: false,
             kn_id: Some(1),
             endpoint: "127.0.0.1:1".into(),
         }))

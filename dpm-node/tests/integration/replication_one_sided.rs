@@ -9,10 +9,11 @@ use std::time::{Duration, Instant};
 
 use dinomo_dpm_node::testkit::{LogRecord, LogWriter};
 use dinomo_fabric::shm::ShmFabric;
-use dinomo_fabric::{DurabilityRequest, Fabric};
+use dinomo_fabric::{DurabilityRequest, Fabric, FabricExt};
 use dinomo_proto::dpm::replica_service_client::ReplicaServiceClient;
 use dinomo_proto::dpm::{
-    FabricKind, ForwardWritesRequest, PendingSegmentsRequest, PoolRange, ReplicaStatusRequest,
+    FabricKind, ForwardWritesRequest, IndirectCellRequest, PendingSegmentsRequest, PoolRange,
+    RegisterKnRequest, ReplicaStatusRequest,
 };
 
 use super::process::DpmProcess;
@@ -208,6 +209,118 @@ async fn a_promoted_primary_refuses_forwards_of_sessions_it_did_not_grant() {
         .await
         .unwrap_err();
     assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+}
+
+/// A KN swings a hot key's indirect cell with a CAS the primary's CPU never sees, and
+/// forwards it after; a KN that died or was fenced in between (or whose forward failed) leaves
+/// the new word on the primary alone, and the backups' cell pointing at the entry it replaced,
+/// whose segment nothing pins once the index moved past it. GC passes ship every live cell
+/// before they free or clean anything, so the backups' cell follows the primary's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cell_swing_its_kn_never_forwarded_reaches_the_backups_before_gc_acts() {
+    use std::os::unix::fs::FileExt;
+
+    let dir = tempfile::tempdir().unwrap();
+    let (mut b1, mut b2, cp, pools) = two_backups_on(dir.path(), "shm", "");
+    let mut primary = DpmProcess::start(&cp, &dir.path().join("p.log"));
+    wait_in_sync(primary.grpc, 2).await;
+    let (_, mut w) = one_sided_writer(&primary, 1, true).await;
+    let hot = record(0);
+    w.append(std::slice::from_ref(&hot)).await.unwrap();
+    w.seal().await.unwrap();
+    wait_merged(&primary, 1).await;
+    let cell = primary
+        .client()
+        .await
+        .install_indirect_cell(IndirectCellRequest {
+            key: hot.key.clone(),
+            lookup_only: false,
+        })
+        .await
+        .unwrap()
+        .into_inner()
+        .cell_offset;
+    let word_at = |pool: &Path| {
+        let mut b = [0u8; 8];
+        std::fs::File::open(pool)
+            .unwrap()
+            .read_exact_at(&mut b, cell)
+            .unwrap();
+        u64::from_le_bytes(b)
+    };
+    let wait_for = |word: u64, what: &'static str| {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        for pool in &pools {
+            while word_at(pool) != word {
+                assert!(
+                    Instant::now() < deadline,
+                    "{}: the cell holds {:#x}, not {what} {word:#x}",
+                    pool.display(),
+                    word_at(pool)
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+    };
+    // The entry the cell was installed with (GC may have moved the key's entry by then).
+    let installed = word_at(&dir.path().join("p").join("pool"));
+    wait_for(installed, "the installed entry");
+
+    // The KN logs the key's next value (forwarded), swings the cell, and never forwards it.
+    let next = LogRecord {
+        version: 2,
+        value: b"after the swing".to_vec(),
+        ..record(0)
+    };
+    let new = w.append(std::slice::from_ref(&next)).await.unwrap()[0];
+    let seen = w
+        .fabric()
+        .cas(cell, installed, new.to_word())
+        .await
+        .unwrap();
+    assert_eq!(seen, installed);
+    wait_for(new.to_word(), "the swung entry");
+    primary.kill9();
+    b1.kill9();
+    b2.kill9();
+}
+
+/// A KN that does not say it forwards its writes (built before ForwardWrites) is refused by a
+/// primary that needs it: it would ignore `forward_writes` and acknowledge batches that are on
+/// the primary alone.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kn_that_does_not_forward_is_refused_by_a_replicated_shm_primary() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut b1, mut b2, cp, _) = two_backups_on(dir.path(), "shm", "");
+    let mut primary = DpmProcess::start(&cp, &dir.path().join("p.log"));
+    wait_in_sync(primary.grpc, 2).await;
+    let old_kn = RegisterKnRequest {
+        kn_id: Some(1),
+        endpoint: "127.0.0.1:1".into(),
+        pid: 0,
+        pid_namespace: 0,
+        forwards_writes: false,
+    };
+    let e = primary
+        .client()
+        .await
+        .register_kn(old_kn.clone())
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), tonic::Code::FailedPrecondition, "{e:?}");
+    assert!(e.message().contains("upgrade the KN"), "{e:?}");
+    primary
+        .client()
+        .await
+        .register_kn(RegisterKnRequest {
+            forwards_writes: true,
+            ..old_kn
+        })
+        .await
+        .unwrap();
+    primary.kill9();
+    b1.kill9();
+    b2.kill9();
 }
 
 /// Whether `addr` answers as a primary now (false while nothing listens there).

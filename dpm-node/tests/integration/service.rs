@@ -22,6 +22,7 @@ async fn control_calls_and_their_errors() {
         .register_kn(RegisterKnRequest {
             pid: 0,
             pid_namespace: 0,
+            forwards_writes: false,
             kn_id: None,
             endpoint: "127.0.0.1:1".into(),
         })
@@ -81,6 +82,7 @@ async fn control_calls_and_their_errors() {
         .register_kn(RegisterKnRequest {
             pid: 0,
             pid_namespace: 0,
+            forwards_writes: false,
             kn_id: Some(r.kn_id),
             endpoint: "127.0.0.1:1".into(),
         })
@@ -136,6 +138,7 @@ async fn control_calls_and_their_errors() {
         .register_kn(RegisterKnRequest {
             pid: 0,
             pid_namespace: 0,
+            forwards_writes: false,
             kn_id: Some(r.kn_id),
             endpoint: "127.0.0.1:2".into(),
         })
