@@ -6,7 +6,8 @@
 //! of the recording thread (so that operations on different cores take different locks). A
 //! background task merges the shards' records since the previous report every `report_every`,
 //! sends them to the monitor known at that moment (configured, or named by the routing nodes;
-//! it may change when another monitor takes over), then starts a new interval; the task ends
+//! it may change when another monitor takes over; none known yet: the routing nodes are asked
+//! again), then starts a new interval; the task ends
 //! when the last clone of the client is dropped. An interval with no monitor to send it to, or
 //! whose report cannot be delivered, is dropped (the monitor then sees a quieter epoch;
 //! latencies are a signal, not a record).
@@ -170,13 +171,22 @@ fn monitor_client(
 
 /// Sends the recorder's reports every `every` to the monitor `monitor` holds at the time,
 /// until `owner` is dropped.
-pub(crate) async fn report_loop<T: Send + Sync + 'static>(
+/// `learn` asks the routing nodes again (with the owner, while it lives) when there is a
+/// report and no monitor to send it to: a client connected before its routing node knew of
+/// the monitor (they started together), and one whose operations all succeed never fetches
+/// the map again, so it would otherwise never hear of it.
+pub(crate) async fn report_loop<T, F, Fut>(
     security: dinomo_security::Security,
     monitor: Arc<RwLock<Option<String>>>,
     every: Duration,
     recorder: Arc<Recorder>,
     owner: Weak<T>,
-) {
+    learn: F,
+) where
+    T: Send + Sync + 'static,
+    F: Fn(Arc<T>) -> Fut + Send,
+    Fut: std::future::Future<Output = ()> + Send,
+{
     let client_id = format!("{}-{:08x}", std::process::id(), rand::random::<u32>());
     let mut current: Option<(String, Option<MonitorServiceClient<Channel>>)> = None;
     let mut tick = tokio::time::interval(every);
@@ -190,6 +200,12 @@ pub(crate) async fn report_loop<T: Send + Sync + 'static>(
         let Some(report) = recorder.take_report(&client_id) else {
             continue;
         };
+        if monitor.read().is_none() {
+            // At most once an interval, and only while there is something to report.
+            if let Some(owner) = owner.upgrade() {
+                learn(owner).await;
+            }
+        }
         let Some(addr) = monitor.read().clone() else {
             continue;
         };

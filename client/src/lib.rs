@@ -342,6 +342,10 @@ impl Client {
                 client.shared.cfg.report_every,
                 client.shared.latency.clone(),
                 Arc::downgrade(&client.shared),
+                |shared| async move {
+                    // Errors are the next operation's to report; this only learns the monitor.
+                    let _ = Client { shared }.refresh_map(None).await;
+                },
             ));
         }
         let start = Instant::now();

@@ -1,12 +1,21 @@
-//! A fake routing node for the tests of this suite: it serves cluster maps (and a monitor's
-//! address) from GetClusterMap, and does not serve WatchClusterMap (the client falls back to
-//! fetching).
+//! Fakes for the tests of this suite: a routing node that serves cluster maps (and a
+//! monitor's address) from GetClusterMap, and does not serve WatchClusterMap (the client
+//! falls back to fetching); a KV node that echoes keys ([`EchoKn`]).
 
+use std::net::SocketAddr;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
 
+use bytes::Bytes;
+use dinomo_placement::{ClusterMap, KnInfo};
+use dinomo_proto::kv;
+use dinomo_proto::kv::kv_service_server::{KvService, KvServiceServer};
 use dinomo_proto::routing as pb;
 use dinomo_proto::routing::routing_service_server::{RoutingService, RoutingServiceServer};
+use futures::StreamExt;
+use tokio::sync::mpsc;
 use tonic::{Request, Response, Status};
 
 /// Serves `first` to the first GetClusterMap and `later` to every other one.
@@ -16,6 +25,8 @@ pub(crate) struct FakeRouting {
     /// The reply's version field (the encoded maps carry their own).
     version: u64,
     monitor: String,
+    /// The first call (0-based) whose answer names `monitor`; earlier ones name none.
+    monitor_from_call: u32,
     /// GetClusterMap calls answered so far.
     calls: AtomicU32,
 }
@@ -28,6 +39,7 @@ impl FakeRouting {
             later: map,
             version: 1,
             monitor: String::new(),
+            monitor_from_call: 0,
             calls: AtomicU32::new(0),
         }
     }
@@ -39,6 +51,7 @@ impl FakeRouting {
             later,
             version: 0,
             monitor: String::new(),
+            monitor_from_call: 0,
             calls: AtomicU32::new(0),
         }
     }
@@ -46,6 +59,14 @@ impl FakeRouting {
     /// Names `monitor` with the map.
     pub(crate) fn with_monitor(mut self, monitor: &str) -> Self {
         self.monitor = monitor.to_string();
+        self
+    }
+
+    /// Names `monitor` only from the second GetClusterMap on: a routing node that learned of
+    /// the monitor after the client connected (both started together).
+    pub(crate) fn with_monitor_learned_late(mut self, monitor: &str) -> Self {
+        self.monitor = monitor.to_string();
+        self.monitor_from_call = 1;
         self
     }
 
@@ -75,7 +96,11 @@ impl RoutingService for FakeRouting {
         Ok(Response::new(pb::ClusterMapReply {
             version: self.version,
             map: map.clone(),
-            monitor: self.monitor.clone(),
+            monitor: if n >= self.monitor_from_call {
+                self.monitor.clone()
+            } else {
+                String::new()
+            },
         }))
     }
 
@@ -87,4 +112,133 @@ impl RoutingService for FakeRouting {
     ) -> Result<Response<MapStream>, Status> {
         Err(Status::unimplemented("not in this test"))
     }
+}
+
+/// A KV node that answers a Get with its key as the value, each answer after a delay that
+/// depends on the request id (so answers overtake each other). Its first stream fails after
+/// `fail_first_after` requests, without answering the rest (`usize::MAX`: never).
+pub(crate) struct EchoKn {
+    streams: Arc<AtomicUsize>,
+    fail_first_after: usize,
+}
+
+type KvStream = Pin<Box<dyn futures::Stream<Item = Result<kv::KvResponse, Status>> + Send>>;
+
+fn unimplemented() -> Status {
+    Status::unimplemented("not in this test")
+}
+
+#[tonic::async_trait]
+impl KvService for EchoKn {
+    async fn get(&self, _: Request<kv::GetRequest>) -> Result<Response<kv::GetResponse>, Status> {
+        Err(unimplemented())
+    }
+    async fn put(&self, _: Request<kv::PutRequest>) -> Result<Response<kv::PutResponse>, Status> {
+        Err(unimplemented())
+    }
+    async fn delete(
+        &self,
+        _: Request<kv::DeleteRequest>,
+    ) -> Result<Response<kv::DeleteResponse>, Status> {
+        Err(unimplemented())
+    }
+    async fn batch(
+        &self,
+        _: Request<kv::BatchRequest>,
+    ) -> Result<Response<kv::BatchResponse>, Status> {
+        Err(unimplemented())
+    }
+    type PipelineStream = KvStream;
+    async fn pipeline(
+        &self,
+        r: Request<tonic::Streaming<kv::KvRequest>>,
+    ) -> Result<Response<KvStream>, Status> {
+        let first = self.streams.fetch_add(1, Ordering::SeqCst) == 0;
+        let fail_after = if first {
+            self.fail_first_after
+        } else {
+            usize::MAX
+        };
+        let mut incoming = r.into_inner();
+        let (tx, rx) = mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            let mut seen = 0;
+            while let Some(Ok(req)) = incoming.next().await {
+                seen += 1;
+                if seen > fail_after {
+                    let _ = tx.send(Err(Status::unavailable("the fake KN drops the stream")));
+                    return;
+                }
+                let tx = tx.clone();
+                tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_micros(req.id * 7919 % 2000)).await;
+                    let value = match req.op {
+                        Some(kv::kv_request::Op::Get(g)) => g.key,
+                        _ => Bytes::new(),
+                    };
+                    let _ = tx.send(Ok(kv::KvResponse {
+                        id: req.id,
+                        code: 0,
+                        message: String::new(),
+                        value,
+                        map_version: 0,
+                    }));
+                });
+            }
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::UnboundedReceiverStream::new(rx),
+        )))
+    }
+    async fn stats(
+        &self,
+        _: Request<kv::KnStatsRequest>,
+    ) -> Result<Response<kv::KnStatsResponse>, Status> {
+        Err(unimplemented())
+    }
+    async fn prepare_map(
+        &self,
+        _: Request<kv::MapRequest>,
+    ) -> Result<Response<kv::MapReply>, Status> {
+        Err(unimplemented())
+    }
+    async fn commit_map(
+        &self,
+        _: Request<kv::MapRequest>,
+    ) -> Result<Response<kv::MapReply>, Status> {
+        Err(unimplemented())
+    }
+}
+
+impl EchoKn {
+    /// Serves one on a fresh loopback port until the test's runtime ends: its address, and the
+    /// count of streams it saw opened.
+    pub(crate) async fn serve(fail_first_after: usize) -> (SocketAddr, Arc<AtomicUsize>) {
+        let streams = Arc::new(AtomicUsize::new(0));
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let kn = l.local_addr().unwrap();
+        tokio::spawn(
+            tonic::transport::Server::builder()
+                .add_service(KvServiceServer::new(EchoKn {
+                    streams: streams.clone(),
+                    fail_first_after,
+                }))
+                .serve_with_incoming(dinomo_proto::nodelay_incoming(l)),
+        );
+        (kn, streams)
+    }
+}
+
+/// An encoded map (version 1) whose one KN, at `kn`, owns every key.
+pub(crate) fn one_kn_map(kn: SocketAddr) -> Vec<u8> {
+    ClusterMap::new(
+        vec![KnInfo {
+            id: 1,
+            endpoint: kn.to_string(),
+        }],
+        16,
+        1,
+    )
+    .unwrap()
+    .encode()
 }

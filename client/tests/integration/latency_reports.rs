@@ -5,8 +5,9 @@
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use crate::fakes::FakeRouting;
-use dinomo_client::{Client, ClientConfig};
+use crate::fakes::{one_kn_map, EchoKn, FakeRouting};
+use bytes::Bytes;
+use dinomo_client::{Client, ClientConfig, KvTransport};
 use dinomo_placement::{ClusterMap, KnInfo};
 use dinomo_proto::monitor as mpb;
 use dinomo_proto::monitor::monitor_service_server::{MonitorService, MonitorServiceServer};
@@ -71,10 +72,8 @@ async fn listener() -> (tokio::net::TcpListener, String) {
     (l, addr)
 }
 
-/// A fake monitor, and a client with `report_latency` through a routing node naming it.
-/// Every operation of the client ends in a deadline (its KN refuses connections), which is
-/// recorded and reported like any other outcome.
-async fn setup(report_latency: bool) -> (Client, Reports, String) {
+/// A fake monitor serving on a fresh loopback port: what it received, and its address.
+async fn fake_monitor() -> (Reports, String) {
     let reports = Reports::default();
     let (ml, monitor) = listener().await;
     tokio::spawn(
@@ -82,6 +81,14 @@ async fn setup(report_latency: bool) -> (Client, Reports, String) {
             .add_service(MonitorServiceServer::new(reports.clone()))
             .serve_with_incoming(dinomo_proto::nodelay_incoming(ml)),
     );
+    (reports, monitor)
+}
+
+/// A fake monitor, and a client with `report_latency` through a routing node naming it.
+/// Every operation of the client ends in a deadline (its KN refuses connections), which is
+/// recorded and reported like any other outcome.
+async fn setup(report_latency: bool) -> (Client, Reports, String) {
+    let (reports, monitor) = fake_monitor().await;
     let closed = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         l.local_addr().unwrap()
@@ -125,4 +132,31 @@ async fn a_client_that_opted_out_reports_nothing() {
     assert!(client.get("k").await.is_err());
     tokio::time::sleep(Duration::from_millis(500)).await;
     assert_eq!(reports.count(), 0);
+}
+
+/// A client that connected before its routing node knew of the monitor (a cluster starting,
+/// its clients with it) and whose operations all succeed, so that it never fetches the map
+/// again, still finds the monitor: with latencies to report and nowhere to send them, it asks
+/// the routing nodes again. (It never did: the shm failover test's monitor saw no report for
+/// 60 s and replicated no hot key.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_finds_a_monitor_its_routing_node_named_after_it_connected() {
+    let (reports, monitor) = fake_monitor().await;
+    let (kn, _) = EchoKn::serve(usize::MAX).await;
+    let routing = FakeRouting::fixed(one_kn_map(kn))
+        .with_monitor_learned_late(&monitor)
+        .serve()
+        .await;
+    let mut cfg = ClientConfig::new(&[routing]);
+    cfg.transport = KvTransport::Grpc; // the fake KN serves gRPC only
+    cfg.report_every = Duration::from_millis(100);
+    let client = Client::connect_with(cfg).await.unwrap();
+    assert_eq!(client.monitor(), None, "no monitor named at connect");
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
+    while reports.count() == 0 && tokio::time::Instant::now() < deadline {
+        assert_eq!(client.get("k").await, Ok(Some(Bytes::from("k"))));
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert!(reports.count() > 0, "no latency reached the monitor");
+    assert_eq!(client.monitor().as_deref(), Some(monitor.as_str()));
 }

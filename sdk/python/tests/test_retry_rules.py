@@ -261,3 +261,22 @@ def test_latencies_are_reported_to_the_monitor_the_routing_node_names(flavour: F
     per_kn = {k.kn_id for r in reports for k in r.per_kn}
     assert per_kn == {1, 2}
     assert all(r.p99_us > 0 and r.sum_us >= r.p99_us for r in reports)
+
+
+def test_a_monitor_the_routing_node_names_after_connect_is_found(flavour: Flavour, cleanup: list) -> None:
+    """A client connected before its routing node knew of the monitor (a cluster starting, its
+    clients with it), whose operations all succeed and so never fetch the map again, asks the
+    routing nodes again while it has latencies and nowhere to send them."""
+    a = FakeKn(answer(0))
+    routing = FakeRouting(encode_map(1, {1: a.endpoint}))
+    monitor = FakeMonitor()
+    cleanup += [a, routing, monitor]
+    c = flavour.connect(routing.endpoint, dinomo.ClientConfig(report_every=0.1))
+    assert c.monitor == ""
+    routing.monitor = monitor.endpoint
+    deadline = time.monotonic() + 5
+    while not monitor.reports and time.monotonic() < deadline:
+        c.put("k", "v")
+        flavour.sleep(0.05)
+    assert monitor.reports, "no latency reached the monitor"
+    assert c.monitor == monitor.endpoint

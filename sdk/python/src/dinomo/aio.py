@@ -88,6 +88,12 @@ class Client:
             while True:
                 await asyncio.sleep(self.config.report_every)
                 report = self._recorder.take_report(me)
+                if report is not None and not (self.config.monitor or self._monitor):
+                    # As in the sync client: ask the routing nodes for a monitor named late.
+                    try:
+                        await self.refresh_map()
+                    except DinomoError:
+                        pass
                 addr = self.config.monitor or self._monitor
                 if report is None or not addr:
                     continue

@@ -308,6 +308,13 @@ def _report_loop(ref: "weakref.ref[Client]", stop: threading.Event, every: float
             if client is None or client._recorder is None:
                 return
             report = client._recorder.take_report(me)
+            if report is not None and not (client.config.monitor or client.monitor):
+                # Connected before the routing nodes knew of the monitor, and a client whose
+                # operations all succeed never fetches the map again: ask them.
+                try:
+                    client.refresh_map()
+                except DinomoError:
+                    pass  # the next operation reports what is wrong
             addr = client.config.monitor or client.monitor
             identity = client.identity
             del client
