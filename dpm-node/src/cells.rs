@@ -96,16 +96,6 @@ impl Cells {
         self.by_key.read().values().copied().collect()
     }
 
-    /// The segments the live cells point into at this moment.
-    pub fn pinned_segments(&self, pool: &Pool) -> std::collections::HashSet<u64> {
-        let sb = pool.superblock();
-        self.by_key
-            .read()
-            .values()
-            .filter_map(|&off| Self::current(pool, off).and_then(|p| sb.segment_of(p.offset)))
-            .collect()
-    }
-
     /// Whether any cell points into segment `id` at this moment.
     pub fn pins(&self, pool: &Pool, id: u64) -> bool {
         let sb = pool.superblock();

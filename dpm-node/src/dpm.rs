@@ -337,6 +337,9 @@ impl Dpm {
                     .name("gc".into())
                     .spawn(move || {
                         let mut last = std::time::Instant::now();
+                        // A pass that needs the backups fails every interval while they do
+                        // not answer: said once, and again when passes run again.
+                        let mut unreplicated = false;
                         while !stop.load(Ordering::Acquire) {
                             // Short naps so that shutdown is prompt whatever the interval.
                             std::thread::sleep(every.min(Duration::from_millis(20)));
@@ -344,8 +347,22 @@ impl Dpm {
                                 continue;
                             }
                             last = std::time::Instant::now();
-                            if let Err(e) = gc.run_once() {
-                                tracing::error!(error = %e, "garbage collection pass failed");
+                            match gc.run_once() {
+                                Err(e @ DpmError::Replication(_)) => {
+                                    if !unreplicated {
+                                        tracing::warn!(error = %e, "garbage collection waits for the backups");
+                                    }
+                                    unreplicated = true;
+                                }
+                                Err(e) => {
+                                    tracing::error!(error = %e, "garbage collection pass failed")
+                                }
+                                Ok(_) => {
+                                    if unreplicated {
+                                        tracing::info!("garbage collection runs again");
+                                    }
+                                    unreplicated = false;
+                                }
                             }
                         }
                     })
@@ -773,10 +790,16 @@ impl Dpm {
                         continue;
                     }
                     let before = self.segments.free_count();
-                    self.reclaim_for_allocation();
+                    let unreplicated = self.reclaim_for_allocation();
                     // Puts are refused at once when nothing came back; deletes wait for the
                     // other logs' deletes to free space (they are how a full pool drains).
                     if !deletes_only && self.segments.free_count() <= before {
+                        if let Some(e) = unreplicated {
+                            // Collection could not run because the backups did not answer:
+                            // that is unavailability, for the caller to retry, not a full
+                            // pool (which a client takes as final).
+                            return Err(e);
+                        }
                         return self.segments.allocate(LogId { kn, stream }, epoch, tier);
                     }
                     if deletes_only {
@@ -791,8 +814,10 @@ impl Dpm {
     /// A full pool's last resort before refusing a KN a segment: merge what every KN log holds
     /// so far (open segments stay open; the merge stops at each log's valid end, so KNs go on
     /// appending), then run garbage collection, so the deletes and overwrites just logged give
-    /// their space back.
-    fn reclaim_for_allocation(&self) {
+    /// their space back. Returns the error that stopped collection when it needed the
+    /// backups and they did not answer ([`DpmError::Replication`], see [`Gc::run_once`]).
+    fn reclaim_for_allocation(&self) -> Option<DpmError> {
+        let mut unreplicated = None;
         for (log, chain) in self.segments.chains() {
             if log.kn == CLEANER_KN {
                 continue;
@@ -808,11 +833,15 @@ impl Dpm {
                 Ok(_) => break,
                 Err(e) => {
                     tracing::warn!(error = %e, "collecting to make room failed");
+                    if matches!(e, DpmError::Replication(_)) {
+                        unreplicated = Some(e);
+                    }
                     break;
                 }
             }
         }
         metrics::counter!("dinomo_dpm_full_pool_reclaims_total").increment(1);
+        unreplicated
     }
 
     /// Segments the index may need to index every log segment not merged yet (and the one

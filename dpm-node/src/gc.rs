@@ -13,7 +13,8 @@
 //!   and so is a segment of a KN whose fenced process may still write into it (see
 //!   [`crate::fenced_procs`]).
 //! - With backups and KNs on a one-sided fabric (they forward what they store), a pass first
-//!   has the backups acknowledge every live cell's word (see [`Gc::ship_cells`]): a cell whose
+//!   has the backups acknowledge every live cell's word that changed since they last did (see
+//!   [`Gc::ship_cells`]), and skips the segments of every word a backup may hold: a cell whose
 //!   CAS its KN never forwarded must not point, at a backup, into a segment this pass frees.
 //!
 //! Crash safety: the copy is persisted before any slot points at it; a crash mid-clean leaves
@@ -23,6 +24,7 @@
 //! Space: the cleaner allocates with [`Tier::Cleaner`], which may take the last free segments
 //! (KNs and index growth leave it a reserve), so compaction can always make progress.
 
+use std::collections::{HashMap, HashSet};
 use std::sync::Arc;
 
 use dinomo_layout::index::EntryPtr;
@@ -75,7 +77,13 @@ pub struct Gc {
     /// Set when KNs forward what they store ([`Gc::forward`]): the runtime whose timers the
     /// backups' barrier uses.
     forwarded: std::sync::OnceLock<tokio::runtime::Handle>,
+    /// Cell offset -> the word the backups last acknowledged from [`Gc::ship_cells`] (in
+    /// memory: after a restart every cell is shipped once more).
+    shipped_cells: Mutex<HashMap<u64, u64>>,
 }
+
+/// Copies of one cell a pass makes while KNs keep swinging it (see [`Gc::ship_cells`]).
+const MAX_CELL_COPIES: u32 = 8;
 
 impl Gc {
     pub fn new(
@@ -97,6 +105,7 @@ impl Gc {
             pass: Mutex::new(()),
             passes: std::sync::atomic::AtomicU64::new(0),
             forwarded: std::sync::OnceLock::new(),
+            shipped_cells: Mutex::new(HashMap::new()),
         }
     }
 
@@ -107,36 +116,78 @@ impl Gc {
         let _ = self.forwarded.set(runtime);
     }
 
-    /// With forwarding on: records every live cell's word into the mirror and waits until the
-    /// backups hold it; returns the segments the cells pointed into before that, which the
-    /// pass must not free or clean either.
+    /// With forwarding on: records into the mirror every live cell's word that changed since
+    /// the backups last acknowledged it, and waits until they hold it; returns the segments
+    /// of every word the backups may hold for a cell (the shipped words, and the words read
+    /// around each copy), which the pass must not free or clean, besides those the cells
+    /// point into when it checks.
     ///
     /// Why: a KN swings a cell with a CAS the primary's CPU never sees and forwards it after;
     /// a KN that dies or is fenced in between (or whose forward failed) leaves the new word on
     /// the primary alone, and the backups' cell pointing at the entry it replaced. Once the
     /// index moved past that entry (a merge), nothing here would pin its segment, and freeing
-    /// it would leave a promoted backup's cell pointing into reused bytes. What the backups
-    /// now hold for a cell is a word read between the snapshot and the barrier: the one the
-    /// snapshot saw, the one the pass checks later, or (another CAS in between, whose KN
-    /// forwards it in turn) one that KN ships itself.
-    fn ship_cells(&self) -> Result<std::collections::HashSet<u64>> {
+    /// it would leave a promoted backup's cell pointing into reused bytes.
+    ///
+    /// What a copy records is the word at some moment between the reads around it: when both
+    /// read the same word, that is the word recorded (a cell only ever moves to an entry
+    /// written after it, so it never returns to a word it held). A cell that keeps changing
+    /// under the copy is copied again, a few times at most; then the pass acts on nothing.
+    fn ship_cells(&self) -> Result<HashSet<u64>> {
         let Some(rt) = self.forwarded.get() else {
-            return Ok(Default::default());
+            return Ok(HashSet::new());
         };
-        if self.cells.is_empty() {
-            return Ok(Default::default());
-        }
-        let pinned = self.cells.pinned_segments(&self.pool);
+        let mut shipped = self.shipped_cells.lock();
+        let live: HashSet<u64> = self.cells.offsets().into_iter().collect();
+        shipped.retain(|offset, _| live.contains(offset));
+        let sb = self.pool.superblock();
         let region = self.pool.region();
-        for offset in self.cells.offsets() {
-            region.persist(offset, 8)?;
+        let read = |offset: u64| -> Result<u64> {
+            Ok(region
+                .word(offset)?
+                .load(std::sync::atomic::Ordering::Acquire))
+        };
+        let mut pinned = HashSet::new();
+        let mut pin = |word: u64| {
+            if let Some(id) = EntryPtr::from_word(word).and_then(|p| sb.segment_of(p.offset)) {
+                pinned.insert(id);
+            }
+        };
+        let mut recorded = Vec::new();
+        for &offset in &live {
+            let mut before = read(offset)?;
+            pin(before);
+            if shipped.get(&offset) == Some(&before) {
+                // Unchanged since the backups acknowledged it.
+                continue;
+            }
+            let mut copies = 0;
+            loop {
+                region.persist(offset, 8)?;
+                copies += 1;
+                let after = read(offset)?;
+                pin(after);
+                if after == before {
+                    recorded.push((offset, after));
+                    break;
+                }
+                if copies == MAX_CELL_COPIES {
+                    return Err(DpmError::Replication(format!(
+                        "the indirect cell at {offset} changed under each of {copies} copies \
+                         to the backups: nothing freed or cleaned this pass"
+                    )));
+                }
+                before = after;
+            }
         }
-        rt.block_on(region.mirror_barrier()).map_err(|e| {
-            DpmError::Replication(format!(
-                "the indirect cells are not at the backups ({e}): nothing freed or cleaned \
-                 this pass"
-            ))
-        })?;
+        if !recorded.is_empty() {
+            rt.block_on(region.mirror_barrier()).map_err(|e| {
+                DpmError::Replication(format!(
+                    "the indirect cells are not at the backups ({e}): nothing freed or \
+                     cleaned this pass"
+                ))
+            })?;
+            shipped.extend(recorded);
+        }
         Ok(pinned)
     }
 
