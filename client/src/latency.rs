@@ -171,6 +171,10 @@ fn monitor_client(
 
 /// Sends the recorder's reports every `every` to the monitor `monitor` holds at the time,
 /// until `owner` is dropped.
+/// The longest a client with latencies to report waits between asking the routing nodes for
+/// a monitor while they name none.
+const MAX_MONITOR_ASK_GAP: Duration = Duration::from_secs(60);
+
 /// `learn` asks the routing nodes again (with the owner, while it lives) when there is a
 /// report and no monitor to send it to: a client connected before its routing node knew of
 /// the monitor (they started together), and one whose operations all succeed never fetches
@@ -189,6 +193,10 @@ pub(crate) async fn report_loop<T, F, Fut>(
 {
     let client_id = format!("{}-{:08x}", std::process::id(), rand::random::<u32>());
     let mut current: Option<(String, Option<MonitorServiceClient<Channel>>)> = None;
+    // When to ask the routing nodes for a monitor next, and the gap after that one: doubled
+    // while they name none (a cluster without a monitor), up to a minute.
+    let mut next_ask = tokio::time::Instant::now();
+    let mut ask_gap = every;
     let mut tick = tokio::time::interval(every);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     tick.tick().await;
@@ -200,11 +208,17 @@ pub(crate) async fn report_loop<T, F, Fut>(
         let Some(report) = recorder.take_report(&client_id) else {
             continue;
         };
-        if monitor.read().is_none() {
-            // At most once an interval, and only while there is something to report.
+        if monitor.read().is_none() && tokio::time::Instant::now() >= next_ask {
+            // Only while there is something to report, and less often while none is named.
             if let Some(owner) = owner.upgrade() {
                 learn(owner).await;
             }
+            if monitor.read().is_none() {
+                ask_gap = (ask_gap * 2).min(MAX_MONITOR_ASK_GAP);
+            } else {
+                ask_gap = every;
+            }
+            next_ask = tokio::time::Instant::now() + ask_gap;
         }
         let Some(addr) = monitor.read().clone() else {
             continue;

@@ -28,7 +28,7 @@ pub(crate) struct FakeRouting {
     /// The first call (0-based) whose answer names `monitor`; earlier ones name none.
     monitor_from_call: u32,
     /// GetClusterMap calls answered so far.
-    calls: AtomicU32,
+    calls: Arc<AtomicU32>,
 }
 
 impl FakeRouting {
@@ -40,7 +40,7 @@ impl FakeRouting {
             version: 1,
             monitor: String::new(),
             monitor_from_call: 0,
-            calls: AtomicU32::new(0),
+            calls: Arc::new(AtomicU32::new(0)),
         }
     }
 
@@ -52,7 +52,7 @@ impl FakeRouting {
             version: 0,
             monitor: String::new(),
             monitor_from_call: 0,
-            calls: AtomicU32::new(0),
+            calls: Arc::new(AtomicU32::new(0)),
         }
     }
 
@@ -68,6 +68,11 @@ impl FakeRouting {
         self.monitor = monitor.to_string();
         self.monitor_from_call = 1;
         self
+    }
+
+    /// The count of GetClusterMap calls it answered (shared: read it after `serve`).
+    pub(crate) fn calls(&self) -> Arc<AtomicU32> {
+        self.calls.clone()
     }
 
     /// Serves on a fresh loopback port until the test's runtime ends; the address.

@@ -160,3 +160,25 @@ async fn a_client_finds_a_monitor_its_routing_node_named_after_it_connected() {
     assert!(reports.count() > 0, "no latency reached the monitor");
     assert_eq!(client.monitor().as_deref(), Some(monitor.as_str()));
 }
+
+/// A cluster without a monitor: a client with latencies asks its routing nodes for one less
+/// and less often (up to once a minute), not every interval forever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_asks_for_a_monitor_less_often_while_none_is_named() {
+    let (kn, _) = EchoKn::serve(usize::MAX).await;
+    let routing = FakeRouting::fixed(one_kn_map(kn));
+    let calls = routing.calls();
+    let routing = routing.serve().await;
+    let mut cfg = ClientConfig::new(&[routing]);
+    cfg.transport = KvTransport::Grpc; // the fake KN serves gRPC only
+    cfg.report_every = Duration::from_millis(50);
+    let client = Client::connect_with(cfg).await.unwrap();
+    let until = tokio::time::Instant::now() + Duration::from_millis(2000);
+    while tokio::time::Instant::now() < until {
+        assert_eq!(client.get("k").await, Ok(Some(Bytes::from("k"))));
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // 40 intervals; asked after 50, 100, 200, 400, 800 ms gaps: 5 or 6 asks and the connect.
+    let n = calls.load(std::sync::atomic::Ordering::SeqCst);
+    assert!((2..=8).contains(&n), "{n} map fetches in 2 s");
+}

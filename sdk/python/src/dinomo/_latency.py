@@ -22,6 +22,10 @@ from ._proto import monitor_pb2
 #: Latencies kept per interval for the p99; past this, a uniform sample of them (reservoir).
 MAX_SAMPLES = 1 << 16
 
+#: The longest a client with latencies to report waits between asking the routing nodes for a
+#: monitor while they name none (seconds; the Rust client's MAX_MONITOR_ASK_GAP).
+MAX_MONITOR_ASK_GAP = 60.0
+
 
 def client_id() -> str:
     """An id unique to this client: the process id and a random suffix."""

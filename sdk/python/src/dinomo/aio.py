@@ -18,7 +18,7 @@ import grpc
 import grpc.aio
 
 from . import _core
-from ._latency import Recorder, client_id
+from ._latency import MAX_MONITOR_ASK_GAP, Recorder, client_id
 from ._proto import kv_pb2, kv_pb2_grpc, monitor_pb2_grpc, routing_pb2, routing_pb2_grpc
 from .credentials import Identity, PathLike, discover
 from .errors import DinomoError, InvalidArgument, NoClusterMap, PermissionDenied
@@ -81,6 +81,7 @@ class Client:
         """As ``dinomo.client._report_loop``, until :meth:`close` cancels it."""
         assert self._recorder is not None
         me = client_id()
+        next_ask, ask_gap = 0.0, self.config.report_every
         channel: Optional[grpc.aio.Channel] = None
         stub: Optional[monitor_pb2_grpc.MonitorServiceStub] = None
         current = ""
@@ -88,12 +89,17 @@ class Client:
             while True:
                 await asyncio.sleep(self.config.report_every)
                 report = self._recorder.take_report(me)
-                if report is not None and not (self.config.monitor or self._monitor):
-                    # As in the sync client: ask the routing nodes for a monitor named late.
+                if report is not None and not (self.config.monitor or self._monitor) \
+                        and time.monotonic() >= next_ask:
+                    # As in the sync client: ask the routing nodes for a monitor named late,
+                    # less often while they name none.
                     try:
                         await self.refresh_map()
                     except DinomoError:
                         pass
+                    ask_gap = self.config.report_every if self._monitor \
+                        else min(ask_gap * 2, MAX_MONITOR_ASK_GAP)
+                    next_ask = time.monotonic() + ask_gap
                 addr = self.config.monitor or self._monitor
                 if report is None or not addr:
                     continue

@@ -16,7 +16,7 @@ from typing import Iterable, Optional, Sequence
 import grpc
 
 from . import _core
-from ._latency import Recorder, client_id
+from ._latency import MAX_MONITOR_ASK_GAP, Recorder, client_id
 from ._proto import kv_pb2_grpc, monitor_pb2_grpc, routing_pb2, routing_pb2_grpc
 from .credentials import Identity, PathLike, discover
 from .errors import DinomoError, InvalidArgument, NoClusterMap, PermissionDenied
@@ -299,6 +299,7 @@ class Client:
 def _report_loop(ref: "weakref.ref[Client]", stop: threading.Event, every: float) -> None:
     """Sends the latency reports of the client ``ref`` names until it is closed or collected."""
     me = client_id()
+    next_ask, ask_gap = 0.0, every
     channel: Optional[grpc.Channel] = None
     stub: Optional[monitor_pb2_grpc.MonitorServiceStub] = None
     current = ""
@@ -308,13 +309,17 @@ def _report_loop(ref: "weakref.ref[Client]", stop: threading.Event, every: float
             if client is None or client._recorder is None:
                 return
             report = client._recorder.take_report(me)
-            if report is not None and not (client.config.monitor or client.monitor):
+            if report is not None and not (client.config.monitor or client.monitor) \
+                    and time.monotonic() >= next_ask:
                 # Connected before the routing nodes knew of the monitor, and a client whose
-                # operations all succeed never fetches the map again: ask them.
+                # operations all succeed never fetches the map again: ask them, less often
+                # while they name none (a cluster without a monitor).
                 try:
                     client.refresh_map()
-                except DinomoError:
-                    pass  # the next operation reports what is wrong
+                except (DinomoError, ValueError):
+                    pass  # the next operation reports what is wrong; ValueError: closed
+                ask_gap = every if client.monitor else min(ask_gap * 2, MAX_MONITOR_ASK_GAP)
+                next_ask = time.monotonic() + ask_gap
             addr = client.config.monitor or client.monitor
             identity = client.identity
             del client
