@@ -169,12 +169,14 @@ fn monitor_client(
     ))
 }
 
+/// The longest a client with latencies to report waits between asking the routing nodes for
+/// a monitor while they name none: a monitor started late is found within this, and a
+/// cluster without one costs each client a map fetch this often.
+const MAX_MONITOR_ASK_GAP: Duration = Duration::from_secs(15);
+
 /// Sends the recorder's reports every `every` to the monitor `monitor` holds at the time,
 /// until `owner` is dropped.
-/// The longest a client with latencies to report waits between asking the routing nodes for
-/// a monitor while they name none.
-const MAX_MONITOR_ASK_GAP: Duration = Duration::from_secs(60);
-
+///
 /// `learn` asks the routing nodes again (with the owner, while it lives) when there is a
 /// report and no monitor to send it to: a client connected before its routing node knew of
 /// the monitor (they started together), and one whose operations all succeed never fetches
@@ -194,7 +196,7 @@ pub(crate) async fn report_loop<T, F, Fut>(
     let client_id = format!("{}-{:08x}", std::process::id(), rand::random::<u32>());
     let mut current: Option<(String, Option<MonitorServiceClient<Channel>>)> = None;
     // When to ask the routing nodes for a monitor next, and the gap after that one: doubled
-    // while they name none (a cluster without a monitor), up to a minute.
+    // while they name none (a cluster without a monitor), up to MAX_MONITOR_ASK_GAP.
     let mut next_ask = tokio::time::Instant::now();
     let mut ask_gap = every;
     let mut tick = tokio::time::interval(every);

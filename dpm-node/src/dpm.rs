@@ -354,6 +354,9 @@ impl Dpm {
                                     }
                                     unreplicated = true;
                                 }
+                                Err(e @ DpmError::CellsChurning { .. }) => {
+                                    tracing::info!(error = %e, "garbage collection pass skipped")
+                                }
                                 Err(e) => {
                                     tracing::error!(error = %e, "garbage collection pass failed")
                                 }
@@ -795,9 +798,10 @@ impl Dpm {
                     // other logs' deletes to free space (they are how a full pool drains).
                     if !deletes_only && self.segments.free_count() <= before {
                         if let Some(e) = unreplicated {
-                            // Collection could not run because the backups did not answer:
-                            // that is unavailability, for the caller to retry, not a full
-                            // pool (which a client takes as final).
+                            // Collection could not run because the backups did not answer
+                            // (or cells kept changing under their copies): unavailability,
+                            // for the caller to retry, not a full pool (which a client takes
+                            // as final).
                             return Err(e);
                         }
                         return self.segments.allocate(LogId { kn, stream }, epoch, tier);
@@ -815,7 +819,8 @@ impl Dpm {
     /// so far (open segments stay open; the merge stops at each log's valid end, so KNs go on
     /// appending), then run garbage collection, so the deletes and overwrites just logged give
     /// their space back. Returns the error that stopped collection when it needed the
-    /// backups and they did not answer ([`DpmError::Replication`], see [`Gc::run_once`]).
+    /// backups and they did not answer ([`DpmError::Replication`], see [`Gc::run_once`]), or
+    /// KNs kept swinging a cell under its copies ([`DpmError::CellsChurning`]).
     fn reclaim_for_allocation(&self) -> Option<DpmError> {
         let mut unreplicated = None;
         for (log, chain) in self.segments.chains() {
@@ -833,7 +838,7 @@ impl Dpm {
                 Ok(_) => break,
                 Err(e) => {
                     tracing::warn!(error = %e, "collecting to make room failed");
-                    if matches!(e, DpmError::Replication(_)) {
+                    if matches!(e, DpmError::Replication(_) | DpmError::CellsChurning { .. }) {
                         unreplicated = Some(e);
                     }
                     break;

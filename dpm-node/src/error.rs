@@ -162,6 +162,13 @@ pub enum DpmError {
     /// acknowledge.
     #[error("replication: {0}")]
     Replication(String),
+    /// A GC pass did not act because KNs kept swinging an indirect cell while it was copied
+    /// to the backups (a passing condition: the next pass tries again).
+    #[error(
+        "the indirect cell at {offset} changed under each of {copies} copies to the backups: \
+         nothing freed or cleaned this pass (KNs keep swinging it; the next pass tries again)"
+    )]
+    CellsChurning { offset: u64, copies: u32 },
     #[error("invalid argument: {0}")]
     InvalidArgument(String),
     #[error("configuration: {0}")]

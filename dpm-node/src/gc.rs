@@ -128,10 +128,19 @@ impl Gc {
     /// index moved past that entry (a merge), nothing here would pin its segment, and freeing
     /// it would leave a promoted backup's cell pointing into reused bytes.
     ///
-    /// What a copy records is the word at some moment between the reads around it: when both
-    /// read the same word, that is the word recorded (a cell only ever moves to an entry
-    /// written after it, so it never returns to a word it held). A cell that keeps changing
-    /// under the copy is copied again, a few times at most; then the pass acts on nothing.
+    /// What a copy records is the word at some moment between the reads around it (the
+    /// mirror copies the bytes when it records them, [`dinomo_fabric::mirror::PersistMirror::record`]): when both
+    /// read the same word, that is the word recorded. A cell cannot leave a word and return
+    /// to it between the reads: it moves only to entries written after the one it points at,
+    /// and the same word could be written again only at the same offset of a freed and
+    /// reused segment, which no pass frees while this one (holding the pass lock) runs. A
+    /// cell that keeps changing under the copy is copied again, a few times at most; then the
+    /// pass acts on nothing ([`DpmError::CellsChurning`]).
+    ///
+    /// The backups' acknowledged words are kept across changes of the backup set: a backup
+    /// that attaches later is given a copy of the pool taken after those words were stored,
+    /// so it holds them or newer words of the same cells, and a newer word differs from the
+    /// kept one and is shipped at the next pass.
     fn ship_cells(&self) -> Result<HashSet<u64>> {
         let Some(rt) = self.forwarded.get() else {
             return Ok(HashSet::new());
@@ -171,10 +180,7 @@ impl Gc {
                     break;
                 }
                 if copies == MAX_CELL_COPIES {
-                    return Err(DpmError::Replication(format!(
-                        "the indirect cell at {offset} changed under each of {copies} copies \
-                         to the backups: nothing freed or cleaned this pass"
-                    )));
+                    return Err(DpmError::CellsChurning { offset, copies });
                 }
                 before = after;
             }

@@ -88,7 +88,7 @@ pub fn to_status(e: DpmError) -> Status {
         | DpmError::SupersededImage { .. }
         | DpmError::NotPromotable { .. } => Status::failed_precondition(msg),
         DpmError::BeingPromoted => Status::already_exists(msg),
-        DpmError::Replication(_) => Status::unavailable(msg),
+        DpmError::Replication(_) | DpmError::CellsChurning { .. } => Status::unavailable(msg),
         _ => Status::internal(msg),
     }
 }

@@ -162,7 +162,7 @@ async fn a_client_finds_a_monitor_its_routing_node_named_after_it_connected() {
 }
 
 /// A cluster without a monitor: a client with latencies asks its routing nodes for one less
-/// and less often (up to once a minute), not every interval forever.
+/// and less often (at most MAX_MONITOR_ASK_GAP apart), not every interval forever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_asks_for_a_monitor_less_often_while_none_is_named() {
     let (kn, _) = EchoKn::serve(usize::MAX).await;

@@ -24,7 +24,7 @@ MAX_SAMPLES = 1 << 16
 
 #: The longest a client with latencies to report waits between asking the routing nodes for a
 #: monitor while they name none (seconds; the Rust client's MAX_MONITOR_ASK_GAP).
-MAX_MONITOR_ASK_GAP = 60.0
+MAX_MONITOR_ASK_GAP = 15.0
 
 
 def client_id() -> str:
