@@ -235,7 +235,8 @@ impl DpmService for DpmGrpc {
         // Recorded with their current bytes, after everything persisted before: what the KN
         // stored (or read in a cell) reaches the backups in order with the rest. On this
         // thread, as the tcp NIC records a post it applied: a persist of a batch is a flush
-        // and a copy into the mirror's queue (which blocks only while that queue is full).
+        // and a copy into the mirror's queues (never waiting for room on a runtime thread:
+        // the barrier below bounds what one call queues).
         let mut in_segments = Vec::new();
         for (offset, len) in ranges {
             d.pool()

@@ -4,11 +4,17 @@
 //! Invariants:
 //! - Records are numbered under one lock, and their bytes are copied from the live pool under
 //!   that lock, so a later record of a line never carries older bytes than an earlier one.
-//! - Each backup has one sender thread, one fabric connection, and one post in flight; the
+//! - Each backup has one sender (a task on the node's multi-threaded runtime, so that a record
+//!   made on a runtime thread wakes no other thread; a thread of its own where the backup was
+//!   added outside such a runtime), one fabric connection, and one post in flight; the
 //!   backup's NIC applies a connection's posts in order, and the ops of a post in order. So a
 //!   backup holds, at every moment, the bytes of a prefix of its records (the last post maybe
 //!   in part): a state the primary's pool went through, with some lines newer, which is what a
 //!   power failure of the primary may leave; recovery handles it.
+//! - Since the senders run on the runtime, no runtime worker may block on anything that waits
+//!   for replication progress (a barrier, room in a queue, a lock held by a thread that
+//!   waits for either): merges, GC and control calls wait on their own or blocking-pool
+//!   threads, and the NIC and forwards await their barriers.
 //! - A backup joins `Syncing`: it gets every record from the moment it is added, and the sender
 //!   copies the whole pool to it through the same queue, chunk by chunk, each MiB read under
 //!   the state lock (so at one place in the record order). A chunk the backup already holds
@@ -189,8 +195,12 @@ struct Queue {
 struct Backup {
     address: String,
     queue: Mutex<Queue>,
-    /// Signalled when records are queued (to the sender) or taken (to recorders that wait).
+    /// Signalled when records are taken or the backup stops or fails, to recorders that wait
+    /// for room ([`Backup::wake_recorders`]).
     queue_cv: Condvar,
+    /// Wakes the sender, which waits for records asynchronously (a permit is kept when it is
+    /// not waiting, so a record queued between its check and its wait is not missed).
+    queued: tokio::sync::Notify,
     acked: AtomicU64,
     phase: Mutex<Phase>,
     stop: AtomicBool,
@@ -213,6 +223,40 @@ struct Backup {
 }
 
 impl Backup {
+    /// The records of the next post, oldest first (none when nothing is queued).
+    fn take_post(&self) -> Vec<Record> {
+        let mut q = self.queue.lock();
+        let mut out = Vec::new();
+        let mut bytes = 0;
+        while let Some(r) = q.records.front() {
+            if !out.is_empty()
+                && (out.len() >= MAX_POST_OPS || bytes + r.data.len() as u64 > MAX_POST_BYTES)
+            {
+                break;
+            }
+            bytes += r.data.len() as u64;
+            out.push(q.records.pop_front().expect("front exists"));
+        }
+        out
+    }
+
+    /// Wakes the sender: records were queued, or it must stop or move on.
+    fn wake_sender(&self) {
+        self.queued.notify_one();
+    }
+
+    /// Wakes recorders waiting for room ([`Replicator::wait_below`]): records were taken, or
+    /// the backup stopped or failed.
+    fn wake_recorders(&self) {
+        self.queue_cv.notify_all();
+    }
+
+    /// Wakes both (the backup stopped or failed).
+    fn wake(&self) {
+        self.wake_sender();
+        self.wake_recorders();
+    }
+
     fn fail(&self, why: String, changes: &watch::Sender<u64>) {
         let mut p = self.phase.lock();
         if !p.failed() {
@@ -229,7 +273,7 @@ impl Backup {
         q.records.clear();
         q.bytes = 0;
         drop(q);
-        self.queue_cv.notify_all();
+        self.wake();
         changes.send_modify(|v| *v += 1);
     }
 }
@@ -340,6 +384,7 @@ impl Replicator {
             address: address.to_string(),
             queue: Mutex::new(Queue::default()),
             queue_cv: Condvar::new(),
+            queued: tokio::sync::Notify::new(),
             acked: AtomicU64::new(0),
             phase: Mutex::new(Phase::Syncing),
             stop: AtomicBool::new(false),
@@ -355,16 +400,26 @@ impl Replicator {
         if let Some(i) = st.backups.iter().position(|b| b.address == address) {
             let old = st.backups.remove(i);
             old.stop.store(true, Ordering::Release);
-            old.queue_cv.notify_all();
+            old.wake();
         }
         st.backups.push(backup.clone());
         drop(st);
         self.changes.send_modify(|v| *v += 1);
         let me = self.clone();
-        std::thread::Builder::new()
-            .name(format!("replicate {address}"))
-            .spawn(move || me.run_sender(backup, nic, key))
-            .expect("spawning a replication thread");
+        match tokio::runtime::Handle::try_current() {
+            // A task on the node's runtime: a record made on a worker (a forward, a NIC
+            // post) schedules it there instead of waking another thread. Records made on
+            // other threads (merges, GC, control calls on the blocking pool) wake a worker.
+            Ok(rt) if rt.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+                rt.spawn(me.sender(backup, nic, key));
+            }
+            _ => {
+                std::thread::Builder::new()
+                    .name(format!("replicate {address}"))
+                    .spawn(move || me.run_sender(backup, nic, key))
+                    .expect("spawning a replication thread");
+            }
+        }
         tracing::info!(backup = %address, %nic, "backup added: copying the pool to it (the chunks it does not hold)");
     }
 
@@ -390,6 +445,7 @@ impl Replicator {
         let st = self.state.lock();
         if let Some(b) = st.backups.iter().find(|b| b.address == address) {
             b.leaving.store(false, Ordering::Release);
+            b.wake_sender();
         }
         drop(st);
         self.changes.send_modify(|v| *v += 1);
@@ -417,7 +473,7 @@ impl Replicator {
         };
         let Some(b) = removed else { return false };
         b.stop.store(true, Ordering::Release);
-        b.queue_cv.notify_all();
+        b.wake();
         self.changes.send_modify(|v| *v += 1);
         tracing::warn!(backup = %address, "backup removed from the replica set");
         true
@@ -429,7 +485,7 @@ impl Replicator {
         let backups = std::mem::take(&mut self.state.lock().backups);
         for b in backups {
             b.stop.store(true, Ordering::Release);
-            b.queue_cv.notify_all();
+            b.wake();
         }
         self.changes.send_modify(|v| *v += 1);
     }
@@ -477,7 +533,7 @@ impl Replicator {
                 data: data.clone(),
             });
             drop(q);
-            b.queue_cv.notify_all();
+            b.wake_sender();
         }
     }
 
@@ -518,6 +574,8 @@ impl Replicator {
         }
     }
 
+    /// The sender on a thread of its own (when the caller of [`Replicator::add`] runs on no
+    /// multi-threaded runtime).
     fn run_sender(self: Arc<Self>, b: Arc<Backup>, nic: SocketAddr, key: AccessKey) {
         let rt = match tokio::runtime::Builder::new_current_thread()
             .enable_all()
@@ -526,7 +584,23 @@ impl Replicator {
             Ok(rt) => rt,
             Err(e) => return b.fail(format!("runtime: {e}"), &self.changes),
         };
-        if let Err(e) = rt.block_on(self.send_all(&b, nic, key)) {
+        rt.block_on(self.sender(b, nic, key));
+    }
+
+    /// Copies the pool to `b`, then sends it every record, until it stops or fails. A sender
+    /// that ends otherwise (its task dropped with its runtime, or a panic) fails its backup,
+    /// so barriers say why instead of timing out.
+    async fn sender(self: Arc<Self>, b: Arc<Backup>, nic: SocketAddr, key: AccessKey) {
+        struct Ended<'a>(&'a Replicator, &'a Backup);
+        impl Drop for Ended<'_> {
+            fn drop(&mut self) {
+                if !self.1.stop.load(Ordering::Acquire) {
+                    self.1.fail("its sender ended".into(), &self.0.changes);
+                }
+            }
+        }
+        let _ended = Ended(&self, &b);
+        if let Err(e) = self.send_all(&b, nic, key).await {
             if !b.stop.load(Ordering::Acquire) {
                 b.fail(e.to_string(), &self.changes);
             }
@@ -556,35 +630,14 @@ impl Replicator {
         let mut index = 0;
         let mut chunk = vec![0u8; chunk_bytes.min(self.region.len()) as usize];
         while off < self.region.len() {
-            if b.stop.load(Ordering::Acquire) {
+            if b.stop.load(Ordering::Acquire) || b.phase.lock().failed() {
                 return Ok(());
             }
             let len = chunk_bytes.min(self.region.len() - off);
             let chunk = &mut chunk[..len as usize];
-            for (i, piece) in chunk.chunks_mut(CHUNK as usize).enumerate() {
-                let _st = self.state.lock();
-                read_words(&self.region, off + i as u64 * CHUNK, piece)?;
-                // Everything queued for it so far (seqs are shared by all backups: another
-                // backup's chunks take seqs this one never acknowledges).
-                sync_until = b.queue.lock().last_queued;
-            }
-            let held = match &b.held {
-                Some(h) => h.holds(index, chunk),
-                None => is_zero(chunk),
-            };
-            if held {
-                b.resync_skipped_bytes.fetch_add(len, Ordering::Relaxed);
-            } else {
-                b.resync_bytes.fetch_add(len, Ordering::Relaxed);
-                for (i, piece) in chunk.chunks_mut(CHUNK as usize).enumerate() {
-                    let at = off + i as u64 * CHUNK;
-                    let mut st = self.state.lock();
-                    read_words(&self.region, at, piece)?;
-                    let data = Bytes::copy_from_slice(piece);
-                    Self::enqueue(&mut st, std::slice::from_ref(b), at, data);
-                    sync_until = b.queue.lock().last_queued;
-                }
-            }
+            // Reading and comparing a chunk (up to 16 MiB) must not hold up the runtime's
+            // other tasks (see `outside_the_runtime`).
+            outside_the_runtime(|| self.copy_chunk(b, off, index, chunk, &mut sync_until))?;
             off += len;
             index += 1;
             // Keep the copy a few chunks ahead of the sender, not the whole pool.
@@ -599,6 +652,45 @@ impl Replicator {
             self.advance(b, sync_until, started);
             self.send_some(b, &fabric).await?;
         }
+    }
+
+    /// Queues for `b` the chunk at `off` (its `index`-th) unless it holds it; `chunk` is the
+    /// buffer of the chunk's length. `sync_until` becomes the last record queued for `b` when
+    /// the chunk was read.
+    fn copy_chunk(
+        &self,
+        b: &Arc<Backup>,
+        off: u64,
+        index: u64,
+        chunk: &mut [u8],
+        sync_until: &mut u64,
+    ) -> dinomo_fabric::Result<()> {
+        let len = chunk.len() as u64;
+        for (i, piece) in chunk.chunks_mut(CHUNK as usize).enumerate() {
+            let _st = self.state.lock();
+            read_words(&self.region, off + i as u64 * CHUNK, piece)?;
+            // Everything queued for it so far (seqs are shared by all backups: another
+            // backup's chunks take seqs this one never acknowledges).
+            *sync_until = b.queue.lock().last_queued;
+        }
+        let held = match &b.held {
+            Some(h) => h.holds(index, chunk),
+            None => is_zero(chunk),
+        };
+        if held {
+            b.resync_skipped_bytes.fetch_add(len, Ordering::Relaxed);
+            return Ok(());
+        }
+        b.resync_bytes.fetch_add(len, Ordering::Relaxed);
+        for (i, piece) in chunk.chunks_mut(CHUNK as usize).enumerate() {
+            let at = off + i as u64 * CHUNK;
+            let mut st = self.state.lock();
+            read_words(&self.region, at, piece)?;
+            let data = Bytes::copy_from_slice(piece);
+            Self::enqueue(&mut st, std::slice::from_ref(b), at, data);
+            *sync_until = b.queue.lock().last_queued;
+        }
+        Ok(())
     }
 
     /// Moves `b` on once the copy is acknowledged: Syncing -> CatchingUp (barriers wait for it
@@ -658,7 +750,7 @@ impl Replicator {
                                     Err(why) => Confirm::Refused(why),
                                 };
                                 // Wakes the sender if it waits for records.
-                                b.queue_cv.notify_all();
+                                b.wake_sender();
                             });
                             false
                         }
@@ -694,24 +786,12 @@ impl Replicator {
     /// Posts what is queued for `b` (waiting up to 100 ms for something), one post, and
     /// records its acknowledgement.
     async fn send_some(&self, b: &Backup, fabric: &TcpFabric) -> dinomo_fabric::Result<()> {
-        let batch: Vec<Record> = {
-            let mut q = b.queue.lock();
-            if q.records.is_empty() && !b.stop.load(Ordering::Acquire) {
-                b.queue_cv.wait_for(&mut q, Duration::from_millis(100));
-            }
-            let mut out = Vec::new();
-            let mut bytes = 0;
-            while let Some(r) = q.records.front() {
-                if !out.is_empty()
-                    && (out.len() >= MAX_POST_OPS || bytes + r.data.len() as u64 > MAX_POST_BYTES)
-                {
-                    break;
-                }
-                bytes += r.data.len() as u64;
-                out.push(q.records.pop_front().expect("front exists"));
-            }
-            out
-        };
+        let mut batch = b.take_post();
+        if batch.is_empty() && !b.stop.load(Ordering::Acquire) {
+            // Asynchronously: on the node's runtime a record wakes this task, not a thread.
+            let _ = tokio::time::timeout(Duration::from_millis(100), b.queued.notified()).await;
+            batch = b.take_post();
+        }
         let Some(last) = batch.last().map(|r| r.seq) else {
             return Ok(());
         };
@@ -734,7 +814,9 @@ impl Replicator {
             let mut q = b.queue.lock();
             q.bytes = q.bytes.saturating_sub(bytes);
         }
-        b.queue_cv.notify_all();
+        // Not the sender: it is the caller (a permit left for itself would cost it an empty
+        // round before its next wait).
+        b.wake_recorders();
         self.changes.send_modify(|v| *v += 1);
         Ok(())
     }
@@ -842,6 +924,18 @@ impl PersistMirror for Replicator {
                     after_ms: timeout.as_millis() as u64,
                 })?
         })
+    }
+}
+
+/// Runs `f`, which may take long without awaiting, so that the runtime's other tasks do not
+/// wait for it: on a multi-threaded runtime's worker the worker hands its tasks over first
+/// (`block_in_place`); elsewhere (a sender's own thread) it just runs.
+fn outside_the_runtime<R>(f: impl FnOnce() -> R) -> R {
+    match tokio::runtime::Handle::try_current() {
+        Ok(rt) if rt.runtime_flavor() == tokio::runtime::RuntimeFlavor::MultiThread => {
+            tokio::task::block_in_place(f)
+        }
+        _ => f(),
     }
 }
 

@@ -68,6 +68,50 @@ struct Setup {
     _backup_runtime: BackupRuntime,
 }
 
+/// The backup's NIC, on a runtime of its own with `workers` threads (see [`BackupRuntime`]).
+async fn backup_nic(
+    backup: &Arc<PmRegion>,
+    grants: Arc<GrantTable>,
+    workers: usize,
+) -> (TcpNic, BackupRuntime) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(workers)
+        .enable_all()
+        .build()
+        .unwrap();
+    let nic = rt
+        .spawn(TcpNic::start(
+            "127.0.0.1:0".parse().unwrap(),
+            backup.clone(),
+            grants,
+        ))
+        .await
+        .unwrap()
+        .unwrap();
+    (nic, BackupRuntime(Some(rt)))
+}
+
+/// A replicator installed as `primary`'s mirror.
+fn replicator(primary: &Arc<PmRegion>) -> Arc<Replicator> {
+    let rep = Replicator::new(
+        primary.clone(),
+        ReplicatorOptions {
+            ack_timeout: Duration::from_secs(20),
+        },
+    );
+    primary.set_mirror(Some(rep.clone()));
+    rep
+}
+
+/// Waits until the replicator's one backup is in sync.
+async fn wait_in_sync(rep: &Replicator) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while rep.status()[0].phase != Phase::InSync {
+        assert!(Instant::now() < deadline, "{:?}", rep.status());
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
 async fn setup() -> Setup {
     let dir = tempfile::tempdir().unwrap();
     let region = |name: &str| {
@@ -88,33 +132,10 @@ async fn setup() -> Setup {
         hook_gate.wait_open();
         std::thread::sleep(BACKUP_DELAY)
     })));
-    let backup_runtime = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let backup_nic = backup_runtime
-        .spawn(TcpNic::start(
-            "127.0.0.1:0".parse().unwrap(),
-            backup.clone(),
-            backup_grants,
-        ))
-        .await
-        .unwrap()
-        .unwrap();
-    let rep = Replicator::new(
-        primary.clone(),
-        ReplicatorOptions {
-            ack_timeout: Duration::from_secs(20),
-        },
-    );
-    primary.set_mirror(Some(rep.clone()));
+    let (backup_nic, backup_runtime) = backup_nic(&backup, backup_grants, 2).await;
+    let rep = replicator(&primary);
     rep.add("b", backup_nic.local_addr(), backup_key, None, None);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while rep.status()[0].phase != Phase::InSync {
-        assert!(Instant::now() < deadline, "{:?}", rep.status());
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
+    wait_in_sync(&rep).await;
     let grants = Arc::new(GrantTable::create(&dir.path().join("p.grants"), 4).unwrap());
     let key = grants
         .grant_with_window(&[WindowRange::write(0, LEN)])
@@ -132,7 +153,7 @@ async fn setup() -> Setup {
         gate,
         kn,
         _nics: (backup_nic, nic),
-        _backup_runtime: BackupRuntime(Some(backup_runtime)),
+        _backup_runtime: backup_runtime,
     }
 }
 
@@ -229,4 +250,64 @@ async fn posts_waiting_when_the_primary_stops_are_not_acknowledged() {
         acknowledged.is_empty(),
         "{acknowledged:?} acknowledged after the primary stopped"
     );
+}
+
+/// The names of this process's threads.
+fn thread_names() -> Vec<String> {
+    std::fs::read_dir("/proc/self/task")
+        .unwrap()
+        .filter_map(|t| std::fs::read_to_string(t.ok()?.path().join("comm")).ok())
+        .map(|n| n.trim().to_string())
+        .collect()
+}
+
+/// A backup added outside a multi-threaded runtime (here a current-thread one) gets a sender
+/// thread of its own instead of a task (the dpm-node's own senders are tasks on its runtime):
+/// that path copies the pool and carries records to the backup too, each barrier answered
+/// only once the backup holds what was recorded before it.
+#[tokio::test]
+async fn a_sender_of_its_own_thread_replicates_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let region = |name: &str| {
+        Arc::new(
+            PmRegion::create(&dir.path().join(name), LEN, DurabilityRequest::ProcessCrash).unwrap(),
+        )
+    };
+    let (primary, backup) = (region("p"), region("b"));
+    // Written before the backup is added: it gets it with the copy of the pool.
+    primary.write(0, &[9; 64]).unwrap();
+    let backup_grants = Arc::new(GrantTable::create(&dir.path().join("b.grants"), 4).unwrap());
+    let backup_key = backup_grants
+        .grant_with_window(&[WindowRange::write(0, LEN)])
+        .unwrap();
+    let (backup_nic, _backup_runtime) = backup_nic(&backup, backup_grants, 1).await;
+    let rep = replicator(&primary);
+    rep.add("b", backup_nic.local_addr(), backup_key, None, None);
+    wait_in_sync(&rep).await;
+    // (Checked once the copy is done: a new thread names itself only once it runs.)
+    assert!(
+        thread_names().iter().any(|n| n.starts_with("replicate b")),
+        "no sender thread: {:?}",
+        thread_names()
+    );
+    for i in 0..20u64 {
+        let at = 4096 + i * 64;
+        primary.write(at, &[i as u8 + 1; 64]).unwrap();
+        primary.persist(at, 64).unwrap();
+        primary.mirror_barrier().await.unwrap();
+        let mut got = [0u8; 64];
+        backup.read(at, &mut got).unwrap();
+        assert_eq!(
+            got,
+            [i as u8 + 1; 64],
+            "record {i} answered before the backup had it"
+        );
+    }
+    let mut got = [0u8; 64];
+    backup.read(0, &mut got).unwrap();
+    assert_eq!(
+        got, [9; 64],
+        "the copy of the pool missed what was written before the add"
+    );
+    rep.end("test over");
 }
