@@ -649,7 +649,13 @@ impl Replicator {
             if b.stop.load(Ordering::Acquire) || b.phase.lock().failed() {
                 return Ok(());
             }
+            let before = std::mem::discriminant(&*b.phase.lock());
             self.advance(b, sync_until, started);
+            if std::mem::discriminant(&*b.phase.lock()) != before {
+                // The next step may be due at once (CatchingUp -> InSync once the copy is
+                // acknowledged): the sender must not wait for a record first.
+                b.wake_sender();
+            }
             self.send_some(b, &fabric).await?;
         }
     }

@@ -136,6 +136,12 @@ async fn setup() -> Setup {
     let rep = replicator(&primary);
     rep.add("b", backup_nic.local_addr(), backup_key, None, None);
     wait_in_sync(&rep).await;
+    // On a multi-threaded runtime (as in the dpm-node) the sender is a task, not a thread.
+    assert!(
+        !thread_names().iter().any(|n| n.starts_with("replicate b")),
+        "a sender thread on a multi-threaded runtime: {:?}",
+        thread_names()
+    );
     let grants = Arc::new(GrantTable::create(&dir.path().join("p.grants"), 4).unwrap());
     let key = grants
         .grant_with_window(&[WindowRange::write(0, LEN)])
@@ -282,11 +288,13 @@ async fn a_sender_of_its_own_thread_replicates_too() {
         .unwrap();
     let (backup_nic, _backup_runtime) = backup_nic(&backup, backup_grants, 1).await;
     let rep = replicator(&primary);
-    rep.add("b", backup_nic.local_addr(), backup_key, None, None);
+    rep.add("own", backup_nic.local_addr(), backup_key, None, None);
     wait_in_sync(&rep).await;
     // (Checked once the copy is done: a new thread names itself only once it runs.)
     assert!(
-        thread_names().iter().any(|n| n.starts_with("replicate b")),
+        thread_names()
+            .iter()
+            .any(|n| n.starts_with("replicate own")),
         "no sender thread: {:?}",
         thread_names()
     );
