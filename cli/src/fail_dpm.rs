@@ -101,11 +101,12 @@ pub async fn run(
     let writing = killed.elapsed();
     println!(
         "new primary (pid {}, term {}) answered after {} ms; the first write through {routing} \
-         was acknowledged after {} ms ({unknown} attempts before it had an unknown outcome)",
+         was acknowledged after {} ms ({unknown} earlier {} with an unknown outcome)",
         new.pid,
         new.term,
         serving.as_millis(),
-        writing.as_millis()
+        writing.as_millis(),
+        if unknown == 1 { "attempt" } else { "attempts" }
     );
     Ok(())
 }

@@ -21,9 +21,9 @@ enum KvOp {
     Get { key: String },
     /// Create or replace KEY.
     Put { key: String, value: String },
-    /// Create KEY (fails if it exists).
+    /// Create KEY (exit status 1 if it exists).
     Insert { key: String, value: String },
-    /// Replace KEY (fails if it does not exist).
+    /// Replace KEY (exit status 1 if it does not exist).
     Update { key: String, value: String },
     /// Delete KEY (exit status 1 if it did not exist).
     Delete { key: String },
@@ -33,10 +33,12 @@ pub async fn run(a: KvArgs) -> anyhow::Result<()> {
     let client = Client::connect(&[&a.routing])
         .await
         .with_context(|| format!("connecting through the routing node {}", a.routing))?;
-    let missing = |key: &str| -> anyhow::Result<()> {
-        eprintln!("{key}: not found");
+    // An answer about the key, not a failure of the tool: said in one line, exit status 1.
+    let refused = |key: &str, why: &str| -> anyhow::Result<()> {
+        eprintln!("{key}: {why}");
         std::process::exit(1)
     };
+    let missing = |key: &str| refused(key, "not found");
     match a.op {
         KvOp::Get { key } => match client.get(key.clone()).await? {
             Some(v) => println!("{}", String::from_utf8_lossy(&v)),
@@ -44,7 +46,7 @@ pub async fn run(a: KvArgs) -> anyhow::Result<()> {
         },
         KvOp::Put { key, value } => client.put(key, value).await?,
         KvOp::Insert { key, value } => match client.insert(key.clone(), value).await {
-            Err(ClientError::AlreadyExists) => anyhow::bail!("{key}: already exists"),
+            Err(ClientError::AlreadyExists) => refused(&key, "already exists")?,
             r => r?,
         },
         KvOp::Update { key, value } => match client.update(key.clone(), value).await {

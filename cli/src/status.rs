@@ -33,10 +33,14 @@ fn ratio(a: u64, b: u64) -> String {
     }
 }
 
-/// The index's bytes per key, as `", N B/key"`; nothing with no keys (an empty index still
-/// has its buckets, and dividing them by one key printed "8388608.0 B/key").
+/// Below this many keys the index's bytes per key say nothing about its cost per key: its
+/// first bucket array (8 MiB) is allocated up front, and one key "cost" 8388608.0 B.
+const PER_KEY_FROM: u64 = 1024;
+
+/// The index's bytes per key, as `", N B/key"`; nothing for an index of fewer than
+/// [`PER_KEY_FROM`] keys.
 fn per_key(index_bytes: u64, keys: u64) -> String {
-    if keys == 0 {
+    if keys < PER_KEY_FROM {
         String::new()
     } else {
         format!(", {:.1} B/key", index_bytes as f64 / keys as f64)
@@ -288,9 +292,10 @@ mod tests {
     use super::*;
 
     #[test]
-    fn no_per_key_figure_without_keys() {
+    fn no_per_key_figure_for_a_few_keys() {
         assert_eq!(per_key(8 << 20, 0), "");
-        assert_eq!(per_key(1000, 8), ", 125.0 B/key");
+        assert_eq!(per_key(8 << 20, 1), "");
+        assert_eq!(per_key(128_000, 1024), ", 125.0 B/key");
     }
 
     #[test]

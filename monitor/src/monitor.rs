@@ -678,8 +678,10 @@ impl Monitor {
             let current = self.current_map().await?;
             if !current.contains(kn) {
                 anyhow::bail!(
-                    "KN {kn} is not in the cluster map (version {})",
-                    current.version
+                    "KN {kn} is not in the cluster map (version {}, KNs {}); `dinomo admin status` lists \
+                     the monitor's recent decisions",
+                    current.version,
+                    kn_list(&current)
                 );
             }
             let floor = self.policy_config().min_kns.max(1) as usize;
@@ -1159,6 +1161,16 @@ async fn epoch_loop(m: std::sync::Weak<Monitor>) {
 pub fn unix_ms(t: SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH)
         .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// The KNs of `map`, as an error message lists them ("1, 3", or "none").
+pub(crate) fn kn_list(map: &ClusterMap) -> String {
+    let ids: Vec<String> = map.kn_ids().map(|k| k.to_string()).collect();
+    if ids.is_empty() {
+        "none".into()
+    } else {
+        ids.join(", ")
+    }
 }
 
 #[cfg(test)]

@@ -187,8 +187,10 @@ impl MonitorService for Service {
         let map = self.monitor.current_map().await.map_err(failed)?;
         if !map.contains(kn) {
             return Err(Status::invalid_argument(format!(
-                "KN {kn} is not in the cluster map (version {})",
-                map.version
+                "KN {kn} is not in the cluster map (version {}, KNs {}); `dinomo admin status` lists \
+                 the monitor's recent decisions",
+                map.version,
+                crate::monitor::kn_list(&map)
             )));
         }
         let before = self.monitor.recoveries().len();

@@ -224,6 +224,14 @@ fn pct(x: f64) -> String {
 }
 
 impl Summary {
+    /// Did keys go missing in a run that did not load them itself? The likeliest cause for a
+    /// new user is a cluster nobody loaded (a run reads keys it assumes exist).
+    fn may_have_skipped_the_load(&self) -> bool {
+        self.load.is_none()
+            && self.workload != "delete"
+            && self.run.errors_by_kind.contains_key("not_found")
+    }
+
     /// The text printed at the end of a run.
     pub fn render(&self) -> String {
         let mut out = String::new();
@@ -330,6 +338,14 @@ impl Summary {
             for (kind, n) in &p.errors_by_kind {
                 let example = p.error_examples.get(kind).map(String::as_str).unwrap_or("");
                 let _ = writeln!(out, "  {kind}: {} (e.g. {example})", thousands(*n as f64));
+            }
+            if name == "run" && self.may_have_skipped_the_load() {
+                let _ = writeln!(
+                    out,
+                    "  hint: the run uses keys 0..{} (--records {}), and keys never inserted are \
+                     not found: add --load, or run --workload load first",
+                    self.records, self.records
+                );
             }
         }
 
@@ -487,6 +503,18 @@ mod tests {
             "{text}"
         );
         assert!(text.contains("not_found: 1"), "{text}");
+        assert!(
+            text.contains("add --load, or run --workload load first"),
+            "a run without --load that finds no key says how to load: {text}"
+        );
+        let loaded = Summary {
+            load: Some(s.run.clone()),
+            ..s.clone()
+        };
+        assert!(
+            !loaded.render().contains("add --load"),
+            "a run that loaded its keys gives no load hint"
+        );
         assert!(text.contains("RTs/op"), "{text}");
         let json: serde_json::Value = serde_json::to_value(&s).unwrap();
         assert_eq!(json["run"]["ops"], 101);

@@ -444,6 +444,22 @@ async fn a_new_user_runs_the_readme_commands_unchanged_over_tls() {
     assert!(ok, "{out}");
     let (ok, out) = dinomo(&home, &["kv", "--routing", &routing, "get", "greeting"]);
     assert!(ok && out.contains("hello"), "{out}");
+    // An answer about the key is one line and exit status 1, as "not found" is, even with
+    // backtraces on (an error of the tool would print one).
+    let refused = std::process::Command::new(env!("CARGO_BIN_EXE_dinomo"))
+        .current_dir(&home)
+        .env_remove("DINOMO_CREDENTIALS")
+        .env_remove("DINOMO_INSECURE")
+        .env("RUST_BACKTRACE", "1")
+        .args(["kv", "--routing", &routing, "insert", "greeting", "again"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&refused.stderr);
+    assert_eq!(refused.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("greeting: already exists") && !err.contains("backtrace"),
+        "{err}"
+    );
     let (ok, out) = dinomo(
         &home,
         &["status", "--routing", &routing, "--dpm", &up.dpm_addr()],
