@@ -1117,7 +1117,8 @@ impl Shard {
 
     /// DINOMO: writes wait while more than N sealed segments are unmerged.
     async fn wait_for_merge(&mut self) -> KvResult<()> {
-        let mut waited = Duration::ZERO;
+        let started = Instant::now();
+        let mut waited = false;
         while self.sealed.len() > self.cfg.max_unmerged_segments {
             for id in std::mem::take(&mut self.to_seal) {
                 self.seal(id).await;
@@ -1127,17 +1128,18 @@ impl Shard {
             if self.sealed.len() <= self.cfg.max_unmerged_segments {
                 break;
             }
-            tokio::time::sleep(Duration::from_millis(1)).await;
-            waited += Duration::from_millis(1);
-            if waited > Duration::from_secs(30) {
-                return Err(KvError::Unavailable(
-                    "the DPM has not merged this KN's log for 30 s".into(),
-                ));
+            if started.elapsed() > MAX_MERGE_WAIT {
+                count_merge_wait(started.elapsed());
+                return Err(KvError::Unavailable(format!(
+                    "the DPM has not merged this KN's log for {} s",
+                    MAX_MERGE_WAIT.as_secs()
+                )));
             }
+            waited = true;
+            tokio::time::sleep(Duration::from_millis(1)).await;
         }
-        if !waited.is_zero() {
-            metrics::counter!("dinomo_kn_merge_wait_seconds_total")
-                .increment(waited.as_millis() as u64 / 1000);
+        if waited {
+            count_merge_wait(started.elapsed());
         }
         Ok(())
     }
@@ -1248,6 +1250,18 @@ impl Shard {
 }
 
 /// One aligned 8-byte word (a single READ, atomic per word on every backend).
+/// How long a shard's writes wait for the DPM to merge its log before they fail UNAVAILABLE.
+const MAX_MERGE_WAIT: Duration = Duration::from_secs(30);
+
+/// Counts one wait of a shard's writes for the DPM's merges, and how long it took (elapsed
+/// time, in milliseconds). The counter it replaces, `dinomo_kn_merge_wait_seconds_total`,
+/// added whole seconds of summed 1 ms sleeps, so every wait under a second counted 0.
+fn count_merge_wait(waited: Duration) {
+    metrics::counter!("dinomo_kn_merge_waits_total").increment(1);
+    metrics::counter!("dinomo_kn_merge_wait_milliseconds_total")
+        .increment(waited.as_millis() as u64);
+}
+
 async fn read_word(f: &dyn Fabric, offset: u64) -> KvResult<u64> {
     let b = f.read(offset, 8).await?;
     let bytes: [u8; 8] = b[..]
@@ -1334,6 +1348,33 @@ mod tests {
     use crate::node::KvNode;
     use dinomo_dpm_node::config::DpmConfigFile;
     use dinomo_dpm_node::testkit::InProcessDpm;
+
+    /// Merge waits are counted in elapsed milliseconds: a wait under a second counts.
+    #[test]
+    fn a_merge_wait_under_a_second_is_counted() {
+        use metrics_util::debugging::{DebugValue, DebuggingRecorder};
+        let recorder = DebuggingRecorder::new();
+        let snapshotter = recorder.snapshotter();
+        metrics::with_local_recorder(&recorder, || {
+            count_merge_wait(Duration::from_millis(300));
+            count_merge_wait(Duration::from_millis(450));
+        });
+        let counters: HashMap<String, u64> = snapshotter
+            .snapshot()
+            .into_vec()
+            .into_iter()
+            .filter_map(|(key, _, _, value)| match value {
+                DebugValue::Counter(n) => Some((key.key().name().to_string(), n)),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(counters.get("dinomo_kn_merge_waits_total"), Some(&2));
+        assert_eq!(
+            counters.get("dinomo_kn_merge_wait_milliseconds_total"),
+            Some(&750),
+            "{counters:?}"
+        );
+    }
 
     /// The hit counters describe reads: `dinomo status` divides each by `gets`, so an
     /// existence check made for a conditional write or a delete must not count as one
