@@ -403,9 +403,12 @@ impl UpProc {
 /// group of its own, which all its descendants share: dropping the harness wakes every
 /// stopped process of the group, stops `up` with SIGTERM (it stops its children in order) and
 /// SIGKILLs whatever of the group is left, so nothing outlives a failed test. `up` also gets
-/// SIGTERM if the thread that started it dies (PR_SET_PDEATHSIG).
+/// SIGTERM if the thread that started it dies (PR_SET_PDEATHSIG), so it is started from a
+/// thread of its own that lives as long as the harness ([`Keeper`]).
 pub(crate) struct UpCluster {
     child: Child,
+    /// Dropped after `child` is stopped (fields drop after [`Drop::drop`]).
+    _keeper: Keeper,
     pub dir: tempfile::TempDir,
     pub base: u16,
     /// `up`'s arguments but for the data directory and port base (for [`UpCluster::restart`]).
@@ -570,7 +573,7 @@ impl UpCluster {
                 Ok(())
             });
         }
-        let mut child = cmd.spawn().unwrap();
+        let (mut child, keeper) = Keeper::spawn(cmd);
         // `up` prints its endpoints, then this line, once every node is ready and the map is
         // published. On failure the harness is dropped, which stops the whole process group.
         let ready = dinomo_node_common::wait_for_line(
@@ -582,6 +585,7 @@ impl UpCluster {
         );
         let up = UpCluster {
             child,
+            _keeper: keeper,
             dir,
             base,
             args,
@@ -748,6 +752,31 @@ impl UpCluster {
         // SAFETY: signalling this cluster's own process group.
         unsafe { libc::kill(-pgid, libc::SIGKILL) };
         let _ = self.child.wait();
+    }
+}
+
+/// The thread a child with PR_SET_PDEATHSIG was started from, kept alive until this is dropped.
+/// The signal fires when the *thread* that forked the child exits, not the process: started
+/// from a blocking-pool thread (`spawn_blocking`), which exits after 10 s idle, `up` was
+/// stopped 10 s into a test that left the pool idle that long.
+struct Keeper {
+    _stop: std::sync::mpsc::Sender<()>,
+}
+
+impl Keeper {
+    fn spawn(mut cmd: Command) -> (Child, Keeper) {
+        let (started_tx, started_rx) = std::sync::mpsc::channel();
+        let (stop_tx, stop_rx) = std::sync::mpsc::channel::<()>();
+        std::thread::Builder::new()
+            .name("up-keeper".into())
+            .spawn(move || {
+                let _ = started_tx.send(cmd.spawn());
+                // Returns once the Keeper (its sender) is dropped.
+                let _ = stop_rx.recv();
+            })
+            .unwrap();
+        let child = started_rx.recv().unwrap().unwrap();
+        (child, Keeper { _stop: stop_tx })
     }
 }
 

@@ -197,8 +197,6 @@ async fn failover(fabric: &str, kills: u32, monitor_toml: Option<&str>) {
         "dpm failover on {fabric}: {kills} kills, seed {seed} (replay with DINOMO_DPM_FAILOVER_SEED)"
     );
     let mut rng = StdRng::seed_from_u64(seed);
-    // Started on this thread, not the blocking pool: `up` gets SIGTERM when the thread that
-    // started it exits (PR_SET_PDEATHSIG), and an idle blocking-pool thread exits after 10 s.
     let mut up = UpCluster::start_replicated_on(fabric, 2, 3, monitor_toml);
     let dpm = up.dpm_addr();
     let client = |deadline| {
