@@ -29,7 +29,21 @@ enum KvOp {
     Delete { key: String },
 }
 
+/// Exit status when the command itself failed (the cluster could not be reached, a write's
+/// outcome is unknown, ...), told apart from 1, an answer about the key, as grep does.
+const FAILED: i32 = 2;
+
+/// Runs one command; exits 1 on an answer about the key (not found, already exists) and
+/// [`FAILED`] when the command failed.
 pub async fn run(a: KvArgs) -> anyhow::Result<()> {
+    if let Err(e) = answer(a).await {
+        eprintln!("Error: {e:#}");
+        std::process::exit(FAILED);
+    }
+    Ok(())
+}
+
+async fn answer(a: KvArgs) -> anyhow::Result<()> {
     let client = Client::connect(&[&a.routing])
         .await
         .with_context(|| format!("connecting through the routing node {}", a.routing))?;

@@ -34,7 +34,8 @@ enum Command {
     /// Start a local cluster (dpm-node, KV nodes, routing node) with embedded defaults; Ctrl-C
     /// stops it; running it again reopens the same data.
     Up(up::UpArgs),
-    /// Get, put, insert, update or delete a key.
+    /// Get, put, insert, update or delete a key. Exit status: 0 done, 1 the key was not found
+    /// (or, for insert, exists), 2 the command failed.
     Kv(kv::KvArgs),
     /// Show the cluster: nodes, ownership, hit ratios, round trips per op, DPM state.
     Status(status::StatusArgs),

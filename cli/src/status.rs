@@ -33,14 +33,11 @@ fn ratio(a: u64, b: u64) -> String {
     }
 }
 
-/// Below this many keys the index's bytes per key say nothing about its cost per key: its
-/// first bucket array (8 MiB) is allocated up front, and one key "cost" 8388608.0 B.
-const PER_KEY_FROM: u64 = 1024;
-
-/// The index's bytes per key, as `", N B/key"`; nothing for an index of fewer than
-/// [`PER_KEY_FROM`] keys.
-fn per_key(index_bytes: u64, keys: u64) -> String {
-    if keys < PER_KEY_FROM {
+/// The index's bytes per key, as `", N B/key"`; nothing while the index holds fewer keys than
+/// it has buckets. Its first bucket array (8 MiB) is allocated up front, so until the keys
+/// fill it the figure says nothing about a key's cost (one key "cost" 8388608.0 B).
+fn per_key(index_bytes: u64, keys: u64, buckets: u64) -> String {
+    if keys == 0 || keys < buckets {
         String::new()
     } else {
         format!(", {:.1} B/key", index_bytes as f64 / keys as f64)
@@ -157,7 +154,7 @@ pub async fn run(a: StatusArgs) -> anyhow::Result<()> {
                 share(s.live_log_bytes),
                 s.index_bytes as f64 / 1048576.0,
                 share(s.index_bytes),
-                per_key(s.index_bytes, s.index_items),
+                per_key(s.index_bytes, s.index_items, s.index_buckets),
                 (s.segments_free * s.segment_size) as f64 / 1048576.0,
                 share(s.segments_free * s.segment_size),
             );
@@ -293,9 +290,11 @@ mod tests {
 
     #[test]
     fn no_per_key_figure_for_a_few_keys() {
-        assert_eq!(per_key(8 << 20, 0), "");
-        assert_eq!(per_key(8 << 20, 1), "");
-        assert_eq!(per_key(128_000, 1024), ", 125.0 B/key");
+        let first_array = 8 << 20;
+        assert_eq!(per_key(first_array, 0, 16384), "");
+        assert_eq!(per_key(first_array, 1, 16384), "");
+        assert_eq!(per_key(first_array, 16383, 16384), "");
+        assert_eq!(per_key(first_array, 16384, 16384), ", 512.0 B/key");
     }
 
     #[test]

@@ -1119,29 +1119,33 @@ impl Shard {
     async fn wait_for_merge(&mut self) -> KvResult<()> {
         let started = Instant::now();
         let mut waited = false;
-        while self.sealed.len() > self.cfg.max_unmerged_segments {
+        let result = loop {
+            if self.sealed.len() <= self.cfg.max_unmerged_segments {
+                break Ok(());
+            }
             for id in std::mem::take(&mut self.to_seal) {
                 self.seal(id).await;
             }
-            let pending = self.link.pending().await?;
-            self.apply_pending(&pending);
+            match self.link.pending().await {
+                Ok(pending) => self.apply_pending(&pending),
+                Err(e) => break Err(e),
+            }
             if self.sealed.len() <= self.cfg.max_unmerged_segments {
-                break;
+                break Ok(());
             }
             if started.elapsed() > MAX_MERGE_WAIT {
-                count_merge_wait(started.elapsed());
-                return Err(KvError::Unavailable(format!(
+                break Err(KvError::Unavailable(format!(
                     "the DPM has not merged this KN's log for {} s",
                     MAX_MERGE_WAIT.as_secs()
                 )));
             }
             waited = true;
             tokio::time::sleep(Duration::from_millis(1)).await;
-        }
+        };
         if waited {
             count_merge_wait(started.elapsed());
         }
-        Ok(())
+        result
     }
 
     async fn refresh_merged(&mut self) {
@@ -1249,7 +1253,6 @@ impl Shard {
     }
 }
 
-/// One aligned 8-byte word (a single READ, atomic per word on every backend).
 /// How long a shard's writes wait for the DPM to merge its log before they fail UNAVAILABLE.
 const MAX_MERGE_WAIT: Duration = Duration::from_secs(30);
 
@@ -1262,6 +1265,7 @@ fn count_merge_wait(waited: Duration) {
         .increment(waited.as_millis() as u64);
 }
 
+/// One aligned 8-byte word (a single READ, atomic per word on every backend).
 async fn read_word(f: &dyn Fabric, offset: u64) -> KvResult<u64> {
     let b = f.read(offset, 8).await?;
     let bytes: [u8; 8] = b[..]

@@ -456,9 +456,25 @@ async fn a_new_user_runs_the_readme_commands_unchanged_over_tls() {
         .unwrap();
     let err = String::from_utf8_lossy(&refused.stderr);
     assert_eq!(refused.status.code(), Some(1), "{err}");
-    assert!(
-        err.contains("greeting: already exists") && !err.contains("backtrace"),
+    assert!(refused.stdout.is_empty(), "{err}");
+    assert_eq!(
+        err.lines()
+            .filter(|l| l.contains("greeting") || l.contains("acktrace") || l.contains("Error"))
+            .collect::<Vec<_>>(),
+        ["greeting: already exists"],
         "{err}"
+    );
+    // A command that fails exits 2, apart from an answer about the key.
+    let failed = std::process::Command::new(env!("CARGO_BIN_EXE_dinomo"))
+        .current_dir(&home)
+        .args(["kv", "--routing", "127.0.0.1:1", "get", "greeting"])
+        .output()
+        .unwrap();
+    assert_eq!(
+        failed.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&failed.stderr)
     );
     let (ok, out) = dinomo(
         &home,
