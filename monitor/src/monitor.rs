@@ -677,12 +677,7 @@ impl Monitor {
             let _g = self.reconfig.lock().await;
             let current = self.current_map().await?;
             if !current.contains(kn) {
-                anyhow::bail!(
-                    "KN {kn} is not in the cluster map (version {}, KNs {}); `dinomo admin status` lists \
-                     the monitor's recent decisions",
-                    current.version,
-                    kn_list(&current)
-                );
+                anyhow::bail!(not_in_map(kn, &current));
             }
             let floor = self.policy_config().min_kns.max(1) as usize;
             if current.kns.len() <= floor {
@@ -1163,14 +1158,20 @@ pub fn unix_ms(t: SystemTime) -> u64 {
         .map_or(0, |d| d.as_millis() as u64)
 }
 
-/// The KNs of `map`, as an error message lists them ("1, 3", or "none").
-pub(crate) fn kn_list(map: &ClusterMap) -> String {
+/// Why a KN cannot be removed or failed: it is not in `map`. Names the map's KNs, since the
+/// monitor may have removed it itself (an idle KN, after the grace period).
+pub(crate) fn not_in_map(kn: KnId, map: &ClusterMap) -> String {
     let ids: Vec<String> = map.kn_ids().map(|k| k.to_string()).collect();
-    if ids.is_empty() {
-        "none".into()
+    let kns = if ids.is_empty() {
+        "none".to_string()
     } else {
         ids.join(", ")
-    }
+    };
+    format!(
+        "KN {kn} is not in the cluster map (version {}, KNs {kns}); `dinomo admin status` lists \
+         the monitor's recent decisions",
+        map.version
+    )
 }
 
 #[cfg(test)]

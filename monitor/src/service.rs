@@ -186,11 +186,8 @@ impl MonitorService for Service {
         let kn = req.into_inner().kn_id;
         let map = self.monitor.current_map().await.map_err(failed)?;
         if !map.contains(kn) {
-            return Err(Status::invalid_argument(format!(
-                "KN {kn} is not in the cluster map (version {}, KNs {}); `dinomo admin status` lists \
-                 the monitor's recent decisions",
-                map.version,
-                crate::monitor::kn_list(&map)
+            return Err(Status::invalid_argument(crate::monitor::not_in_map(
+                kn, &map,
             )));
         }
         let before = self.monitor.recoveries().len();
