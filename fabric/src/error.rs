@@ -50,7 +50,7 @@ pub enum FabricError {
         region_len: u64,
     },
     /// Atomic operations need an 8-byte aligned address.
-    #[error("misaligned atomic at offset {offset}: CAS and FAA need 8-byte alignment")]
+    #[error("misaligned atomic at offset {offset}: CAS, FAA and word reads need 8-byte alignment")]
     Misaligned { offset: u64 },
     /// The transport failed; operations of this post may or may not have been applied.
     #[error("transport failed: {0}")]

@@ -66,16 +66,11 @@ const MAX_QUEUED_BYTES: u64 = 64 << 20;
 const MAX_POST_BYTES: u64 = 16 << 20;
 const MAX_POST_OPS: usize = 1024;
 
-/// Copies `[offset, offset + out.len())` (8-byte aligned) with 8-byte atomic loads, as the
-/// CPU writes words back: a word being CASed concurrently is copied old or new, never torn.
-fn read_words(region: &PmRegion, offset: u64, out: &mut [u8]) -> dinomo_fabric::Result<()> {
-    region.check(offset, out.len() as u64)?;
-    debug_assert!(offset.is_multiple_of(8) && out.len().is_multiple_of(8));
-    for (i, w) in out.chunks_exact_mut(8).enumerate() {
-        let v = region.word(offset + 8 * i as u64)?.load(Ordering::Acquire);
-        w.copy_from_slice(&v.to_le_bytes());
-    }
-    Ok(())
+/// The bytes of the pool a copy covers: all but a tail shorter than a word, in a pool whose
+/// length is not a multiple of 8 (a config may ask for one). The copy reads whole words, and
+/// that tail is past the last segment, where nothing is ever written.
+fn copied_len(region: &PmRegion) -> u64 {
+    region.len() & !7
 }
 
 /// Has a backup record, durably, that its copy is complete and the replica set's generation
@@ -549,9 +544,9 @@ impl Replicator {
     fn copy_lines(region: &PmRegion, offset: u64, len: u64) -> dinomo_fabric::Result<(u64, Bytes)> {
         let start = offset & !63;
         let end = (offset + len).div_ceil(64) * 64;
-        let end = end.min(region.len());
+        let end = end.min(copied_len(region));
         let mut buf = vec![0u8; (end - start) as usize];
-        read_words(region, start, &mut buf)?;
+        region.read_words(start, &mut buf)?;
         Ok((start, Bytes::from(buf)))
     }
 
@@ -628,12 +623,13 @@ impl Replicator {
         let mut sync_until = 0;
         let mut off = 0;
         let mut index = 0;
-        let mut chunk = vec![0u8; chunk_bytes.min(self.region.len()) as usize];
-        while off < self.region.len() {
+        let copied = copied_len(&self.region);
+        let mut chunk = vec![0u8; chunk_bytes.min(copied) as usize];
+        while off < copied {
             if b.stop.load(Ordering::Acquire) || b.phase.lock().failed() {
                 return Ok(());
             }
-            let len = chunk_bytes.min(self.region.len() - off);
+            let len = chunk_bytes.min(copied - off);
             let chunk = &mut chunk[..len as usize];
             // Reading and comparing a chunk (up to 16 MiB) must not hold up the runtime's
             // other tasks (see `outside_the_runtime`).
@@ -674,7 +670,7 @@ impl Replicator {
         let len = chunk.len() as u64;
         for (i, piece) in chunk.chunks_mut(CHUNK as usize).enumerate() {
             let _st = self.state.lock();
-            read_words(&self.region, off + i as u64 * CHUNK, piece)?;
+            self.region.read_words(off + i as u64 * CHUNK, piece)?;
             // Everything queued for it so far (seqs are shared by all backups: another
             // backup's chunks take seqs this one never acknowledges).
             *sync_until = b.queue.lock().last_queued;
@@ -691,7 +687,7 @@ impl Replicator {
         for (i, piece) in chunk.chunks_mut(CHUNK as usize).enumerate() {
             let at = off + i as u64 * CHUNK;
             let mut st = self.state.lock();
-            read_words(&self.region, at, piece)?;
+            self.region.read_words(at, piece)?;
             let data = Bytes::copy_from_slice(piece);
             Self::enqueue(&mut st, std::slice::from_ref(b), at, data);
             *sync_until = b.queue.lock().last_queued;
@@ -961,6 +957,30 @@ mod tests {
             },
         );
         (region, r)
+    }
+
+    /// A pool whose length is not a multiple of 8 is copied up to its last whole word: the
+    /// copy reads words, and the tail lies past every segment.
+    #[test]
+    fn a_pool_of_a_ragged_length_is_copied_to_its_last_whole_word() {
+        let dir = tempfile::tempdir().unwrap();
+        let len = (1 << 20) + 12;
+        let region = PmRegion::create(
+            &dir.path().join("pool"),
+            len,
+            DurabilityRequest::ProcessCrash,
+        )
+        .unwrap();
+        region.write(len - 12, &[9u8; 12]).unwrap();
+        let (start, data) = Replicator::copy_lines(&region, len - 20, 16).unwrap();
+        assert_eq!(start, (1 << 20) - 64);
+        assert_eq!(
+            data.len(),
+            72,
+            "64 bytes of the last line, then one whole word"
+        );
+        assert_eq!(&data[64..], &[9u8; 8]);
+        assert_eq!(copied_len(&region), (1 << 20) + 8);
     }
 
     /// An address nothing listens on: a sender's connect fails at once.

@@ -1,5 +1,6 @@
 //! Spawns the real dpm-node binary on loopback ports chosen by the OS.
 
+use std::io::Write;
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command};
@@ -13,6 +14,9 @@ pub struct DpmProcess {
     pub grpc: SocketAddr,
     /// The tcp fabric NIC's address; `None` when the node serves shm (it prints `shm:PATH`).
     pub fabric: Option<SocketAddr>,
+    /// Its stderr: the tail is printed when a test panics with the node alive (the tempdir
+    /// holding it goes with the test).
+    log: PathBuf,
 }
 
 /// Writes a config for a small test pool and returns its path.
@@ -64,6 +68,7 @@ impl DpmProcess {
             grpc: field("grpc=").unwrap_or_else(|| panic!("bad READY line {line:?}")),
             fabric: field("fabric="),
             child,
+            log: log.to_path_buf(),
         })
     }
 
@@ -108,5 +113,22 @@ impl Drop for DpmProcess {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if std::thread::panicking() {
+            let bytes = std::fs::read(&self.log).unwrap_or_default();
+            let text = String::from_utf8_lossy(&bytes);
+            let lines: Vec<&str> = text.lines().collect();
+            let tail = &lines[lines.len().saturating_sub(LOG_TAIL_LINES)..];
+            // Not eprintln!: a failed write while unwinding must not panic again (abort).
+            let _ = writeln!(
+                std::io::stderr(),
+                "--- last {} lines of {} ---\n{}",
+                tail.len(),
+                self.log.display(),
+                tail.join("\n")
+            );
+        }
     }
 }
+
+/// Lines of a node's log shown when a test fails.
+const LOG_TAIL_LINES: usize = 40;

@@ -107,6 +107,10 @@ pub(super) async fn wait_in_sync(primary: std::net::SocketAddr, n: usize) -> Rep
     loop {
         let s = replica_status(primary).await;
         if s.backups.len() == n && s.backups.iter().all(|b| b.state == "in-sync") {
+            // How long the copies took: how close a passing run came to the deadline (shown
+            // with --nocapture, as the VM runs tests, or when the test fails later).
+            let copies: Vec<_> = s.backups.iter().map(|b| b.resync_ms).collect();
+            println!("{n} backups in sync; their copies took {copies:?} ms");
             return s;
         }
         assert!(Instant::now() < deadline, "backups not in sync: {s:?}");
