@@ -146,7 +146,7 @@ impl Store {
         (v != NIL).then(|| &self.vals[v as usize])
     }
 
-    fn cost(&self, idx: u32) -> usize {
+    pub fn cost(&self, idx: u32) -> usize {
         let s = &self.slots[idx as usize];
         match self.value(idx) {
             Some(v) => value_cost(s.key.len(), v.len()),
@@ -309,6 +309,22 @@ impl Store {
         debug_assert!(!self.slots[idx as usize].is_value());
         self.unlink(idx);
         self.slots[idx as usize].value = self.alloc_value(value);
+        self.link(idx);
+    }
+
+    /// A cached key written: its shortcut and value replaced in place, its count kept, and
+    /// it becomes the most recently used value (what removing and inserting it again does).
+    /// The caller has made room.
+    pub fn rewrite(&mut self, idx: u32, shortcut: Shortcut, value: Bytes) {
+        self.unlink(idx);
+        let old = self.slots[idx as usize].value;
+        if old != NIL {
+            self.free_value(old);
+        }
+        let v = self.alloc_value(value);
+        let s = &mut self.slots[idx as usize];
+        s.shortcut = shortcut;
+        s.value = v;
         self.link(idx);
     }
 

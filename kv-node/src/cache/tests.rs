@@ -809,6 +809,68 @@ proptest! {
     }
 }
 
+/// Everything a caller or a later decision of the cache can see: each key's entry and count,
+/// the counters, the LRU order of values and the LFU order of shortcuts.
+fn snapshot(c: &Cache) -> String {
+    let keys = |it: &mut dyn Iterator<Item = u32>| -> Vec<Vec<u8>> {
+        it.map(|i| c.store.slot(i).key.to_vec()).collect()
+    };
+    let entries: Vec<_> = (0..KEYS)
+        .map(|k| {
+            let key = pkey(k);
+            let hits = c.store.find(&key).map(|i| c.store.slot(i).hits);
+            (format!("{:?}", c.peek(&key)), hits)
+        })
+        .collect();
+    format!(
+        "{entries:?}\n{:?}\nlru {:?}\nlfu {:?}",
+        c.stats(),
+        keys(&mut c.store.lru_iter()),
+        keys(&mut c.store.lfu_iter())
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(256))]
+
+    /// The in-place write path leaves the cache exactly as taking the key out and placing it
+    /// again did, under every policy and any sequence of operations.
+    #[test]
+    fn a_write_in_place_is_the_same_as_replacing_the_entry(
+        policy in any_policy(),
+        budget in 0..4000usize,
+        ops in prop::collection::vec(op(), 1..300),
+    ) {
+        let mut in_place = cache(policy, budget);
+        let mut replaced = cache(policy, budget);
+        for (version, op) in (0u64..).zip(ops) {
+            for (c, by_replacing) in [(&mut in_place, false), (&mut replaced, true)] {
+                match &op {
+                    Op::Read(k, rts) => match c.lookup(&pkey(*k)) {
+                        Lookup::Shortcut(_) => c.on_shortcut_read(&pkey(*k), val(10, *k), *rts),
+                        Lookup::Miss => c.on_miss_read(&pkey(*k), sc(u64::from(*k), version), val(10, *k), *rts),
+                        Lookup::Value { .. } => {}
+                    },
+                    Op::Write(k, len) => {
+                        let s = sc(u64::from(*k), version + 1);
+                        if by_replacing {
+                            c.on_write_by_replacing(&pkey(*k), s, val(*len, *k));
+                        } else {
+                            c.on_write(&pkey(*k), s, val(*len, *k));
+                        }
+                    }
+                    Op::Delete(k) | Op::Move(k) => c.invalidate(&pkey(*k)),
+                    Op::Refresh(k, rts) => c.on_miss_read(&pkey(*k), sc(u64::from(*k), version), val(10, *k), *rts),
+                    Op::StrayShortcutRead(k) => c.on_shortcut_read(&pkey(*k), val(10, *k), 1),
+                    Op::SetBudget(b) => c.set_budget(*b),
+                }
+                c.check();
+            }
+            prop_assert_eq!(snapshot(&in_place), snapshot(&replaced), "after {:?}", op);
+        }
+    }
+}
+
 /// A write's value is a buffer of its own and is kept as it is (no second copy); a value READ
 /// from the DPM is a view into the READ's buffer and is copied, so the cache never keeps that
 /// larger buffer alive.
