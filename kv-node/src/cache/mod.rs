@@ -388,20 +388,22 @@ impl Cache {
     /// count is kept (a key not cached gets the initial count, see the module doc). `value`
     /// must be a buffer of its own (a write's is: see `ShardOp::Put`); it is kept as it is.
     pub fn on_write(&mut self, key: &[u8], shortcut: Shortcut, value: Bytes) {
-        if matches!(self.policy, Policy::Dac) {
-            if let Some(idx) = self.store.find(key) {
+        let hits = match self.store.find(key) {
+            Some(idx) => {
                 // What taking the key out and placing it again does when the new value fits
                 // in the room the old entry leaves (DAC then caches the value, with the count
                 // kept, at the recent end): done in place, without hashing the key twice more
                 // and reallocating it.
                 let room = self.free_bytes() + self.store.cost(idx);
-                if value_cost(key.len(), value.len()) <= room {
+                if matches!(self.policy, Policy::Dac) && value_cost(key.len(), value.len()) <= room
+                {
                     self.store.rewrite(idx, shortcut, value);
                     return;
                 }
+                Some(self.store.remove(idx).hits)
             }
-        }
-        let hits = self.take(key);
+            None => None,
+        };
         self.place(key, shortcut, value, Source::Own, hits);
     }
 

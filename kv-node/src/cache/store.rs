@@ -313,8 +313,9 @@ impl Store {
     }
 
     /// A cached key written: its shortcut and value replaced in place, its count kept, and
-    /// it becomes the most recently used value (what removing and inserting it again does).
-    /// The caller has made room.
+    /// it becomes the most recently used value (what removing and inserting it again does,
+    /// as far as anything outside the store can see: the slot and the slabs are kept even
+    /// when it is the only key). The caller has made room.
     pub fn rewrite(&mut self, idx: u32, shortcut: Shortcut, value: Bytes) {
         self.unlink(idx);
         let old = self.slots[idx as usize].value;
