@@ -249,9 +249,6 @@ expect_failure "fraction out of range (policy.over_utilized=1.5)" \
   "/monitor/config/policy/over_utilized" --set-json monitor.config.policy.over_utilized=1.5
 expect_render_failure "verbs without RDMA (dpm.fabric.kind=verbs, rdma.enabled=false)" \
   "needs rdma.enabled" --set dpm.fabric.kind=verbs
-expect_render_failure "backups on the verbs fabric (dpm.replication.backups=2, dpm.fabric.kind=verbs)" \
-  "dpm.replication.backups needs dpm.fabric.kind" -f "$chart/ci/rdma-on-values.yaml" \
-  --set dpm.fabric.kind=verbs --set dpm.replication.backups=2
 expect_render_failure "backups on device-DAX (dpm.replication.backups=1, dpm.pm.type=devdax)" \
   "dpm.pm.type devdax is not offered" -f "$chart/ci/devdax-values.yaml" --set dpm.replication.backups=1
 expect_failure "ack timeout above the KNs' fabric deadline (dpm.replication.ackTimeoutMs=6000)" \
@@ -389,6 +386,20 @@ def one(docs, kind, name, where):
 def args_of(container):
     return container.get("args", [])
 
+def rdma_settings(sts):
+    """What a StatefulSet's pods get for RDMA: extended resources (limits named like
+    vendor/name), added capabilities and the user they run as (IPC_LOCK needs uid 0), the host
+    network and its DNS policy, and the Multus networks annotation."""
+    tpl = sts["spec"]["template"]
+    c = tpl["spec"]["containers"][0]
+    sc = c.get("securityContext", {})
+    return ({k: v for k, v in c.get("resources", {}).get("limits", {}).items() if "/" in k},
+            sc.get("capabilities", {}).get("add", []),
+            sc.get("runAsUser"),
+            tpl["spec"].get("hostNetwork", False),
+            tpl["spec"].get("dnsPolicy"),
+            tpl["metadata"].get("annotations", {}).get("k8s.v1.cni.cncf.io/networks"))
+
 def arg(container, flag):
     for a in args_of(container):
         if a.startswith(flag + "="):
@@ -498,7 +509,16 @@ for path in sorted(glob.glob(os.path.join(out, "*.yaml"))):
                 bport = int(arg(bc, "--listen").rsplit(":", 1)[1])
                 want = [f"{bname}-{i}.{bsvc}.{namespace}.svc:{bport}" for i in range(b["spec"]["replicas"])]
                 check(attached == want, f"{where}: the primary attaches {attached}, the backup pods are {want}")
-                check(arg(bc, "--role") == "backup" and arg(bc, "--fabric") == "tcp", f"{where}: {bname} is not a tcp backup")
+                # Promoted in place, a backup serves the KNs the primary's fabric: it gets the
+                # same RDMA settings as the primary with verbs, and none with tcp (its
+                # primary's link to it is tcp on every fabric).
+                check(arg(bc, "--role") == "backup", f"{where}: {bname} does not run --role=backup")
+                check(arg(bc, "--fabric") == arg(dc, "--fabric"), f"{where}: {bname} serves {arg(bc, '--fabric')!r} once promoted, the primary {arg(dc, '--fabric')!r}")
+                check(arg(bc, "--rdma-device") == arg(dc, "--rdma-device"), f"{where}: {bname} --rdma-device {arg(bc, '--rdma-device')!r}, the primary {arg(dc, '--rdma-device')!r}")
+                if arg(dc, "--fabric") == "verbs":
+                    check(rdma_settings(b) == rdma_settings(dpm), f"{where}: {bname}'s RDMA settings {rdma_settings(b)} are not the primary's {rdma_settings(dpm)}")
+                else:
+                    check(rdma_settings(b) == ({}, [], None, False, None, None), f"{where}: {bname} is a tcp backup with RDMA settings {rdma_settings(b)}")
                 bf = arg(bc, "--fabric-listen").rsplit(":", 1)[1]
                 check(arg(bc, "--fabric-advertise") == f"$(POD_NAME).{bsvc}.{namespace}.svc:{bf}", f"{where}: {bname} advertises {arg(bc, '--fabric-advertise')!r}")
                 check(any(e["name"] == "POD_NAME" and e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") == "metadata.name" for e in bc.get("env", [])),

@@ -60,7 +60,9 @@ pub struct Args {
     pub prefault: Option<bool>,
     /// primary (the default) or backup: a backup holds a mirror of a primary's pool, written
     /// only by the primary that attaches it (over the tcp fabric NIC on --fabric-listen), and
-    /// is promoted by starting it again as a primary on the same pool (overrides role).
+    /// is promoted by starting it again as a primary on the same pool, or in place by the
+    /// monitor. A backup's --fabric says what it serves its KNs once promoted: verbs (it
+    /// needs an RDMA device then), or tcp for any other setting (overrides role).
     #[arg(long, env = "DINOMO_DPM_ROLE")]
     pub role: Option<ReplicaRole>,
     /// A backup's gRPC address, repeatable or comma-separated: this primary replicates its

@@ -387,6 +387,9 @@ async fn run_backup(
         config.fabric_listen,
         config.fabric_advertise.clone(),
     )?);
+    if config.fabric == FabricKind::Verbs {
+        check_backup_can_serve_verbs(&config)?;
+    }
     backup.hold_pool_lock(lock).await;
     let listener = tokio::net::TcpListener::bind(config.listen)
         .await
@@ -435,6 +438,67 @@ async fn run_backup(
             Ok(None)
         }
     }
+}
+
+/// A backup configured for verbs serves verbs once promoted (see
+/// [`crate::replication::backup::fabric_once_promoted`]), on the pool file it creates beside
+/// its pool path when a primary attaches. Whatever would stop that (no RDMA device, too little
+/// locked memory, a kernel that does not let RDMA pin that filesystem's file pages, a
+/// durability that filesystem cannot give) is found now, at the backup's start, by a 4 KiB
+/// probe file beside the pool mapped as the pool will be and registered as the NIC will,
+/// instead of at the failover.
+fn check_backup_can_serve_verbs(config: &DpmConfig) -> Result<()> {
+    let mut probe = config.pool_path.as_os_str().to_owned();
+    probe.push(".verbs-probe");
+    let probe = PathBuf::from(probe);
+    let refused = |why: String| {
+        DpmError::Config(format!(
+            "fabric = \"verbs\" on a backup: {why}, so it could not serve its KNs once \
+             promoted; fix that, or run the backup with fabric = \"tcp\" (a probe file \
+             beside the pool, {}, found it)",
+            probe.display()
+        ))
+    };
+    let region = dinomo_fabric::pm::PmRegion::create(&probe, 4096, config.durability);
+    let checked = region
+        .map_err(|e| {
+            refused(format!(
+                "its pool file cannot be mapped with the configured durability: {e}"
+            ))
+        })
+        .and_then(|region| {
+            if matches!(region.durability(), dinomo_fabric::Durability::Dax(_)) {
+                return Err(refused(format!(
+                    "its pool {} would be a file on a DAX filesystem, whose pages the kernel \
+                     does not let RDMA register; put the backup's pool on a filesystem \
+                     without DAX (tmpfs always works)",
+                    config.pool_path.display()
+                )));
+            }
+            registrable(config, Arc::new(region)).map_err(refused)
+        });
+    let _ = std::fs::remove_file(&probe);
+    checked
+}
+
+#[cfg(feature = "rdma")]
+fn registrable(
+    config: &DpmConfig,
+    region: Arc<dinomo_fabric::PmRegion>,
+) -> std::result::Result<(), String> {
+    let device = dinomo_fabric::verbs::check_registration(config.rdma_device.as_deref(), &region)
+        .map_err(|e| format!("its RDMA device cannot register a pool file there ({e})"))?;
+    tracing::info!(device, "checked: this backup's RDMA device registers pool files beside its pool (it serves verbs once promoted)");
+    Ok(())
+}
+
+/// Without `rdma` the config refuses verbs before this runs.
+#[cfg(not(feature = "rdma"))]
+fn registrable(
+    _config: &DpmConfig,
+    _region: Arc<dinomo_fabric::PmRegion>,
+) -> std::result::Result<(), String> {
+    Err("this binary was built without the `rdma` cargo feature".into())
 }
 
 /// Runs `serve` (a gRPC server with graceful shutdown) until it ends, or until

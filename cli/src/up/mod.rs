@@ -92,6 +92,20 @@ pub struct UpArgs {
     pub monitor_config: Option<PathBuf>,
 }
 
+/// A backup's arguments: the security ones, and with verbs the fabric it serves its KNs once
+/// promoted in place (`dinomo admin promote-backup`) and its RDMA device; on shm and tcp a
+/// promoted backup serves tcp (see the dpm-node's `--role`).
+fn backup_args(security: Vec<String>, fabric: &str, rdma_device: &Option<String>) -> Vec<String> {
+    let mut args = security;
+    if fabric == "verbs" {
+        args.extend(["--fabric".into(), "verbs".into()]);
+        if let Some(d) = rdma_device {
+            args.extend(["--rdma-device".into(), d.clone()]);
+        }
+    }
+    args
+}
+
 /// A child node and the line it printed when ready.
 pub(crate) struct Node {
     name: String,
@@ -339,7 +353,7 @@ pub async fn run(a: UpArgs) -> anyhow::Result<()> {
                     logs: &logs,
                     primary_args,
                     pool: pool.clone(),
-                    node_args: secured.node_args("dpm")?,
+                    node_args: backup_args(secured.node_args("dpm")?, &fabric, &a.rdma_device),
                 })
                 .await?,
             );
@@ -505,5 +519,23 @@ mod tests {
         assert_eq!(delays, [0, 500, 1000, 2000, 4000, 8000, 8000, 8000]);
         let total: u64 = delays.iter().sum();
         assert!(total < RESTART_WINDOW.as_millis() as u64, "{total}");
+    }
+
+    /// Backups of a verbs cluster serve verbs once promoted in place, on the named device;
+    /// on shm and tcp they get only the security arguments (promoted, they serve tcp).
+    #[test]
+    fn backups_of_a_verbs_cluster_are_told_verbs_and_its_device() {
+        let sec = vec!["--insecure".to_string()];
+        let dev = Some("rxe0".to_string());
+        assert_eq!(backup_args(sec.clone(), "tcp", &None), sec);
+        assert_eq!(backup_args(sec.clone(), "shm", &None), sec);
+        assert_eq!(
+            backup_args(sec.clone(), "verbs", &dev),
+            ["--insecure", "--fabric", "verbs", "--rdma-device", "rxe0"]
+        );
+        assert_eq!(
+            backup_args(sec, "verbs", &None),
+            ["--insecure", "--fabric", "verbs"]
+        );
     }
 }

@@ -93,17 +93,31 @@ pub struct Promotion {
 
 impl Promotion {
     /// The backup's `config` turned into its primary's: same pool, gRPC at `grpc` (the address
-    /// the backup served on, port 0 resolved), the tcp fabric at the backup's NIC address,
-    /// replicating to the promotion's backups. The pool exists: never formatted.
+    /// the backup served on, port 0 resolved), the fabric the promoted primary serves
+    /// ([`fabric_once_promoted`]) at the backup's NIC address, replicating to the promotion's
+    /// backups. The pool exists: never formatted.
     pub fn apply(&self, config: &mut crate::config::DpmConfig, grpc: SocketAddr) {
         config.role = crate::config::ReplicaRole::Primary;
         config.listen = grpc;
         if let Some(fabric) = self.fabric {
             config.fabric_listen = fabric;
         }
-        config.fabric = crate::config::FabricKind::Tcp;
+        config.fabric = fabric_once_promoted(config.fabric);
         config.backups = self.backups.clone();
         config.create = false;
+    }
+}
+
+/// The fabric a backup configured with `configured` serves its KNs once promoted. The mirror
+/// link from its primary is the tcp NIC whatever the setting, so the setting says only what
+/// comes after: `verbs` (the backup has an RDMA device, as its primary's KNs do) serves
+/// verbs; anything else serves tcp, which reaches KNs on any host (a backup's pool is its own
+/// file, so shm KNs, which map the primary's pool, could not follow it there).
+pub fn fabric_once_promoted(configured: crate::config::FabricKind) -> crate::config::FabricKind {
+    use crate::config::FabricKind;
+    match configured {
+        FabricKind::Verbs => FabricKind::Verbs,
+        FabricKind::Shm | FabricKind::Tcp => FabricKind::Tcp,
     }
 }
 
@@ -1158,5 +1172,34 @@ mod tests {
         remove_copy_marker(&pool).unwrap();
         remove_copy_marker(&pool).unwrap();
         assert_eq!(read_copy_marker(&pool).unwrap(), None);
+    }
+
+    /// A promoted backup serves verbs when it was configured for verbs (its KNs are on RDMA,
+    /// and a Kubernetes backup pod gets the device), and tcp otherwise, at the address its
+    /// fabric NIC had, with the promotion's backups.
+    #[test]
+    fn a_promotion_keeps_verbs_and_turns_every_other_fabric_into_tcp() {
+        use crate::config::{DpmConfigFile, FabricKind, ReplicaRole};
+        for (configured, served) in [
+            (FabricKind::Shm, FabricKind::Tcp),
+            (FabricKind::Tcp, FabricKind::Tcp),
+            (FabricKind::Verbs, FabricKind::Verbs),
+        ] {
+            // Validated as tcp: a build without `rdma` refuses a verbs config.
+            let file = DpmConfigFile::from_toml("role = \"backup\"\nfabric = \"tcp\"", "t");
+            let mut config = file.unwrap().validate().unwrap();
+            config.fabric = configured;
+            let promotion = Promotion {
+                backups: vec!["b2:7000".into()],
+                fabric: Some("10.0.0.5:7101".parse().unwrap()),
+            };
+            promotion.apply(&mut config, "10.0.0.5:7100".parse().unwrap());
+            assert_eq!(config.fabric, served, "configured {configured:?}");
+            assert_eq!(config.role, ReplicaRole::Primary);
+            assert_eq!(config.fabric_listen, "10.0.0.5:7101".parse().unwrap());
+            assert_eq!(config.listen, "10.0.0.5:7100".parse().unwrap());
+            assert_eq!(config.backups, vec!["b2:7000".to_string()]);
+            assert!(!config.create);
+        }
     }
 }

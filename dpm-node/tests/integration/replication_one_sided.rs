@@ -21,12 +21,16 @@ use super::replication::{
     check_pool, promote, record, register, two_backups_on, wait_in_sync, GrpcSource,
 };
 
-type Writer = LogWriter<Box<dyn Fabric>, GrpcSource>;
+pub(super) type Writer = LogWriter<Box<dyn Fabric>, GrpcSource>;
 
 /// Registers KN `kn_id` at `dpm` and returns whether the registration asks it to forward its
 /// writes, and its log writer over the fabric the DPM names (shm, or verbs in a build with
 /// `rdma`), forwarding its batches when `forward` (and the registration asks for it).
-async fn one_sided_writer(dpm: &DpmProcess, kn_id: u32, forward: bool) -> (bool, Writer) {
+pub(super) async fn one_sided_writer(
+    dpm: &DpmProcess,
+    kn_id: u32,
+    forward: bool,
+) -> (bool, Writer) {
     let (client, r, key) = register(dpm, kn_id).await;
     let f = r.fabric.as_ref().unwrap();
     let fabric: Box<dyn Fabric> = match f.kind() {
@@ -50,7 +54,7 @@ async fn one_sided_writer(dpm: &DpmProcess, kn_id: u32, forward: bool) -> (bool,
     (r.forward_writes, LogWriter::new(fabric, source))
 }
 
-async fn append_all(w: &mut Writer, keys: std::ops::Range<u32>) {
+pub(super) async fn append_all(w: &mut Writer, keys: std::ops::Range<u32>) {
     for chunk in keys.collect::<Vec<_>>().chunks(8) {
         let recs: Vec<LogRecord> = chunk.iter().map(|&i| record(i)).collect();
         w.append(&recs).await.unwrap();
@@ -185,15 +189,7 @@ async fn a_promoted_primary_refuses_forwards_of_sessions_it_did_not_grant() {
     promote(b1.grpc, vec![b2.grpc.to_string()], s.term)
         .await
         .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(30);
-    // The backup's server stops and the primary's starts on the same address.
-    while !is_primary(b1.grpc).await {
-        assert!(
-            Instant::now() < deadline,
-            "b1 does not answer as the primary"
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_until_primary(b1.grpc, Duration::from_secs(30)).await;
     // The KN stores a batch into the old pool (its mapping still works) and forwards it to
     // the primary it finds at the DPM's address now.
     w.source_mut().forward = false;
@@ -321,6 +317,19 @@ async fn a_kn_that_does_not_forward_is_refused_by_a_replicated_shm_primary() {
     primary.kill9();
     b1.kill9();
     b2.kill9();
+}
+
+/// Waits until the backup promoted in place at `addr` answers as the primary: its backup
+/// server stops and the primary's starts on the same address.
+pub(super) async fn wait_until_primary(addr: std::net::SocketAddr, within: Duration) {
+    let deadline = Instant::now() + within;
+    while !is_primary(addr).await {
+        assert!(
+            Instant::now() < deadline,
+            "{addr} does not answer as the primary"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// Whether `addr` answers as a primary now (false while nothing listens there).

@@ -13,6 +13,8 @@ use dinomo_fabric::verbs::{device_names, VerbsFabric};
 use dinomo_fabric::{FabricError, FabricExt};
 use dinomo_layout::segment::HEADER_SIZE;
 
+use super::process::DpmProcess;
+
 /// Whether an RDMA device is here; without one says the test is skipped (outside the test VM)
 /// or fails it (inside: DINOMO_VM=1).
 fn rdma_device_here() -> bool {
@@ -115,4 +117,154 @@ async fn replication_with_verbs_kns_keeps_what_they_forward() {
     }
     super::replication_one_sided::forwarded_writes_survive_the_primary("verbs").await;
     super::replication_one_sided::merge_ships_unforwarded_batches("verbs").await;
+}
+
+/// A backup configured for verbs, promoted in place after the primary's death, serves its KNs
+/// verbs (a KN registering there is told verbs and stores through its RDMA NIC), holds what
+/// the old primary's KN forwarded, and replicates the new KN's batches to the other backup.
+/// Before, a promoted backup served tcp whatever its KNs were on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_verbs_backup_promoted_in_place_serves_verbs() {
+    use super::replication::{check_pool, config, promote, wait_in_sync};
+    use super::replication_one_sided::{append_all, one_sided_writer, wait_until_primary};
+    use std::time::Duration;
+
+    if !rdma_device_here() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let backup = "role = \"backup\"\nfabric = \"verbs\"";
+    let (c1, pool1) = config(dir.path(), "b1", backup);
+    let (c2, pool2) = config(dir.path(), "b2", backup);
+    let mut b1 = DpmProcess::start(&c1, &dir.path().join("b1.log"));
+    let mut b2 = DpmProcess::start(&c2, &dir.path().join("b2.log"));
+    let (cp, _) = config(
+        dir.path(),
+        "p",
+        &format!(
+            "fabric = \"verbs\"\nbackups = [\"{}\", \"{}\"]",
+            b1.grpc, b2.grpc
+        ),
+    );
+    let mut primary = DpmProcess::start(&cp, &dir.path().join("p.log"));
+    let s = wait_in_sync(primary.grpc, 2).await;
+    let (_, mut old_kn) = one_sided_writer(&primary, 1, true).await;
+    append_all(&mut old_kn, 0..100).await;
+
+    primary.kill9();
+    promote(b1.grpc, vec![b2.grpc.to_string()], s.term)
+        .await
+        .unwrap();
+    wait_until_primary(b1.grpc, Duration::from_secs(60)).await;
+    // It acknowledges nothing (registrations included) until a backup took its term.
+    wait_in_sync(b1.grpc, 1).await;
+    let (_, r, _) = super::replication::register(&b1, 3).await;
+    let kind = r.fabric.as_ref().unwrap().kind();
+    assert_eq!(
+        kind,
+        dinomo_proto::dpm::FabricKind::Verbs,
+        "the promoted backup serves {kind:?}"
+    );
+    let (asked, mut new_kn) = one_sided_writer(&b1, 2, true).await;
+    assert!(
+        asked,
+        "the promoted primary, replicated, asks its KNs to forward"
+    );
+    append_all(&mut new_kn, 100..200).await;
+
+    b1.kill9();
+    b2.kill9();
+    for pool in [&pool1, &pool2] {
+        let (bad, _) = check_pool(pool, &[1, 2], 0..200);
+        assert!(
+            bad.is_empty(),
+            "{} of 200 forwarded records missing in {} (first: key-{})",
+            bad.len(),
+            pool.display(),
+            bad[0]
+        );
+    }
+    println!("verbs: the promoted backup served verbs and kept all 200 forwarded records");
+}
+
+/// A backup configured for verbs whose pool would be a file on a DAX filesystem refuses to
+/// start: the kernel does not let RDMA register such pages, so it could not serve once
+/// promoted, and a failover is the wrong moment to find that out. Runs where the VM has its
+/// DAX mount (DINOMO_PM_DIR); skipped elsewhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_verbs_backup_refuses_a_pool_on_a_dax_filesystem() {
+    if !rdma_device_here() {
+        return;
+    }
+    let Some(pm) = std::env::var_os("DINOMO_PM_DIR") else {
+        assert!(
+            std::env::var_os("DINOMO_VM").is_none(),
+            "inside the VM DINOMO_PM_DIR must be set"
+        );
+        println!("SKIPPED: DINOMO_PM_DIR is not set (no DAX filesystem outside the test VM)");
+        return;
+    };
+    let dir = tempfile::tempdir_in(&pm).unwrap();
+    let (cfg, pool) =
+        super::replication::config(dir.path(), "b", "role = \"backup\"\nfabric = \"verbs\"");
+    let log = dir.path().join("b.log");
+    let e = DpmProcess::try_start(&cfg, &log, &[]).unwrap_err();
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        text.contains("DAX filesystem") && text.contains("RDMA"),
+        "{e}; log: {text}"
+    );
+    let mut probe = pool.clone().into_os_string();
+    probe.push(".verbs-probe");
+    assert!(
+        !std::path::Path::new(&probe).exists(),
+        "the probe file was left behind"
+    );
+    // The same backup on tcp starts there.
+    let (cfg, _) = super::replication::config(dir.path(), "t", "role = \"backup\"");
+    DpmProcess::start(&cfg, &dir.path().join("t.log")).kill9();
+}
+
+/// A backup configured for verbs that could not serve verbs once promoted refuses to start,
+/// with the reason: here its RDMA device does not exist (the same check registers a probe
+/// file's pages on the device, which finds too little locked memory, or a kernel that does
+/// not let RDMA pin that filesystem's pages, the same way).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_verbs_backup_without_its_rdma_device_refuses_to_start() {
+    if !rdma_device_here() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (cfg, pool) = super::replication::config(
+        dir.path(),
+        "b",
+        "role = \"backup\"\nfabric = \"verbs\"\nrdma_device = \"nosuch0\"",
+    );
+    let log = dir.path().join("b.log");
+    let e = DpmProcess::try_start(&cfg, &log, &[]).unwrap_err();
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        text.contains("fabric = \"verbs\" on a backup") && text.contains("nosuch0"),
+        "{e}; log: {text}"
+    );
+    let mut probe = pool.into_os_string();
+    probe.push(".verbs-probe");
+    assert!(
+        !std::path::Path::new(&probe).exists(),
+        "the probe file was left behind"
+    );
+    // Its device named: it starts, and says it checked.
+    let device = device_names().remove(0);
+    let (cfg, _) = super::replication::config(
+        dir.path(),
+        "ok",
+        &format!("role = \"backup\"\nfabric = \"verbs\"\nrdma_device = \"{device}\""),
+    );
+    let log = dir.path().join("ok.log");
+    DpmProcess::start(&cfg, &log).kill9();
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(
+        text.contains("checked: this backup's RDMA device registers"),
+        "{text}"
+    );
 }

@@ -121,6 +121,13 @@ impl Device {
         })
     }
 
+    /// A protection domain of its own.
+    pub(super) fn alloc_pd(&self) -> Result<Arc<ProtectionDomain>> {
+        self.ctx
+            .alloc_pd()
+            .map_err(|e| verbs_err("allocating a protection domain")(&e))
+    }
+
     /// A protection domain, a CQ and an RC QP in the INIT state. `remote_access`: the QP may
     /// be the target of remote READ, WRITE and atomics (the memory node's side; what each
     /// request may touch is then up to the memory regions).

@@ -127,13 +127,15 @@
 //! `DINOMO_RDMA_GID_INDEX` the GID index (default: a RoCE v2 GID with an IPv4 address, else
 //! the first usable one). Port 1 is used.
 
+use std::sync::Arc;
 use std::time::Duration;
 
-use crate::error::FabricError;
+use crate::error::{FabricError, Result};
 #[cfg(doc)]
 use crate::grants::{GrantTable, KeyFence};
 #[cfg(doc)]
 use crate::op::AccessKey;
+use crate::pm::PmRegion;
 
 mod caller;
 mod device;
@@ -144,6 +146,33 @@ mod windows;
 pub use caller::VerbsFabric;
 pub use device::device_names;
 pub use nic::VerbsNic;
+
+/// Registers all of `region` for remote writes on the RDMA device `device` (`None`:
+/// `DINOMO_RDMA_DEVICE`, else the first), as the NIC does for every KN that connects, and
+/// releases it; returns the device's name. For a node that must be able to serve verbs later
+/// (a backup, once promoted) to find out now what would stop it then: no such device, too
+/// little locked memory, or a kernel that does not let RDMA pin pages of the region's file
+/// (files on DAX filesystems; on recent kernels, files on filesystems that track dirty pages).
+pub fn check_registration(device: Option<&str>, region: &Arc<PmRegion>) -> Result<String> {
+    let dev = device::Device::open(device)?;
+    let pd = dev.alloc_pd()?;
+    windows::register(
+        &pd,
+        region,
+        0,
+        region.len(),
+        sideway::ibverbs::AccessFlags::RemoteWrite,
+    )
+    .map_err(|e| {
+        FabricError::Config(format!(
+            "{}: registering {} ({} bytes) for remote writes: {e}",
+            dev.name,
+            region.path().display(),
+            region.len()
+        ))
+    })?;
+    Ok(dev.name)
+}
 
 /// The most work requests rung with one doorbell (also the send-queue depth).
 pub const MAX_WR_PER_DOORBELL: usize = 256;

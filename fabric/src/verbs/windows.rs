@@ -161,7 +161,7 @@ impl Registration {
 
 /// Registers `len` bytes at `offset` of `region` in `pd` with `remote` access (plus
 /// `LOCAL_WRITE` when `remote` allows writes or atomics, which verbs requires).
-fn register(
+pub(super) fn register(
     pd: &Arc<ProtectionDomain>,
     region: &Arc<PmRegion>,
     offset: u64,

@@ -211,7 +211,7 @@ tolerations:
 {{- end }}
 {{- end -}}
 
-{{/* Pod annotations: the RDMA network (Multus) for the dpm-node and KV nodes, a config
+{{/* Pod annotations: the RDMA network (Multus) for the dpm-node, its verbs backups and KV nodes, a config
 checksum, and the component's podAnnotations. Call with
 (dict "ctx" $ "rdma" true "checksum" "<sha>" "extra" .Values.kv.podAnnotations). */}}
 {{- define "dinomo.podAnnotations" -}}
@@ -231,7 +231,7 @@ annotations:
 {{- end }}
 {{- end -}}
 
-{{/* Pod-level RDMA settings (host network) for the dpm-node and KV node pods. */}}
+{{/* Pod-level RDMA settings (host network) for the dpm-node, its verbs backups and KV node pods. */}}
 {{- define "dinomo.rdma.podSpec" -}}
 {{- if and .Values.rdma.enabled .Values.rdma.hostNetwork }}
 hostNetwork: true
@@ -239,7 +239,7 @@ dnsPolicy: ClusterFirstWithHostNet
 {{- end }}
 {{- end -}}
 
-{{/* Container resources, with the RDMA device added for the dpm-node and KV nodes.
+{{/* Container resources, with the RDMA device added for the dpm-node, its verbs backups and KV nodes.
 Call with (dict "ctx" $ "resources" .Values.kv.resources "rdma" true). */}}
 {{- define "dinomo.resources" -}}
 {{- $res := deepCopy (default (dict) .resources) -}}
@@ -274,7 +274,7 @@ securityContext:
 {{- end }}
 {{- end -}}
 
-{{/* --rdma-device for the dpm-node and KV nodes, when the fabric is verbs and a device is named. */}}
+{{/* --rdma-device for the dpm-node, its backups and KV nodes, when the fabric is verbs and a device is named. */}}
 {{- define "dinomo.rdmaDeviceArg" -}}
 {{- if and (eq .Values.dpm.fabric.kind "verbs") .Values.rdma.device }}
 - --rdma-device={{ .Values.rdma.device }}
@@ -354,9 +354,6 @@ tls.existingSecrets.<id>. Call with (dict "ctx" $ "id" "dpm"). */}}
 {{- $f := .Values.monitor.config.failure -}}
 {{- if and (eq .Values.dpm.fabric.kind "verbs") (not .Values.rdma.enabled) -}}
 {{- fail "dpm.fabric.kind: \"verbs\" needs rdma.enabled: true (the pods need the RDMA device, network and IPC_LOCK)" -}}
-{{- end -}}
-{{- if and (gt (int64 .Values.dpm.replication.backups) 0) (ne .Values.dpm.fabric.kind "tcp") -}}
-{{- fail "dpm.replication.backups needs dpm.fabric.kind: \"tcp\" in this chart: the dpm-node replicates with verbs KV nodes (they forward each batch), but the backup pods get no RDMA device, so a backup promoted in place would serve its KV nodes tcp; docs/decisions/0007, \"One-sided fabrics\"" -}}
 {{- end -}}
 {{- if and (include "dinomo.dpm.autoFailover" .) (lt (int64 $o.lease_duration_secs) 15) -}}
 {{- fail "monitor.config.orchestrator.lease_duration_secs must be at least 15 with dpm.replication.automaticFailover: the monitor moves the primary label up to 7 s after renewing its Lease, which must stay within half of it" -}}
