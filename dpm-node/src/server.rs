@@ -442,11 +442,11 @@ async fn run_backup(
 
 /// A backup configured for verbs serves verbs once promoted (see
 /// [`crate::replication::backup::fabric_once_promoted`]), on the pool file it creates beside
-/// its pool path when a primary attaches. Whatever would stop that (no RDMA device, too little
-/// locked memory, a kernel that does not let RDMA pin that filesystem's file pages, a
-/// durability that filesystem cannot give) is found now, at the backup's start, by a 4 KiB
-/// probe file beside the pool mapped as the pool will be and registered as the NIC will,
-/// instead of at the failover.
+/// its pool path when a primary attaches. What would stop that whatever the pool's size (no
+/// RDMA device, a kernel that does not let RDMA pin that filesystem's file pages, a durability
+/// that filesystem cannot give) is found now, at the backup's start, by a 4 KiB probe file
+/// beside the pool mapped as the pool will be and registered as the NIC will, instead of at
+/// the failover. A locked-memory limit below the pool's size is not: the probe is one page.
 fn check_backup_can_serve_verbs(config: &DpmConfig) -> Result<()> {
     let mut probe = config.pool_path.as_os_str().to_owned();
     probe.push(".verbs-probe");
@@ -454,16 +454,18 @@ fn check_backup_can_serve_verbs(config: &DpmConfig) -> Result<()> {
     let refused = |why: String| {
         DpmError::Config(format!(
             "fabric = \"verbs\" on a backup: {why}, so it could not serve its KNs once \
-             promoted; fix that, or run the backup with fabric = \"tcp\" (a probe file \
-             beside the pool, {}, found it)",
-            probe.display()
+             promoted; fix that, or run the backup with fabric = \"tcp\""
         ))
     };
+    // A probe left by a crash (possibly another user's) is not this start's business.
+    let _ = std::fs::remove_file(&probe);
     let region = dinomo_fabric::pm::PmRegion::create(&probe, 4096, config.durability);
     let checked = region
         .map_err(|e| {
             refused(format!(
-                "its pool file cannot be mapped with the configured durability: {e}"
+                "a probe file beside its pool ({}) cannot be created and mapped with the \
+                 configured durability: {e}",
+                probe.display()
             ))
         })
         .and_then(|region| {
@@ -487,7 +489,7 @@ fn registrable(
     region: Arc<dinomo_fabric::PmRegion>,
 ) -> std::result::Result<(), String> {
     let device = dinomo_fabric::verbs::check_registration(config.rdma_device.as_deref(), &region)
-        .map_err(|e| format!("its RDMA device cannot register a pool file there ({e})"))?;
+        .map_err(|e| format!("{e}"))?;
     tracing::info!(device, "checked: this backup's RDMA device registers pool files beside its pool (it serves verbs once promoted)");
     Ok(())
 }

@@ -92,9 +92,10 @@ pub struct UpArgs {
     pub monitor_config: Option<PathBuf>,
 }
 
-/// A backup's arguments: the security ones, and with verbs the fabric it serves its KNs once
-/// promoted in place (`dinomo admin promote-backup`) and its RDMA device; on shm and tcp a
-/// promoted backup serves tcp (see the dpm-node's `--role`).
+/// A backup's arguments: the security ones, and the fabric it serves its KNs once promoted in
+/// place (`dinomo admin promote-backup`): verbs, with its RDMA device, for a verbs cluster;
+/// tcp for shm and tcp (see the dpm-node's `--role`). Always given, so that a
+/// `DINOMO_DPM_FABRIC` in `up`'s environment does not decide it.
 fn backup_args(security: Vec<String>, fabric: &str, rdma_device: &Option<String>) -> Vec<String> {
     let mut args = security;
     if fabric == "verbs" {
@@ -102,6 +103,8 @@ fn backup_args(security: Vec<String>, fabric: &str, rdma_device: &Option<String>
         if let Some(d) = rdma_device {
             args.extend(["--rdma-device".into(), d.clone()]);
         }
+    } else {
+        args.extend(["--fabric".into(), "tcp".into()]);
     }
     args
 }
@@ -522,13 +525,17 @@ mod tests {
     }
 
     /// Backups of a verbs cluster serve verbs once promoted in place, on the named device;
-    /// on shm and tcp they get only the security arguments (promoted, they serve tcp).
+    /// on shm and tcp they are told tcp (what a promoted backup serves there).
     #[test]
     fn backups_of_a_verbs_cluster_are_told_verbs_and_its_device() {
         let sec = vec!["--insecure".to_string()];
         let dev = Some("rxe0".to_string());
-        assert_eq!(backup_args(sec.clone(), "tcp", &None), sec);
-        assert_eq!(backup_args(sec.clone(), "shm", &None), sec);
+        for fabric in ["tcp", "shm"] {
+            assert_eq!(
+                backup_args(sec.clone(), fabric, &None),
+                ["--insecure", "--fabric", "tcp"]
+            );
+        }
         assert_eq!(
             backup_args(sec.clone(), "verbs", &dev),
             ["--insecure", "--fabric", "verbs", "--rdma-device", "rxe0"]

@@ -150,12 +150,14 @@ pub use nic::VerbsNic;
 /// Registers all of `region` for remote writes on the RDMA device `device` (`None`:
 /// `DINOMO_RDMA_DEVICE`, else the first), as the NIC does for every KN that connects, and
 /// releases it; returns the device's name. For a node that must be able to serve verbs later
-/// (a backup, once promoted) to find out now what would stop it then: no such device, too
-/// little locked memory, or a kernel that does not let RDMA pin pages of the region's file
-/// (files on DAX filesystems; on recent kernels, files on filesystems that track dirty pages).
+/// (a backup, once promoted) to find out now what would stop it then: no such device, a
+/// locked-memory limit below the region's size, or a kernel that does not let RDMA pin pages
+/// of the region's file (files on DAX filesystems; on recent kernels, files on filesystems
+/// that track dirty pages).
 pub fn check_registration(device: Option<&str>, region: &Arc<PmRegion>) -> Result<String> {
-    let dev = device::Device::open(device)?;
-    let pd = dev.alloc_pd()?;
+    let opening = |e: FabricError| FabricError::Config(format!("opening the RDMA device: {e}"));
+    let dev = device::Device::open(device).map_err(opening)?;
+    let pd = dev.alloc_pd().map_err(opening)?;
     windows::register(
         &pd,
         region,
@@ -165,7 +167,7 @@ pub fn check_registration(device: Option<&str>, region: &Arc<PmRegion>) -> Resul
     )
     .map_err(|e| {
         FabricError::Config(format!(
-            "{}: registering {} ({} bytes) for remote writes: {e}",
+            "the RDMA device {} cannot register {} ({} bytes) for remote writes: {e}",
             dev.name,
             region.path().display(),
             region.len()

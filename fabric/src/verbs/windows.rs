@@ -175,7 +175,8 @@ pub(super) fn register(
     };
     let start = region.as_ptr() as usize + offset as usize;
     // SAFETY: the range lies inside the region's mapping (checked by the callers), which stays
-    // valid for as long as `region` lives; every MR is owned by a Registration that holds a
-    // clone of `region`, so the mapping outlives it.
+    // valid for as long as `region` lives; every MR outlives neither: the NIC's are owned by a
+    // Registration that holds a clone of `region`, and `check_registration` drops its MR
+    // while it still borrows `region`.
     unsafe { pd.reg_mr(start, len as usize, access) }.map_err(|e| chain(&e))
 }
