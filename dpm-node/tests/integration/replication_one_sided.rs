@@ -61,6 +61,19 @@ pub(super) async fn append_all(w: &mut Writer, keys: std::ops::Range<u32>) {
     }
 }
 
+/// Asserts that the pool file at `pool` holds every record of `keys` that KNs `kns` forwarded.
+pub(super) fn assert_forwarded_records_in(pool: &Path, kns: &[u32], keys: std::ops::Range<u32>) {
+    let n = keys.len();
+    let (bad, _) = check_pool(pool, kns, keys);
+    assert!(
+        bad.is_empty(),
+        "{} of {n} forwarded records missing in {} (first: key-{})",
+        bad.len(),
+        pool.display(),
+        bad[0]
+    );
+}
+
 /// Waits until the DPM reports none of `kn`'s segments unmerged.
 async fn wait_merged(dpm: &DpmProcess, kn: u32) {
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -112,14 +125,7 @@ pub(super) async fn forwarded_writes_survive_the_primary(fabric: &str) {
     b1.kill9();
     b2.kill9();
     for pool in &pools {
-        let (bad, _) = check_pool(pool, &[1, 2], 0..200);
-        assert!(
-            bad.is_empty(),
-            "{} of 200 forwarded records missing in {} (first: key-{})",
-            bad.len(),
-            pool.display(),
-            bad[0]
-        );
+        assert_forwarded_records_in(pool, &[1, 2], 0..200);
         let (bad, _) = check_pool(pool, &[1, 2], 200..260);
         assert_eq!(
             bad.len(),

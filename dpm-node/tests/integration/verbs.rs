@@ -125,8 +125,10 @@ async fn replication_with_verbs_kns_keeps_what_they_forward() {
 /// Before, a promoted backup served tcp whatever its KNs were on.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_verbs_backup_promoted_in_place_serves_verbs() {
-    use super::replication::{check_pool, config, promote, wait_in_sync};
-    use super::replication_one_sided::{append_all, one_sided_writer, wait_until_primary};
+    use super::replication::{config, promote, wait_in_sync};
+    use super::replication_one_sided::{
+        append_all, assert_forwarded_records_in, one_sided_writer, wait_until_primary,
+    };
     use std::time::Duration;
 
     if !rdma_device_here() {
@@ -175,14 +177,7 @@ async fn a_verbs_backup_promoted_in_place_serves_verbs() {
     b1.kill9();
     b2.kill9();
     for pool in [&pool1, &pool2] {
-        let (bad, _) = check_pool(pool, &[1, 2], 0..200);
-        assert!(
-            bad.is_empty(),
-            "{} of 200 forwarded records missing in {} (first: key-{})",
-            bad.len(),
-            pool.display(),
-            bad[0]
-        );
+        assert_forwarded_records_in(pool, &[1, 2], 0..200);
     }
     println!("verbs: the promoted backup served verbs and kept all 200 forwarded records");
 }
@@ -205,34 +200,22 @@ async fn a_verbs_backup_refuses_a_pool_on_a_dax_filesystem() {
         return;
     };
     let dir = tempfile::tempdir_in(&pm).unwrap();
-    let (cfg, pool) =
-        super::replication::config(dir.path(), "b", "role = \"backup\"\nfabric = \"verbs\"");
-    let log = dir.path().join("b.log");
-    let e = DpmProcess::try_start(&cfg, &log, &[]).unwrap_err();
-    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    let (text, pool) = refused_start(dir.path(), "b", "role = \"backup\"\nfabric = \"verbs\"");
     assert!(
         text.contains("DAX filesystem") && text.contains("RDMA"),
-        "{e}; log: {text}"
+        "{text}"
     );
-    let mut probe = pool.clone().into_os_string();
-    probe.push(".verbs-probe");
-    assert!(
-        !std::path::Path::new(&probe).exists(),
-        "the probe file was left behind"
-    );
+    assert_no_probe_left(&pool);
     // With process-crash durability the probe is mapped without MAP_SYNC, but its pages are
     // DAX pages all the same: the registration on the device refuses them.
-    let (cfg, _) = super::replication::config(
+    let (text, _) = refused_start(
         dir.path(),
         "pc",
         "role = \"backup\"\nfabric = \"verbs\"\ndurability = \"process-crash\"",
     );
-    let log = dir.path().join("pc.log");
-    let e = DpmProcess::try_start(&cfg, &log, &[]).unwrap_err();
-    let text = std::fs::read_to_string(&log).unwrap_or_default();
     assert!(
         text.contains("cannot register") && text.contains("for remote writes"),
-        "{e}; log: {text}"
+        "{text}"
     );
     // The same backup on tcp starts there.
     let (cfg, _) = super::replication::config(dir.path(), "t", "role = \"backup\"");
@@ -249,24 +232,16 @@ async fn a_verbs_backup_without_its_rdma_device_refuses_to_start() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let (cfg, pool) = super::replication::config(
+    let (text, pool) = refused_start(
         dir.path(),
         "b",
         "role = \"backup\"\nfabric = \"verbs\"\nrdma_device = \"nosuch0\"",
     );
-    let log = dir.path().join("b.log");
-    let e = DpmProcess::try_start(&cfg, &log, &[]).unwrap_err();
-    let text = std::fs::read_to_string(&log).unwrap_or_default();
     assert!(
         text.contains("fabric = \"verbs\" on a backup") && text.contains("nosuch0"),
-        "{e}; log: {text}"
+        "{text}"
     );
-    let mut probe = pool.into_os_string();
-    probe.push(".verbs-probe");
-    assert!(
-        !std::path::Path::new(&probe).exists(),
-        "the probe file was left behind"
-    );
+    assert_no_probe_left(&pool);
     // Its device named: it starts, and says it checked.
     let device = std::env::var("DINOMO_RDMA_DEVICE")
         .ok()
@@ -283,5 +258,25 @@ async fn a_verbs_backup_without_its_rdma_device_refuses_to_start() {
     assert!(
         text.contains("checked: this backup's RDMA device registers"),
         "{text}"
+    );
+}
+
+/// Starts a dpm-node from `extra` (a config named `name` in `dir`), which must refuse to
+/// start; returns the reason and its log in one text, and its pool path.
+fn refused_start(dir: &std::path::Path, name: &str, extra: &str) -> (String, std::path::PathBuf) {
+    let (cfg, pool) = super::replication::config(dir, name, extra);
+    let log = dir.join(format!("{name}.log"));
+    let e = DpmProcess::try_start(&cfg, &log, &[]).unwrap_err();
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    (format!("{e}; log: {text}"), pool)
+}
+
+/// A verbs backup's start-up probe (`<pool>.verbs-probe`) is gone, whatever it found.
+fn assert_no_probe_left(pool: &std::path::Path) {
+    let mut probe = pool.as_os_str().to_owned();
+    probe.push(".verbs-probe");
+    assert!(
+        !std::path::Path::new(&probe).exists(),
+        "the probe file was left behind"
     );
 }
