@@ -18,6 +18,7 @@ pub mod fault;
 pub mod grants;
 pub mod mirror;
 pub mod op;
+pub mod pinning;
 pub mod pm;
 pub mod powerloss;
 pub mod shm;

@@ -79,6 +79,9 @@ pub struct Backup {
     state: Arc<tokio::sync::Mutex<State>>,
     /// Set once by [`Backup::promote`]: the process then serves as the primary.
     promotion: Arc<tokio::sync::watch::Sender<Option<Promotion>>>,
+    /// Configured for verbs ([`fabric_once_promoted`]): an attach of a pool this process may
+    /// not pin for RDMA is refused ([`Backup::serving_verbs_once_promoted`]).
+    serves_verbs: bool,
 }
 
 /// What a promoted backup's process starts the primary with (see [`Backup::promote`]).
@@ -209,6 +212,7 @@ impl Backup {
                 ..State::default()
             })),
             promotion: Arc::new(tokio::sync::watch::channel(None).0),
+            serves_verbs: false,
         })
     }
 
@@ -232,6 +236,36 @@ impl Backup {
         tokio::task::spawn_blocking(move || read_copy_marker(&pool))
             .await
             .map_err(|e| DpmError::Io(std::io::Error::other(e)))?
+    }
+
+    /// Makes this backup one that serves verbs once promoted: an attach of a pool larger than
+    /// this process may pin for one KN's registration is refused then, with the reason, at
+    /// the attach instead of at the failover (the kernel charges each RDMA registration
+    /// against `RLIMIT_MEMLOCK` unless the process has `CAP_IPC_LOCK`;
+    /// [`dinomo_fabric::pinning`]). The start-up probe cannot find that: it is one page.
+    pub fn serving_verbs_once_promoted(mut self, verbs: bool) -> Self {
+        self.serves_verbs = verbs;
+        self
+    }
+
+    /// Refuses a pool of `pool_bytes` that a verbs NIC of this process could not register for
+    /// even one KN (see [`Backup::serving_verbs_once_promoted`]).
+    fn check_pinnable(&self, pool_bytes: u64) -> Result<()> {
+        if !self.serves_verbs {
+            return Ok(());
+        }
+        let budget = dinomo_fabric::pinning::PinBudget::of_this_process().map_err(|e| {
+            DpmError::Config(format!("cannot read this process's memlock limit: {e}"))
+        })?;
+        // The segments' size is the primary's (in the pool): the pool alone is the least a
+        // connection pins.
+        match budget.check_verbs_pool(pool_bytes, pool_bytes) {
+            Err(why) => Err(DpmError::Config(format!(
+                "fabric = \"verbs\" on a backup: {why}; so it could not serve its KNs once \
+                 promoted, and refuses this primary's pool (or run the backup with fabric = \"tcp\")"
+            ))),
+            Ok(_) => Ok(()),
+        }
     }
 
     /// Becomes the backup of `primary` (instance `instance`) for `term` (see the module doc);
@@ -279,6 +313,10 @@ impl Backup {
             return Err(DpmError::Config(format!(
                 "a backup pool of {pool_bytes} bytes: expected a multiple of 4096 up to {MAX_POOL_BYTES}"
             )));
+        }
+        if let Err(e) = self.check_pinnable(pool_bytes) {
+            tracing::error!(primary, error = %e, "refusing to become this primary's backup");
+            return Err(e);
         }
         if let Some(inc) = incremental {
             if !digest::valid_chunk_bytes(pool_bytes, inc.chunk_bytes) {

@@ -50,7 +50,19 @@ impl DpmProcess {
     /// Starts the node, or says why it did not become ready (it exited, or timed out: then it
     /// is killed); its stderr is in `log` either way.
     pub fn try_start(config: &Path, log: &Path, args: &[&str]) -> Result<Self, String> {
+        Self::try_start_with(config, log, args, |_| {})
+    }
+
+    /// As [`DpmProcess::try_start`], with `prepare` applied to the command first (limits,
+    /// capabilities).
+    pub fn try_start_with(
+        config: &Path,
+        log: &Path,
+        args: &[&str],
+        prepare: impl FnOnce(&mut Command),
+    ) -> Result<Self, String> {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_dpm-node"));
+        prepare(&mut cmd);
         // Plain text: these tests are about the node, not TLS (cli's security tests are).
         cmd.env("DINOMO_INSECURE", "1");
         cmd.arg("--config")

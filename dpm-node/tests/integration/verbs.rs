@@ -280,3 +280,129 @@ fn assert_no_probe_left(pool: &std::path::Path) {
         "the probe file was left behind"
     );
 }
+
+/// A verbs memory node that may not pin its pool for even one KN (no CAP_IPC_LOCK, a
+/// RLIMIT_MEMLOCK below the pool) refuses to start, naming both ways out; before, it started
+/// and every KN's registration failed with ENOMEM. With room for two KN connections it starts
+/// and says how many it can serve.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_verbs_node_that_may_not_pin_its_pool_refuses_to_start() {
+    if !rdma_device_here() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (cfg, _) = super::replication::config(dir.path(), "p", "fabric = \"verbs\"");
+    let log = dir.path().join("p.log");
+    let e = DpmProcess::try_start_with(&cfg, &log, &[], |c| pinning_limited(c, 1 << 20))
+        .map(|mut p| p.kill9())
+        .expect_err("a verbs node that may pin 1 MiB started with a 64 MiB pool");
+    let text = format!(
+        "{e}; log: {}",
+        std::fs::read_to_string(&log).unwrap_or_default()
+    );
+    assert!(
+        text.contains("may pin only 1048576 bytes (RLIMIT_MEMLOCK, no CAP_IPC_LOCK)")
+            && text.contains("--cap-add IPC_LOCK")
+            && text.contains("ulimit -l unlimited"),
+        "{text}"
+    );
+    // Two connections' worth: each the 64 MiB pool, the 256 KiB cell space (4096 cells) and
+    // one 128 KiB segment, and a page more for each of the two small ranges.
+    let per_connection = (64 << 20) + (256 << 10) + (128 << 10) + 2 * 4096;
+    let log = dir.path().join("p2.log");
+    let mut node =
+        DpmProcess::try_start_with(&cfg, &log, &[], |c| pinning_limited(c, 2 * per_connection))
+            .unwrap_or_else(|e| {
+                panic!(
+                    "{e}; log: {}",
+                    std::fs::read_to_string(&log).unwrap_or_default()
+                )
+            });
+    let text = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(text.contains("at most 2 KN connections"), "{text}");
+    // The count holds: two KNs register the pool and write their segments, a third cannot.
+    use super::replication_one_sided::{append_all, one_sided_writer};
+    let mut kns = Vec::new();
+    for kn in [1, 2] {
+        let (_, mut w) = one_sided_writer(&node, kn, false).await;
+        append_all(&mut w, 0..100).await;
+        kns.push(w); // connected (and pinning) until the end
+    }
+    let (_, r, key) = super::replication::register(&node, 3).await;
+    let side = r.fabric.as_ref().unwrap().address.parse().unwrap();
+    let third = VerbsFabric::connect(side, key).await;
+    drop(kns);
+    node.kill9();
+    assert!(third.is_err(), "a third KN registered the pool");
+}
+
+/// A backup configured for verbs that may not pin the pool a primary attaches it with refuses
+/// that pool at the attach (it could not serve its KNs once promoted), instead of copying it
+/// and failing at the failover; nothing of the pool is made. The probe at its start passed:
+/// it is one page.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_verbs_backup_that_may_not_pin_the_primarys_pool_refuses_it() {
+    use super::replication::config;
+    use std::time::{Duration, Instant};
+
+    if !rdma_device_here() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (cb, pool) = config(dir.path(), "b", "role = \"backup\"\nfabric = \"verbs\"");
+    let blog = dir.path().join("b.log");
+    let mut backup = DpmProcess::try_start_with(&cb, &blog, &[], |c| pinning_limited(c, 1 << 20))
+        .unwrap_or_else(|e| {
+            panic!(
+                "{e}; log: {}",
+                std::fs::read_to_string(&blog).unwrap_or_default()
+            )
+        });
+    let (cp, _) = config(dir.path(), "p", &format!("backups = [\"{}\"]", backup.grpc));
+    let plog = dir.path().join("p.log");
+    let mut primary = DpmProcess::start(&cp, &plog);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let refused = loop {
+        let text = std::fs::read_to_string(&blog).unwrap_or_default();
+        if text.contains("refusing to become this primary's backup") {
+            break text;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no refusal in 30 s; backup log: {text}; primary log: {}",
+            std::fs::read_to_string(&plog).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    primary.kill9();
+    backup.kill9();
+    assert!(
+        refused.contains("may pin only 1048576 bytes") && refused.contains("once promoted"),
+        "{refused}"
+    );
+    assert!(!pool.exists(), "the refused pool was made");
+}
+
+/// Makes `cmd` start the way an unprivileged user or a container without IPC_LOCK does:
+/// CAP_IPC_LOCK dropped from the bounding set (so root's exec does not grant it) and a soft
+/// and hard RLIMIT_MEMLOCK of `bytes`.
+fn pinning_limited(cmd: &mut std::process::Command, bytes: u64) {
+    use std::os::unix::process::CommandExt;
+    const CAP_IPC_LOCK: libc::c_ulong = 14;
+    // SAFETY: only async-signal-safe system calls between fork and exec.
+    unsafe {
+        cmd.pre_exec(move || {
+            if libc::prctl(libc::PR_CAPBSET_DROP, CAP_IPC_LOCK, 0, 0, 0) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            let limit = libc::rlimit {
+                rlim_cur: bytes,
+                rlim_max: bytes,
+            };
+            if libc::setrlimit(libc::RLIMIT_MEMLOCK, &limit) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            Ok(())
+        });
+    }
+}
