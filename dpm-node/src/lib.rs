@@ -28,6 +28,7 @@ pub mod segments;
 pub mod server;
 pub mod service;
 pub mod testkit;
+pub mod verbs_pins;
 
 pub use dpm::{Dpm, Registration};
 pub use error::{DpmError, Result};

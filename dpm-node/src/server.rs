@@ -130,10 +130,27 @@ impl Nic {
                 region.path().display()
             )));
         }
-        check_verbs_pinning(
-            region.len(),
-            verbs_pins_per_connection(dpm.pool().superblock()),
-        )?;
+        // Every KN connection registers the pool again: a process that may not pin that
+        // would start and then fail each KN's registration with ENOMEM.
+        match crate::verbs_pins::check_this_process(dpm.pool().superblock()) {
+            Err(DpmError::Config(why)) => {
+                return Err(DpmError::Config(format!("fabric = \"verbs\": {why}")))
+            }
+            Err(e) => return Err(e),
+            Ok(None) => {
+                tracing::info!("checked: this process may pin the pool for every KN connection")
+            }
+            Ok(Some(c)) => tracing::warn!(
+                kns_of_default_shards = c.default_kns,
+                kns_of_one_shard = c.one_shard_kns,
+                "this process may pin the pool for at most {} KNs of {} shards ({} of one \
+                 shard): every KN connection pins it again, and a KN beyond that cannot \
+                 register; give it CAP_IPC_LOCK or ulimit -l unlimited",
+                c.default_kns,
+                crate::verbs_pins::DEFAULT_KN_SHARDS,
+                c.one_shard_kns
+            ),
+        }
         let nic = VerbsNic::start_on(
             dpm.config.rdma_device.as_deref(),
             dpm.config.fabric_listen,
@@ -448,49 +465,14 @@ async fn run_backup(
     }
 }
 
-/// What one KN's verbs connection pins (fabric/src/verbs/windows.rs): the whole pool (its
-/// READ region), the indirect-cell space (CAS) and one open log segment, each a registration
-/// of whole pages. A KN with several shards has one open segment per shard.
-#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
-fn verbs_pins_per_connection(sb: &dinomo_layout::superblock::Superblock) -> u64 {
-    const PAGE: u64 = 4096;
-    let cells = dinomo_layout::index::IndexArea::of(sb).cells * dinomo_layout::index::CELL_SIZE;
-    // A range that does not start on a page boundary spans one page more.
-    let pages = |bytes: u64| bytes.div_ceil(PAGE) * PAGE + PAGE;
-    sb.pool_len + pages(cells) + pages(sb.segment_size)
-}
-
-/// Refuses a verbs NIC that could not serve even one KN: every KN connection registers the
-/// whole pool (`pool_bytes`) and its windows again (`per_connection` bytes together), and the
-/// kernel charges each registration against `RLIMIT_MEMLOCK` unless the process has
-/// `CAP_IPC_LOCK` ([`dinomo_fabric::pinning`]). Without this the node would start and every
-/// KN's registration would fail with ENOMEM. A finite budget that holds some connections is
-/// logged with their number: a KN beyond it cannot register.
-#[cfg_attr(not(feature = "rdma"), allow(dead_code))]
-fn check_verbs_pinning(pool_bytes: u64, per_connection: u64) -> Result<()> {
-    let budget = dinomo_fabric::pinning::PinBudget::of_this_process()
-        .map_err(|e| DpmError::Config(format!("cannot read this process's memlock limit: {e}")))?;
-    match budget.check_verbs_pool(pool_bytes, per_connection) {
-        Err(why) => Err(DpmError::Config(format!("fabric = \"verbs\": {why}"))),
-        Ok(None) => {
-            tracing::info!(%budget, "checked: this process may pin the pool for every KN connection");
-            Ok(())
-        }
-        Ok(Some(n)) => {
-            tracing::warn!(%budget, pool_bytes, "this process may pin the pool for at most {n} KN connections (each pins the pool, the cell space and an open segment per shard again; counted with one shard per KN); a KN beyond that cannot register: give it CAP_IPC_LOCK or ulimit -l unlimited");
-            Ok(())
-        }
-    }
-}
-
 /// A backup configured for verbs serves verbs once promoted (see
 /// [`crate::replication::backup::fabric_once_promoted`]), on the pool file it creates beside
 /// its pool path when a primary attaches. What would stop that whatever the pool's size (no
 /// RDMA device, a kernel that does not let RDMA pin that filesystem's file pages, a durability
 /// that filesystem cannot give) is found now, at the backup's start, by a 4 KiB probe file
 /// beside the pool mapped as the pool will be and registered as the NIC will, instead of at
-/// the failover. A locked-memory limit below the pool's size is not (the probe is one page):
-/// the backup learns the pool's size at an attach, and refuses it there
+/// the failover. A locked-memory limit below what the pool needs is not (the probe is one
+/// page): the backup learns the pool when a copy of it completes, and warns then
 /// ([`Backup::serving_verbs_once_promoted`]).
 fn check_backup_can_serve_verbs(config: &DpmConfig) -> Result<()> {
     let mut probe = config.pool_path.as_os_str().to_owned();

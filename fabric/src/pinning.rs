@@ -1,16 +1,15 @@
-//! How much memory this process may pin for RDMA, and whether that is enough to serve a pool
-//! over verbs.
+//! How much memory this process may pin for RDMA.
 //!
 //! The kernel charges the pages of every RDMA memory registration to the registering process
-//! and refuses a registration that would take the total above `RLIMIT_MEMLOCK`, unless the
-//! process has `CAP_IPC_LOCK` (in its effective set). Each registration is charged on its
-//! own, the same pages again: the verbs NIC registers the whole pool for READ on every KN
-//! connection, plus that connection's write-window ranges (its open log segments), so a
-//! memory node serving `n` KNs is charged about `n` times its pool.
+//! (`ib_umem_get`: `mm->pinned_vm`, each registration on its own, the same pages again) and
+//! refuses one that would take the total above the soft `RLIMIT_MEMLOCK`, unless the process
+//! is `capable(CAP_IPC_LOCK)`: the capability in the *initial* user namespace. A process in
+//! another user namespace (a rootless container, a pod with `hostUsers: false`) may show
+//! `CAP_IPC_LOCK` in its own set and still be charged.
 //!
-//! Nothing here needs an RDMA device: it reads `/proc/self/status` and `getrlimit`, so the
-//! decision is tested on every machine and the node refuses a start that would fail later,
-//! at a KN's registration or at a failover, with the reason.
+//! Nothing here needs an RDMA device: it reads `/proc/self/status`, `/proc/self/uid_map` and
+//! `getrlimit`, so what a node decides from it is tested on every machine. What a verbs memory
+//! node pins per connection is the node's business (dpm-node's `verbs_pins`).
 
 use std::fmt;
 
@@ -29,7 +28,7 @@ pub enum PinBudget {
 /// Why a process may pin without limit.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Unlimited {
-    /// It has `CAP_IPC_LOCK`.
+    /// It has `CAP_IPC_LOCK` in the initial user namespace.
     IpcLock,
     /// Its `RLIMIT_MEMLOCK` is unlimited.
     Rlimit,
@@ -48,23 +47,38 @@ impl fmt::Display for PinBudget {
 }
 
 impl PinBudget {
-    /// This process's budget now.
+    /// This process's budget, after raising its soft `RLIMIT_MEMLOCK` to the hard one (which
+    /// any process may do): the most it can pin without help from outside.
     pub fn of_this_process() -> std::io::Result<PinBudget> {
         let status = std::fs::read_to_string("/proc/self/status")?;
+        // A missing uid_map means a kernel without user namespaces: the initial one.
+        let initial_ns =
+            std::fs::read_to_string("/proc/self/uid_map").map_or(true, |m| is_initial_user_ns(&m));
         let mut limit = libc::rlimit {
             rlim_cur: 0,
             rlim_max: 0,
         };
-        // SAFETY: getrlimit writes one rlimit through a valid pointer.
-        if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut limit) } != 0 {
-            return Err(std::io::Error::last_os_error());
+        // SAFETY: getrlimit and setrlimit read and write one rlimit through valid pointers.
+        unsafe {
+            if libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut limit) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            if limit.rlim_cur != limit.rlim_max {
+                let raised = libc::rlimit {
+                    rlim_cur: limit.rlim_max,
+                    ..limit
+                };
+                if libc::setrlimit(libc::RLIMIT_MEMLOCK, &raised) == 0 {
+                    limit = raised;
+                }
+            }
         }
         let soft = (limit.rlim_cur != libc::RLIM_INFINITY).then_some(limit.rlim_cur);
-        Ok(Self::from_parts(has_ipc_lock(&status)?, soft))
+        Ok(Self::from_parts(initial_ns && has_ipc_lock(&status)?, soft))
     }
 
-    /// The budget of a process with (or without) `CAP_IPC_LOCK` and a soft `RLIMIT_MEMLOCK`
-    /// of `soft_limit` bytes (`None`: unlimited).
+    /// The budget of a process with (or without) `CAP_IPC_LOCK` in the initial user namespace
+    /// and a soft `RLIMIT_MEMLOCK` of `soft_limit` bytes (`None`: unlimited).
     pub fn from_parts(ipc_lock: bool, soft_limit: Option<u64>) -> PinBudget {
         match (ipc_lock, soft_limit) {
             (true, _) => PinBudget::Unlimited(Unlimited::IpcLock),
@@ -73,32 +87,11 @@ impl PinBudget {
         }
     }
 
-    /// How many connections this budget lets a verbs NIC serve when each pins
-    /// `per_connection` bytes; `None`: no limit.
-    pub fn connections(&self, per_connection: u64) -> Option<u64> {
+    /// How many times `bytes` fit the budget; `None`: without limit.
+    pub fn fits(&self, bytes: u64) -> Option<u64> {
         match self {
             PinBudget::Unlimited(_) => None,
-            PinBudget::Bytes(n) => Some(n / per_connection.max(1)),
-        }
-    }
-
-    /// Whether a verbs NIC may serve a pool of `pool_bytes` when each connection pins
-    /// `per_connection` bytes (the pool and its write windows): the number of connections
-    /// it can serve (`None`: no limit), or why none (the error names both ways out).
-    pub fn check_verbs_pool(
-        &self,
-        pool_bytes: u64,
-        per_connection: u64,
-    ) -> Result<Option<u64>, String> {
-        match self.connections(per_connection) {
-            Some(0) => Err(format!(
-                "serving a pool of {pool_bytes} bytes over verbs pins it (again for every KN \
-                 connection, {per_connection} bytes each with its open segments), but this \
-                 process may pin only {self}; run it as uid 0 with CAP_IPC_LOCK (containers: \
-                 --user 0 --cap-add IPC_LOCK; the Helm chart does this) or raise the limit \
-                 (ulimit -l unlimited, or LimitMEMLOCK=infinity in a systemd unit)"
-            )),
-            n => Ok(n),
+            PinBudget::Bytes(n) => Some(n / bytes.max(1)),
         }
     }
 }
@@ -109,16 +102,23 @@ fn has_ipc_lock(status: &str) -> std::io::Result<bool> {
     let hex = status
         .lines()
         .find_map(|l| l.strip_prefix("CapEff:"))
-        .ok_or_else(|| bad("no CapEff line"))?;
-    let set = u64::from_str_radix(hex.trim(), 16).map_err(|_| bad("CapEff is not hexadecimal"))?;
+        .ok_or_else(|| bad("no CapEff line"))?
+        .trim();
+    // The low 64 capabilities are the last 16 digits, however many the kernel prints.
+    let low = &hex[hex.len().saturating_sub(16)..];
+    let set = u64::from_str_radix(low, 16).map_err(|_| bad("CapEff is not hexadecimal"))?;
     Ok(set & (1 << CAP_IPC_LOCK) != 0)
+}
+
+/// Whether a `/proc/<pid>/uid_map` text is the initial user namespace's (the identity map of
+/// every uid), the only one whose capabilities the kernel's pinning check honours.
+fn is_initial_user_ns(uid_map: &str) -> bool {
+    uid_map.split_whitespace().collect::<Vec<_>>() == ["0", "0", "4294967295"]
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    const MIB: u64 = 1 << 20;
 
     #[test]
     fn cap_eff_is_read_from_the_status_text() {
@@ -127,8 +127,18 @@ mod tests {
         assert!(has_ipc_lock(with).unwrap());
         assert!(!has_ipc_lock(without).unwrap());
         assert!(has_ipc_lock("CapEff:\t0000000000004000\n").unwrap());
+        // A kernel with more than 64 capabilities prints more digits.
+        assert!(has_ipc_lock("CapEff:\t10000000000004000\n").unwrap());
         assert!(has_ipc_lock("Name:\tx\n").is_err());
         assert!(has_ipc_lock("CapEff:\tzz\n").is_err());
+    }
+
+    #[test]
+    fn only_the_initial_user_namespace_counts() {
+        assert!(is_initial_user_ns("         0          0 4294967295\n"));
+        // Rootless containers: root inside is some unprivileged uid outside.
+        assert!(!is_initial_user_ns("         0     100000      65536\n"));
+        assert!(!is_initial_user_ns("         0       1000          1\n"));
     }
 
     #[test]
@@ -145,35 +155,13 @@ mod tests {
     }
 
     #[test]
-    fn a_limit_below_one_connection_is_refused_with_both_ways_out() {
-        let budget = PinBudget::Bytes(8 * MIB);
-        let e = budget
-            .check_verbs_pool(64 * MIB, 64 * MIB + MIB)
-            .unwrap_err();
-        for part in [
-            "67108864 bytes",
-            "8388608 bytes (RLIMIT_MEMLOCK",
-            "CAP_IPC_LOCK",
-            "ulimit -l",
-        ] {
-            assert!(e.contains(part), "{part:?} missing from: {e}");
-        }
-    }
-
-    #[test]
-    fn a_finite_limit_serves_as_many_connections_as_it_holds() {
-        let per = 64 * MIB + MIB;
+    fn a_finite_budget_fits_whole_multiples_only() {
+        assert_eq!(PinBudget::Bytes(3 * 100 + 99).fits(100), Some(3));
+        assert_eq!(PinBudget::Bytes(99).fits(100), Some(0));
+        assert_eq!(PinBudget::Unlimited(Unlimited::Rlimit).fits(100), None);
         assert_eq!(
-            PinBudget::Bytes(3 * per + 1).check_verbs_pool(64 * MIB, per),
-            Ok(Some(3))
-        );
-        assert_eq!(
-            PinBudget::Bytes(per).check_verbs_pool(64 * MIB, per),
-            Ok(Some(1))
-        );
-        assert_eq!(
-            PinBudget::Unlimited(Unlimited::IpcLock).check_verbs_pool(64 * MIB, per),
-            Ok(None)
+            PinBudget::Bytes(8388608).to_string(),
+            "8388608 bytes (RLIMIT_MEMLOCK, no CAP_IPC_LOCK)"
         );
     }
 }

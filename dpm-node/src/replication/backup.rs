@@ -238,34 +238,15 @@ impl Backup {
             .map_err(|e| DpmError::Io(std::io::Error::other(e)))?
     }
 
-    /// Makes this backup one that serves verbs once promoted: an attach of a pool larger than
-    /// this process may pin for one KN's registration is refused then, with the reason, at
-    /// the attach instead of at the failover (the kernel charges each RDMA registration
-    /// against `RLIMIT_MEMLOCK` unless the process has `CAP_IPC_LOCK`;
-    /// [`dinomo_fabric::pinning`]). The start-up probe cannot find that: it is one page.
+    /// Makes this backup one that serves verbs once promoted: when a copy of a primary's pool
+    /// completes, it checks that this process may pin that pool for the primary's KNs
+    /// ([`crate::verbs_pins`]) and warns if not, at the copy instead of at the failover (the
+    /// promoted node would refuse to start, saying the same). It keeps the copy all the same:
+    /// a complete image is durability, and it can be promoted once the limit is raised. The
+    /// start-up probe cannot find this: it is one page.
     pub fn serving_verbs_once_promoted(mut self, verbs: bool) -> Self {
         self.serves_verbs = verbs;
         self
-    }
-
-    /// Refuses a pool of `pool_bytes` that a verbs NIC of this process could not register for
-    /// even one KN (see [`Backup::serving_verbs_once_promoted`]).
-    fn check_pinnable(&self, pool_bytes: u64) -> Result<()> {
-        if !self.serves_verbs {
-            return Ok(());
-        }
-        let budget = dinomo_fabric::pinning::PinBudget::of_this_process().map_err(|e| {
-            DpmError::Config(format!("cannot read this process's memlock limit: {e}"))
-        })?;
-        // The segments' size is the primary's (in the pool): the pool alone is the least a
-        // connection pins.
-        match budget.check_verbs_pool(pool_bytes, pool_bytes) {
-            Err(why) => Err(DpmError::Config(format!(
-                "fabric = \"verbs\" on a backup: {why}; so it could not serve its KNs once \
-                 promoted, and refuses this primary's pool (or run the backup with fabric = \"tcp\")"
-            ))),
-            Ok(_) => Ok(()),
-        }
     }
 
     /// Becomes the backup of `primary` (instance `instance`) for `term` (see the module doc);
@@ -313,10 +294,6 @@ impl Backup {
             return Err(DpmError::Config(format!(
                 "a backup pool of {pool_bytes} bytes: expected a multiple of 4096 up to {MAX_POOL_BYTES}"
             )));
-        }
-        if let Err(e) = self.check_pinnable(pool_bytes) {
-            tracing::error!(primary, error = %e, "refusing to become this primary's backup");
-            return Err(e);
         }
         if let Some(inc) = incremental {
             if !digest::valid_chunk_bytes(pool_bytes, inc.chunk_bytes) {
@@ -536,8 +513,35 @@ impl Backup {
             st.generation = a.generation;
         }
         tracing::info!(term, copy, "the copy of the primary's pool is complete: this pool holds a consistent image from now on");
+        if self.serves_verbs {
+            if let Some(region) = &st.region {
+                warn_unless_pinnable(region);
+            }
+        }
         Ok(())
     }
+}
+
+/// Warns if this process could not serve the pool in `region` (a complete copy) over verbs
+/// once promoted (see [`Backup::serving_verbs_once_promoted`]).
+fn warn_unless_pinnable(region: &PmRegion) {
+    use dinomo_layout::superblock::{Superblock, SUPERBLOCK_SIZE};
+    let mut head = vec![0u8; SUPERBLOCK_SIZE as usize];
+    let why = match region
+        .read(0, &mut head)
+        .map_err(DpmError::from)
+        .and_then(|()| {
+            Superblock::decode(&head).map_err(|source| DpmError::Layout {
+                path: region.path().display().to_string(),
+                source,
+            })
+        })
+        .and_then(|sb| crate::verbs_pins::check_this_process(&sb))
+    {
+        Ok(_) => return,
+        Err(e) => e,
+    };
+    tracing::warn!(error = %why, "this backup holds a complete copy, but once promoted it could not serve it over verbs: its promotion would refuse to start until that is fixed (it keeps the copy: promoted with fabric = \"tcp\", or after the fix, it serves)");
 }
 
 /// [`Backup::promote`]'s work, under the backup's state lock.

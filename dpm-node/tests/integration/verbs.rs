@@ -283,10 +283,14 @@ fn assert_no_probe_left(pool: &std::path::Path) {
 
 /// A verbs memory node that may not pin its pool for even one KN (no CAP_IPC_LOCK, a
 /// RLIMIT_MEMLOCK below the pool) refuses to start, naming both ways out; before, it started
-/// and every KN's registration failed with ENOMEM. With room for two KN connections it starts
-/// and says how many it can serve.
+/// and every KN's registration failed with ENOMEM. With room for one KN of one shard (two
+/// connections, each the pool, the cell space and one segment) it starts, says so, and the
+/// kernel's accounting agrees: two connections register and write, a third cannot.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_verbs_node_that_may_not_pin_its_pool_refuses_to_start() {
+    use super::replication_one_sided::{append_all, one_sided_writer};
+    use dinomo_dpm_node::verbs_pins::PinNeed;
+
     if !rdma_device_here() {
         return;
     }
@@ -306,50 +310,55 @@ async fn a_verbs_node_that_may_not_pin_its_pool_refuses_to_start() {
             && text.contains("ulimit -l unlimited"),
         "{text}"
     );
-    // Two connections' worth: each the 64 MiB pool, the 256 KiB cell space (4096 cells) and
-    // one 128 KiB segment, and a page more for each of the two small ranges.
-    let per_connection = (64 << 20) + (256 << 10) + (128 << 10) + 2 * 4096;
+    // The test config's pool: 64 MiB, 128 KiB segments, 1 MiB of metadata, 4096 cells.
+    let sb =
+        dinomo_layout::superblock::Superblock::plan(64 << 20, 128 << 10, 1 << 20, 4096).unwrap();
+    let one_kn = PinNeed::of(&sb, 4096).per_kn(1);
     let log = dir.path().join("p2.log");
-    let mut node =
-        DpmProcess::try_start_with(&cfg, &log, &[], |c| pinning_limited(c, 2 * per_connection))
-            .unwrap_or_else(|e| {
-                panic!(
-                    "{e}; log: {}",
-                    std::fs::read_to_string(&log).unwrap_or_default()
-                )
-            });
+    let mut node = DpmProcess::try_start_with(&cfg, &log, &[], |c| pinning_limited(c, one_kn))
+        .unwrap_or_else(|e| {
+            panic!(
+                "{e}; log: {}",
+                std::fs::read_to_string(&log).unwrap_or_default()
+            )
+        });
     let text = std::fs::read_to_string(&log).unwrap_or_default();
-    assert!(text.contains("at most 2 KN connections"), "{text}");
-    // The count holds: two KNs register the pool and write their segments, a third cannot.
-    use super::replication_one_sided::{append_all, one_sided_writer};
-    let mut kns = Vec::new();
+    assert!(
+        text.contains("at most 0 KNs of 2 shards (1 of one shard)"),
+        "{text}"
+    );
+    let mut connections = Vec::new();
     for kn in [1, 2] {
         let (_, mut w) = one_sided_writer(&node, kn, false).await;
         append_all(&mut w, 0..100).await;
-        kns.push(w); // connected (and pinning) until the end
+        connections.push(w); // connected (and pinning) until the end
     }
     let (_, r, key) = super::replication::register(&node, 3).await;
     let side = r.fabric.as_ref().unwrap().address.parse().unwrap();
     let third = VerbsFabric::connect(side, key).await;
-    drop(kns);
+    drop(connections);
     node.kill9();
-    assert!(third.is_err(), "a third KN registered the pool");
+    let e = third.expect_err("a third connection registered the pool");
+    assert!(
+        e.to_string().contains("Cannot allocate memory"),
+        "the third connection failed, but not for the pin limit: {e}"
+    );
 }
 
-/// A backup configured for verbs that may not pin the pool a primary attaches it with refuses
-/// that pool at the attach (it could not serve its KNs once promoted), instead of copying it
-/// and failing at the failover; nothing of the pool is made. The probe at its start passed:
-/// it is one page.
+/// A backup configured for verbs that may not pin the pool its primary copies to it keeps the
+/// copy (it is durability) and warns, once the copy is complete, that it could not serve it
+/// over verbs once promoted; promoted all the same, it refuses to start with the reason. The
+/// probe at its start passed: it is one page.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_verbs_backup_that_may_not_pin_the_primarys_pool_refuses_it() {
-    use super::replication::config;
-    use std::time::{Duration, Instant};
+async fn a_verbs_backup_that_may_not_pin_the_primarys_pool_says_so_at_the_copy() {
+    use super::replication::{config, promote, wait_in_sync};
+    use std::time::Duration;
 
     if !rdma_device_here() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let (cb, pool) = config(dir.path(), "b", "role = \"backup\"\nfabric = \"verbs\"");
+    let (cb, _) = config(dir.path(), "b", "role = \"backup\"\nfabric = \"verbs\"");
     let blog = dir.path().join("b.log");
     let mut backup = DpmProcess::try_start_with(&cb, &blog, &[], |c| pinning_limited(c, 1 << 20))
         .unwrap_or_else(|e| {
@@ -358,29 +367,35 @@ async fn a_verbs_backup_that_may_not_pin_the_primarys_pool_refuses_it() {
                 std::fs::read_to_string(&blog).unwrap_or_default()
             )
         });
-    let (cp, _) = config(dir.path(), "p", &format!("backups = [\"{}\"]", backup.grpc));
-    let plog = dir.path().join("p.log");
-    let mut primary = DpmProcess::start(&cp, &plog);
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let refused = loop {
-        let text = std::fs::read_to_string(&blog).unwrap_or_default();
-        if text.contains("refusing to become this primary's backup") {
-            break text;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "no refusal in 30 s; backup log: {text}; primary log: {}",
-            std::fs::read_to_string(&plog).unwrap_or_default()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    primary.kill9();
-    backup.kill9();
-    assert!(
-        refused.contains("may pin only 1048576 bytes") && refused.contains("once promoted"),
-        "{refused}"
+    // A promotion names at least one backup: a second one, on tcp and unlimited.
+    let (c2, _) = config(dir.path(), "b2", "role = \"backup\"");
+    let mut other = DpmProcess::start(&c2, &dir.path().join("b2.log"));
+    let (cp, _) = config(
+        dir.path(),
+        "p",
+        &format!("backups = [\"{}\", \"{}\"]", backup.grpc, other.grpc),
     );
-    assert!(!pool.exists(), "the refused pool was made");
+    let mut primary = DpmProcess::start(&cp, &dir.path().join("p.log"));
+    let s = wait_in_sync(primary.grpc, 2).await;
+    let text = std::fs::read_to_string(&blog).unwrap_or_default();
+    assert!(
+        text.contains("once promoted it could not serve it over verbs")
+            && text.contains("may pin only 1048576 bytes"),
+        "{text}"
+    );
+    primary.kill9();
+    promote(backup.grpc, vec![other.grpc.to_string()], s.term)
+        .await
+        .unwrap();
+    let exited = backup.exits_within(Duration::from_secs(30));
+    let text = std::fs::read_to_string(&blog).unwrap_or_default();
+    backup.kill9();
+    other.kill9();
+    assert!(exited, "the promoted backup went on: {text}");
+    assert!(
+        text.contains("fabric = \"verbs\": serving a pool of 67108864 bytes"),
+        "{text}"
+    );
 }
 
 /// Makes `cmd` start the way an unprivileged user or a container without IPC_LOCK does:
@@ -392,7 +407,13 @@ fn pinning_limited(cmd: &mut std::process::Command, bytes: u64) {
     // SAFETY: only async-signal-safe system calls between fork and exec.
     unsafe {
         cmd.pre_exec(move || {
-            if libc::prctl(libc::PR_CAPBSET_DROP, CAP_IPC_LOCK, 0, 0, 0) != 0 {
+            let none: libc::c_ulong = 0;
+            if libc::prctl(libc::PR_CAPBSET_DROP, CAP_IPC_LOCK, none, none, none) != 0 {
+                return Err(std::io::Error::last_os_error());
+            }
+            // Ambient capabilities would survive the exec: none.
+            let clear = libc::PR_CAP_AMBIENT_CLEAR_ALL as libc::c_ulong;
+            if libc::prctl(libc::PR_CAP_AMBIENT, clear, none, none, none) != 0 {
                 return Err(std::io::Error::last_os_error());
             }
             let limit = libc::rlimit {
