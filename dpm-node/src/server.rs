@@ -132,25 +132,9 @@ impl Nic {
         }
         // Every KN connection registers the pool again: a process that may not pin that
         // would start and then fail each KN's registration with ENOMEM.
-        match crate::verbs_pins::check_this_process(dpm.pool().superblock()) {
-            Err(DpmError::Config(why)) => {
-                return Err(DpmError::Config(format!("fabric = \"verbs\": {why}")))
-            }
-            Err(e) => return Err(e),
-            Ok(None) => {
-                tracing::info!("checked: this process may pin the pool for every KN connection")
-            }
-            Ok(Some(c)) => tracing::warn!(
-                kns_of_default_shards = c.default_kns,
-                kns_of_one_shard = c.one_shard_kns,
-                "this process may pin the pool for at most {} KNs of {} shards ({} of one \
-                 shard): every KN connection pins it again, and a KN beyond that cannot \
-                 register; give it CAP_IPC_LOCK or ulimit -l unlimited",
-                c.default_kns,
-                crate::verbs_pins::DEFAULT_KN_SHARDS,
-                c.one_shard_kns
-            ),
-        }
+        let capacity = crate::verbs_pins::check_this_process(dpm.pool().superblock())
+            .map_err(|e| DpmError::Config(format!("fabric = \"verbs\": {e}")))?;
+        crate::verbs_pins::log_capacity("this process", capacity);
         let nic = VerbsNic::start_on(
             dpm.config.rdma_device.as_deref(),
             dpm.config.fabric_listen,

@@ -1,17 +1,19 @@
 //! What a verbs NIC pins to serve this node's pool, and whether this process may pin it.
 //!
 //! Per verbs connection the NIC registers (fabric/src/verbs/windows.rs) the whole pool for
-//! READ, and the write window of the connection's key: the indirect-cell space (CAS) and the
-//! open log segment of every shard of the KN (a KN's connections share its key, so each holds
-//! all of them). A KN opens one connection per shard and one more for its session's health
-//! checks (kv-node/src/dpm_link.rs, session.rs). The kernel charges every registration on its
-//! own against `RLIMIT_MEMLOCK` unless the process has `CAP_IPC_LOCK`
-//! ([`dinomo_fabric::pinning`]), so a KN of S shards costs (S + 1) x (pool + cells + S
-//! segments), each range rounded out to whole pages.
+//! READ and, once the caller asks for it (its first WRITE or CAS), the write window of the
+//! connection's key: the indirect-cell space (CAS) and the open log segment of every shard of
+//! the KN (a KN's connections share its key, so each holds all of them). A KN opens one
+//! connection per shard and one more for its session's health checks, which only READs
+//! (kv-node/src/dpm_link.rs, session.rs). The kernel charges every registration on its own
+//! against `RLIMIT_MEMLOCK` unless the process has `CAP_IPC_LOCK`
+//! ([`dinomo_fabric::pinning`]), so a KN of S shards costs S x (pool + cells + S segments) +
+//! pool, each range rounded out to whole pages.
 //!
 //! Not counted: a segment whose seal failed and waits for a retry stays in the window a little
-//! longer, and a KN reconnecting after a transport error may briefly hold two connections'
-//! registrations. The capacity logged is therefore an upper bound.
+//! longer, a KN reconnecting after a transport error may briefly hold two connections'
+//! registrations, and a hardware NIC's driver may pin each connection's queue buffers too
+//! (rxe's are kernel memory). The capacity this gives is an estimate, not a guarantee.
 
 use dinomo_fabric::pinning::PinBudget;
 use dinomo_layout::index::{IndexArea, CELL_SIZE};
@@ -42,22 +44,26 @@ impl PinNeed {
         }
     }
 
-    /// A range of `bytes` that need not start on a page boundary spans this much.
+    /// A range of `bytes`: the pool starts on a page (it is mapped whole), a range inside it
+    /// may not, and then spans one page more.
     fn pages(&self, bytes: u64) -> u64 {
-        if bytes == 0 {
-            return 0;
+        let whole = bytes.div_ceil(self.page) * self.page;
+        if bytes == 0 || bytes == self.pool {
+            whole
+        } else {
+            whole + self.page
         }
-        bytes.div_ceil(self.page) * self.page + self.page
     }
 
-    /// What one connection of a KN with `shards` shards pins.
+    /// What one writing connection of a KN with `shards` shards pins.
     pub fn per_connection(&self, shards: u64) -> u64 {
-        self.pool + self.pages(self.cells) + shards * self.pages(self.segment)
+        self.pages(self.pool) + self.pages(self.cells) + shards * self.pages(self.segment)
     }
 
-    /// What a KN with `shards` shards pins (a connection per shard, and one more).
+    /// What a KN with `shards` shards pins (a connection per shard, and one more that only
+    /// READs).
     pub fn per_kn(&self, shards: u64) -> u64 {
-        (shards + 1) * self.per_connection(shards)
+        shards * self.per_connection(shards) + self.pages(self.pool)
     }
 }
 
@@ -102,10 +108,16 @@ pub fn capacity(
     }))
 }
 
-/// [`capacity`] for this process and the pool `sb` describes.
+/// [`capacity`] for this process and the pool `sb` describes (`Ok(None)` too when the budget
+/// cannot be read: the registrations then say what they find).
 pub fn check_this_process(sb: &Superblock) -> Result<Option<Capacity>> {
-    let budget = PinBudget::of_this_process()
-        .map_err(|e| DpmError::Config(format!("cannot read this process's memlock limit: {e}")))?;
+    let budget = match PinBudget::of_this_process() {
+        Ok(b) => b,
+        Err(e) => {
+            tracing::warn!(error = %e, "cannot read this process's memlock limit; not checking what it may pin for RDMA");
+            return Ok(None);
+        }
+    };
     // SAFETY: sysconf has no preconditions.
     let page = match unsafe { libc::sysconf(libc::_SC_PAGESIZE) } {
         n if n > 0 => n as u64,
@@ -114,12 +126,61 @@ pub fn check_this_process(sb: &Superblock) -> Result<Option<Capacity>> {
     capacity(budget, &PinNeed::of(sb, page)).map_err(DpmError::Config)
 }
 
+/// Logs what [`check_this_process`] found, as a warning when it limits the KNs served:
+/// `what` says whose pool it is ("this node", "once promoted, this backup").
+pub fn log_capacity(what: &str, capacity: Option<Capacity>) {
+    match capacity {
+        None => tracing::info!("checked: {what} may pin the pool for every KN connection"),
+        Some(c) => tracing::warn!(
+            kns_of_default_shards = c.default_kns,
+            kns_of_one_shard = c.one_shard_kns,
+            "{what} may pin the pool for about {} KNs of {} shards ({} of one shard): every \
+             KN connection pins it again, and a KN beyond that cannot register; give the \
+             process CAP_IPC_LOCK or ulimit -l unlimited",
+            c.default_kns,
+            DEFAULT_KN_SHARDS,
+            c.one_shard_kns
+        ),
+    }
+}
+
+/// Why a verbs NIC of this process could not serve the pool in the file (or device) `pool`
+/// for even one KN, if it could not ([`check_this_process`] on its superblock); logs the
+/// capacity as `what` otherwise.
+pub fn refusal_for_pool(pool: &std::path::Path, what: &str) -> Option<String> {
+    use dinomo_layout::superblock::SUPERBLOCK_SIZE;
+    use std::io::Read;
+    let mut head = vec![0u8; SUPERBLOCK_SIZE as usize];
+    let sb = std::fs::File::open(pool)
+        .and_then(|mut f| f.read_exact(&mut head))
+        .map_err(|e| format!("its pool {} cannot be read: {e}", pool.display()))
+        .and_then(|()| {
+            Superblock::decode(&head)
+                .map_err(|e| format!("its pool {} holds no superblock: {e}", pool.display()))
+        });
+    match sb.map(|sb| check_this_process(&sb)) {
+        Err(why) => Some(why),
+        Ok(Err(e)) => Some(e.to_string()),
+        Ok(Ok(c)) => {
+            log_capacity(what, c);
+            None
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use dinomo_fabric::pinning::Unlimited;
 
     const MIB: u64 = 1 << 20;
+
+    fn bytes(limit: u64) -> PinBudget {
+        PinBudget::Bytes {
+            limit,
+            namespaced_ipc_lock: false,
+        }
+    }
 
     /// The VM test's pool: 64 MiB, 128 KiB segments, 4096 cells (256 KiB).
     fn need() -> PinNeed {
@@ -134,14 +195,15 @@ mod tests {
         let segment = (128 << 10) + 4096;
         assert_eq!(n.per_connection(1), 64 * MIB + cells + segment);
         assert_eq!(n.per_connection(2), 64 * MIB + cells + 2 * segment);
-        assert_eq!(n.per_kn(1), 2 * n.per_connection(1));
-        assert_eq!(n.per_kn(2), 3 * n.per_connection(2));
+        // The session's connection only READs: the pool alone.
+        assert_eq!(n.per_kn(1), n.per_connection(1) + 64 * MIB);
+        assert_eq!(n.per_kn(2), 2 * n.per_connection(2) + 64 * MIB);
     }
 
     #[test]
     fn a_budget_below_one_kn_of_one_shard_is_refused_with_both_ways_out() {
         let n = need();
-        let e = capacity(PinBudget::Bytes(n.per_kn(1) - 1), &n).unwrap_err();
+        let e = capacity(bytes(n.per_kn(1) - 1), &n).unwrap_err();
         for part in [
             "67108864 bytes",
             "(RLIMIT_MEMLOCK, no CAP_IPC_LOCK)",
@@ -157,14 +219,14 @@ mod tests {
     fn a_finite_budget_counts_kns_of_one_and_of_the_default_shards() {
         let n = need();
         assert_eq!(
-            capacity(PinBudget::Bytes(n.per_kn(1)), &n),
+            capacity(bytes(n.per_kn(1)), &n),
             Ok(Some(Capacity {
                 default_kns: 0,
                 one_shard_kns: 1
             }))
         );
         assert_eq!(
-            capacity(PinBudget::Bytes(2 * n.per_kn(2)), &n),
+            capacity(bytes(2 * n.per_kn(2)), &n),
             Ok(Some(Capacity {
                 default_kns: 2,
                 one_shard_kns: 2 * n.per_kn(2) / n.per_kn(1)

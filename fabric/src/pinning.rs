@@ -7,22 +7,32 @@
 //! another user namespace (a rootless container, a pod with `hostUsers: false`) may show
 //! `CAP_IPC_LOCK` in its own set and still be charged.
 //!
-//! Nothing here needs an RDMA device: it reads `/proc/self/status`, `/proc/self/uid_map` and
-//! `getrlimit`, so what a node decides from it is tested on every machine. What a verbs memory
+//! Nothing here needs an RDMA device: it reads `/proc/thread-self/status`, the inode of
+//! `/proc/self/ns/user` and `getrlimit`, so what a node decides from it is tested on every machine. What a verbs memory
 //! node pins per connection is the node's business (dpm-node's `verbs_pins`).
 
 use std::fmt;
 
 /// `CAP_IPC_LOCK`'s bit in the capability sets of `/proc/<pid>/status` (linux/capability.h).
 const CAP_IPC_LOCK: u32 = 14;
+/// The inode of the initial user namespace's `/proc/<pid>/ns/user` (`PROC_USER_INIT_INO`,
+/// include/linux/proc_ns.h): the only namespace whose capabilities the kernel's pinning check
+/// (`capable()`) honours. A uid map alone cannot tell: a namespace made by a privileged parent
+/// may map every uid too.
+const INIT_USER_NS_INO: u64 = 0xEFFF_FFFD;
 
 /// How much memory this process may pin.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum PinBudget {
     /// No limit applies, and why.
     Unlimited(Unlimited),
-    /// At most this many bytes (the soft `RLIMIT_MEMLOCK`), all registrations together.
-    Bytes(u64),
+    /// At most `limit` bytes (the soft `RLIMIT_MEMLOCK`), all registrations together.
+    /// `namespaced_ipc_lock`: the process holds `CAP_IPC_LOCK`, but only in a user namespace
+    /// other than the initial one (a rootless container), where the kernel ignores it.
+    Bytes {
+        limit: u64,
+        namespaced_ipc_lock: bool,
+    },
 }
 
 /// Why a process may pin without limit.
@@ -41,7 +51,19 @@ impl fmt::Display for PinBudget {
             PinBudget::Unlimited(Unlimited::Rlimit) => {
                 write!(f, "unlimited (RLIMIT_MEMLOCK unlimited)")
             }
-            PinBudget::Bytes(n) => write!(f, "{n} bytes (RLIMIT_MEMLOCK, no CAP_IPC_LOCK)"),
+            PinBudget::Bytes {
+                limit,
+                namespaced_ipc_lock: false,
+            } => write!(f, "{limit} bytes (RLIMIT_MEMLOCK, no CAP_IPC_LOCK)"),
+            PinBudget::Bytes {
+                limit,
+                namespaced_ipc_lock: true,
+            } => write!(
+                f,
+                "{limit} bytes (RLIMIT_MEMLOCK; its CAP_IPC_LOCK is a user namespace's, which \
+                 RDMA pinning ignores: run it in the host's user namespace, or raise the hard \
+                 limit from outside)"
+            ),
         }
     }
 }
@@ -50,10 +72,13 @@ impl PinBudget {
     /// This process's budget, after raising its soft `RLIMIT_MEMLOCK` to the hard one (which
     /// any process may do): the most it can pin without help from outside.
     pub fn of_this_process() -> std::io::Result<PinBudget> {
-        let status = std::fs::read_to_string("/proc/self/status")?;
-        // A missing uid_map means a kernel without user namespaces: the initial one.
-        let initial_ns =
-            std::fs::read_to_string("/proc/self/uid_map").map_or(true, |m| is_initial_user_ns(&m));
+        // The calling thread's view: capabilities are per thread.
+        let status = std::fs::read_to_string("/proc/thread-self/status")?;
+        // No namespace file means a kernel without user namespaces: the initial one.
+        let initial_ns = {
+            use std::os::unix::fs::MetadataExt;
+            std::fs::metadata("/proc/self/ns/user").map_or(true, |m| m.ino() == INIT_USER_NS_INO)
+        };
         let mut limit = libc::rlimit {
             rlim_cur: 0,
             rlim_max: 0,
@@ -74,16 +99,19 @@ impl PinBudget {
             }
         }
         let soft = (limit.rlim_cur != libc::RLIM_INFINITY).then_some(limit.rlim_cur);
-        Ok(Self::from_parts(initial_ns && has_ipc_lock(&status)?, soft))
+        Ok(Self::from_parts(has_ipc_lock(&status)?, initial_ns, soft))
     }
 
-    /// The budget of a process with (or without) `CAP_IPC_LOCK` in the initial user namespace
-    /// and a soft `RLIMIT_MEMLOCK` of `soft_limit` bytes (`None`: unlimited).
-    pub fn from_parts(ipc_lock: bool, soft_limit: Option<u64>) -> PinBudget {
-        match (ipc_lock, soft_limit) {
+    /// The budget of a process with (or without) `CAP_IPC_LOCK`, in the initial user namespace
+    /// or another, and a soft `RLIMIT_MEMLOCK` of `soft_limit` bytes (`None`: unlimited).
+    pub fn from_parts(ipc_lock: bool, initial_ns: bool, soft_limit: Option<u64>) -> PinBudget {
+        match (ipc_lock && initial_ns, soft_limit) {
             (true, _) => PinBudget::Unlimited(Unlimited::IpcLock),
             (false, None) => PinBudget::Unlimited(Unlimited::Rlimit),
-            (false, Some(n)) => PinBudget::Bytes(n),
+            (false, Some(limit)) => PinBudget::Bytes {
+                limit,
+                namespaced_ipc_lock: ipc_lock,
+            },
         }
     }
 
@@ -91,14 +119,14 @@ impl PinBudget {
     pub fn fits(&self, bytes: u64) -> Option<u64> {
         match self {
             PinBudget::Unlimited(_) => None,
-            PinBudget::Bytes(n) => Some(n / bytes.max(1)),
+            PinBudget::Bytes { limit, .. } => Some(limit / bytes.max(1)),
         }
     }
 }
 
 /// Whether the effective capability set in a `/proc/<pid>/status` text holds `CAP_IPC_LOCK`.
 fn has_ipc_lock(status: &str) -> std::io::Result<bool> {
-    let bad = |why: &str| std::io::Error::other(format!("/proc/self/status: {why}"));
+    let bad = |why: &str| std::io::Error::other(format!("/proc/thread-self/status: {why}"));
     let hex = status
         .lines()
         .find_map(|l| l.strip_prefix("CapEff:"))
@@ -110,15 +138,16 @@ fn has_ipc_lock(status: &str) -> std::io::Result<bool> {
     Ok(set & (1 << CAP_IPC_LOCK) != 0)
 }
 
-/// Whether a `/proc/<pid>/uid_map` text is the initial user namespace's (the identity map of
-/// every uid), the only one whose capabilities the kernel's pinning check honours.
-fn is_initial_user_ns(uid_map: &str) -> bool {
-    uid_map.split_whitespace().collect::<Vec<_>>() == ["0", "0", "4294967295"]
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn bytes(limit: u64) -> PinBudget {
+        PinBudget::Bytes {
+            limit,
+            namespaced_ipc_lock: false,
+        }
+    }
 
     #[test]
     fn cap_eff_is_read_from_the_status_text() {
@@ -134,33 +163,42 @@ mod tests {
     }
 
     #[test]
-    fn only_the_initial_user_namespace_counts() {
-        assert!(is_initial_user_ns("         0          0 4294967295\n"));
-        // Rootless containers: root inside is some unprivileged uid outside.
-        assert!(!is_initial_user_ns("         0     100000      65536\n"));
-        assert!(!is_initial_user_ns("         0       1000          1\n"));
-    }
-
-    #[test]
     fn the_capability_wins_over_any_limit() {
         assert_eq!(
-            PinBudget::from_parts(true, Some(64 * 1024)),
+            PinBudget::from_parts(true, true, Some(64 * 1024)),
             PinBudget::Unlimited(Unlimited::IpcLock)
         );
         assert_eq!(
-            PinBudget::from_parts(false, None),
+            PinBudget::from_parts(false, true, None),
             PinBudget::Unlimited(Unlimited::Rlimit)
         );
-        assert_eq!(PinBudget::from_parts(false, Some(8)), PinBudget::Bytes(8));
+        assert_eq!(PinBudget::from_parts(false, true, Some(8)), bytes(8));
+    }
+
+    #[test]
+    fn a_user_namespaces_capability_does_not_count_and_the_message_says_so() {
+        let b = PinBudget::from_parts(true, false, Some(8));
+        assert_eq!(
+            b,
+            PinBudget::Bytes {
+                limit: 8,
+                namespaced_ipc_lock: true
+            }
+        );
+        assert!(b.to_string().contains("user namespace"), "{b}");
+        assert_eq!(
+            PinBudget::from_parts(true, false, None),
+            PinBudget::Unlimited(Unlimited::Rlimit)
+        );
     }
 
     #[test]
     fn a_finite_budget_fits_whole_multiples_only() {
-        assert_eq!(PinBudget::Bytes(3 * 100 + 99).fits(100), Some(3));
-        assert_eq!(PinBudget::Bytes(99).fits(100), Some(0));
+        assert_eq!(bytes(3 * 100 + 99).fits(100), Some(3));
+        assert_eq!(bytes(99).fits(100), Some(0));
         assert_eq!(PinBudget::Unlimited(Unlimited::Rlimit).fits(100), None);
         assert_eq!(
-            PinBudget::Bytes(8388608).to_string(),
+            bytes(8388608).to_string(),
             "8388608 bytes (RLIMIT_MEMLOCK, no CAP_IPC_LOCK)"
         );
     }

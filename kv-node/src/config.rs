@@ -272,6 +272,11 @@ mod tests {
         );
         let cfg = file.validate().unwrap();
         assert_eq!(cfg.shards, 2);
+        // The dpm-node counts what a KN of the default shards pins over verbs with this.
+        assert_eq!(
+            u64::from(cfg.shards),
+            dinomo_dpm_node::verbs_pins::DEFAULT_KN_SHARDS
+        );
         assert_eq!(cfg.cache_policy, Policy::Dac);
     }
 

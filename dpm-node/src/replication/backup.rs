@@ -79,8 +79,9 @@ pub struct Backup {
     state: Arc<tokio::sync::Mutex<State>>,
     /// Set once by [`Backup::promote`]: the process then serves as the primary.
     promotion: Arc<tokio::sync::watch::Sender<Option<Promotion>>>,
-    /// Configured for verbs ([`fabric_once_promoted`]): an attach of a pool this process may
-    /// not pin for RDMA is refused ([`Backup::serving_verbs_once_promoted`]).
+    /// Configured for verbs ([`fabric_once_promoted`]): a copy it could not serve over verbs
+    /// once promoted is warned about, and its promotion refused
+    /// ([`Backup::serving_verbs_once_promoted`]).
     serves_verbs: bool,
 }
 
@@ -238,12 +239,12 @@ impl Backup {
             .map_err(|e| DpmError::Io(std::io::Error::other(e)))?
     }
 
-    /// Makes this backup one that serves verbs once promoted: when a copy of a primary's pool
-    /// completes, it checks that this process may pin that pool for the primary's KNs
-    /// ([`crate::verbs_pins`]) and warns if not, at the copy instead of at the failover (the
-    /// promoted node would refuse to start, saying the same). It keeps the copy all the same:
-    /// a complete image is durability, and it can be promoted once the limit is raised. The
-    /// start-up probe cannot find this: it is one page.
+    /// Makes this backup one that serves verbs once promoted. It then checks that this process
+    /// may pin its pool for the primary's KNs ([`crate::verbs_pins`]): when a copy completes
+    /// it warns if not (keeping the copy: a complete image is durability), and a Promote is
+    /// refused if not (NotPromotable, so whoever promotes tries another backup), instead of
+    /// promoting a node whose start would then refuse. The start-up probe cannot find this:
+    /// it is one page.
     pub fn serving_verbs_once_promoted(mut self, verbs: bool) -> Self {
         self.serves_verbs = verbs;
         self
@@ -416,16 +417,25 @@ impl Backup {
     /// Returns the term recorded and the term of the primary whose copy the pool holds.
     pub async fn promote(&self, backups: Vec<String>, min_term: u64) -> Result<(u64, u64)> {
         let st = self.state.clone().lock_owned().await;
-        let (pool, grants, promotion) = (
+        let (pool, grants, promotion, serves_verbs) = (
             self.pool_path.clone(),
             self.grants.clone(),
             self.promotion.clone(),
+            self.serves_verbs,
         );
         // All of it in one blocking task that owns the state: a call dropped on the way (its
         // caller's deadline passed) cannot leave the term and role written but the old
         // primary's key alive, nor the process a backup.
         tokio::task::spawn_blocking(move || {
-            promote_locked(st, &pool, &grants, &promotion, backups, min_term)
+            promote_locked(
+                st,
+                &pool,
+                &grants,
+                &promotion,
+                backups,
+                min_term,
+                serves_verbs,
+            )
         })
         .await
         .map_err(|e| DpmError::Io(std::io::Error::other(e)))?
@@ -501,11 +511,18 @@ impl Backup {
                 generation,
                 ..st.accepted()
             });
+        let serves_verbs = self.serves_verbs;
         tokio::task::spawn_blocking(move || {
             if let Some(a) = raised {
                 write_accepted(&pool, a)?;
             }
-            write_copy_marker(&pool, marker)
+            write_copy_marker(&pool, marker)?;
+            if serves_verbs {
+                if let Some(why) = crate::verbs_pins::refusal_for_pool(&pool, "once promoted, this backup") {
+                    tracing::warn!(error = %why, "this backup holds a complete copy, but once promoted it could not serve it over verbs: a promotion is refused until that is fixed (it keeps the copy, which a promotion with fabric = \"tcp\" serves)");
+                }
+            }
+            Ok::<_, DpmError>(())
         })
         .await
         .map_err(|e| DpmError::Io(std::io::Error::other(e)))??;
@@ -513,35 +530,8 @@ impl Backup {
             st.generation = a.generation;
         }
         tracing::info!(term, copy, "the copy of the primary's pool is complete: this pool holds a consistent image from now on");
-        if self.serves_verbs {
-            if let Some(region) = &st.region {
-                warn_unless_pinnable(region);
-            }
-        }
         Ok(())
     }
-}
-
-/// Warns if this process could not serve the pool in `region` (a complete copy) over verbs
-/// once promoted (see [`Backup::serving_verbs_once_promoted`]).
-fn warn_unless_pinnable(region: &PmRegion) {
-    use dinomo_layout::superblock::{Superblock, SUPERBLOCK_SIZE};
-    let mut head = vec![0u8; SUPERBLOCK_SIZE as usize];
-    let why = match region
-        .read(0, &mut head)
-        .map_err(DpmError::from)
-        .and_then(|()| {
-            Superblock::decode(&head).map_err(|source| DpmError::Layout {
-                path: region.path().display().to_string(),
-                source,
-            })
-        })
-        .and_then(|sb| crate::verbs_pins::check_this_process(&sb))
-    {
-        Ok(_) => return,
-        Err(e) => e,
-    };
-    tracing::warn!(error = %why, "this backup holds a complete copy, but once promoted it could not serve it over verbs: its promotion would refuse to start until that is fixed (it keeps the copy: promoted with fabric = \"tcp\", or after the fix, it serves)");
 }
 
 /// [`Backup::promote`]'s work, under the backup's state lock.
@@ -552,6 +542,7 @@ fn promote_locked(
     promotion: &tokio::sync::watch::Sender<Option<Promotion>>,
     backups: Vec<String>,
     min_term: u64,
+    serves_verbs: bool,
 ) -> Result<(u64, u64)> {
     if st.promoted {
         return Err(DpmError::BeingPromoted);
@@ -600,6 +591,18 @@ fn promote_locked(
             })
         }
     };
+    // Configured for verbs, it would serve the pool over verbs: a node that could not pin it
+    // would record the role and then refuse to start, again at every restart.
+    if serves_verbs {
+        if let Some(why) = crate::verbs_pins::refusal_for_pool(pool, "once promoted, this backup") {
+            return Err(DpmError::NotPromotable {
+                detail: format!(
+                    "configured for verbs, it could not serve its pool over verbs once \
+                     promoted: {why} (or run it with fabric = \"tcp\")"
+                ),
+            });
+        }
+    }
     if backups.is_empty() {
         return Err(DpmError::NotPromotable {
             detail: "name at least one backup for it: a primary takes a term, which fences the \
