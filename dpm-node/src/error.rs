@@ -11,7 +11,8 @@ pub enum DpmError {
     BadPool { path: String, detail: String },
     #[error("pool {path}: {source}")]
     Layout { path: String, source: LayoutError },
-    /// A backup that must not become the primary (its copy is not a consistent image).
+    /// A backup that must not become the primary (its copy is not a consistent image, or it
+    /// could not serve its pool on the fabric it is configured for).
     #[error("this backup cannot be promoted: {detail}")]
     NotPromotable { detail: String },
     /// A Promote while this backup is being promoted already (by an earlier call, whose

@@ -456,8 +456,8 @@ async fn run_backup(
 /// that filesystem cannot give) is found now, at the backup's start, by a 4 KiB probe file
 /// beside the pool mapped as the pool will be and registered as the NIC will, instead of at
 /// the failover. A locked-memory limit below what the pool needs is not (the probe is one
-/// page): the backup learns the pool when a copy of it completes, and warns then
-/// ([`Backup::serving_verbs_once_promoted`]).
+/// page): the backup learns the pool when a copy of it completes, warns then and refuses a
+/// Promote ([`Backup::serving_verbs_once_promoted`]).
 fn check_backup_can_serve_verbs(config: &DpmConfig) -> Result<()> {
     let mut probe = config.pool_path.as_os_str().to_owned();
     probe.push(".verbs-probe");

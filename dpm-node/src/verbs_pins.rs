@@ -89,13 +89,23 @@ pub fn capacity(
         return Ok(None);
     };
     if one_shard_kns == 0 {
+        // A capability held in a user namespace is the budget's own story (it says what to
+        // do); the usual ways out would not help there.
+        let ways_out = match budget {
+            PinBudget::Bytes {
+                namespaced_ipc_lock: true,
+                ..
+            } => "",
+            _ => {
+                "; run it as uid 0 with CAP_IPC_LOCK (containers: --user 0 --cap-add IPC_LOCK; \
+                 the Helm chart's rdma.ipcLock, on by default) or raise the limit (ulimit -l \
+                 unlimited, or LimitMEMLOCK=infinity in a systemd unit)"
+            }
+        };
         return Err(format!(
             "serving a pool of {} bytes over verbs pins it again for every KN connection (a \
              KN opens one per shard and one more): a KN of one shard pins {} bytes, of {} \
-             shards {} bytes, but this process may pin only {budget}; run it as uid 0 with \
-             CAP_IPC_LOCK (containers: --user 0 --cap-add IPC_LOCK; the Helm chart's \
-             rdma.ipcLock, on by default) or raise the limit (ulimit -l unlimited, or \
-             LimitMEMLOCK=infinity in a systemd unit)",
+             shards {} bytes, but this process may pin only {budget}{ways_out}",
             need.pool,
             need.per_kn(1),
             DEFAULT_KN_SHARDS,
@@ -127,7 +137,7 @@ pub fn check_this_process(sb: &Superblock) -> Result<Option<Capacity>> {
 }
 
 /// Logs what [`check_this_process`] found, as a warning when it limits the KNs served:
-/// `what` says whose pool it is ("this node", "once promoted, this backup").
+/// `what` says whose budget it is ("this process", "once promoted, this backup").
 pub fn log_capacity(what: &str, capacity: Option<Capacity>) {
     match capacity {
         None => tracing::info!("checked: {what} may pin the pool for every KN connection"),
@@ -207,12 +217,20 @@ mod tests {
         for part in [
             "67108864 bytes",
             "(RLIMIT_MEMLOCK, no CAP_IPC_LOCK)",
-            "CAP_IPC_LOCK",
+            "--cap-add IPC_LOCK",
             "ulimit -l unlimited",
             "one per shard and one more",
         ] {
             assert!(e.contains(part), "{part:?} missing from: {e}");
         }
+        // A capability held in a user namespace: only the way out that works there.
+        let namespaced = PinBudget::Bytes {
+            limit: n.per_kn(1) - 1,
+            namespaced_ipc_lock: true,
+        };
+        let e = capacity(namespaced, &n).unwrap_err();
+        assert!(e.contains("host's user namespace"), "{e}");
+        assert!(!e.contains("--cap-add"), "{e}");
     }
 
     #[test]

@@ -407,7 +407,9 @@ impl Backup {
     }
 
     /// Makes this backup the primary (a failover its caller decided; see `Promote` in
-    /// proto/dpm.proto): refused unless its copy marker says `complete` (a consistent image).
+    /// proto/dpm.proto): refused unless its copy marker says `complete` (a consistent image)
+    /// and, configured for verbs, this process may pin the pool for a KN
+    /// ([`Backup::serving_verbs_once_promoted`]).
     /// Records a term after both the accepted one and `min_term` durably (a primary of an
     /// older term, such as the old primary restarted meanwhile, is refused
     /// from now on, here and, once the new primary attached them, at the other backups),

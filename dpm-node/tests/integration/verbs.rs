@@ -362,7 +362,7 @@ async fn a_verbs_backup_that_may_not_pin_the_primarys_pool_says_so_and_is_not_pr
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let (cb, _) = config(dir.path(), "b", "role = \"backup\"\nfabric = \"verbs\"");
+    let (cb, bpool) = config(dir.path(), "b", "role = \"backup\"\nfabric = \"verbs\"");
     let blog = dir.path().join("b.log");
     let mut backup = DpmProcess::try_start_with(&cb, &blog, &[], |c| pinning_limited(c, 1 << 20))
         .unwrap_or_else(|e| {
@@ -391,6 +391,8 @@ async fn a_verbs_backup_that_may_not_pin_the_primarys_pool_says_so_and_is_not_pr
     let refused = promote(backup.grpc, vec![other.grpc.to_string()], s.term).await;
     let still_running = !backup.exits_within(Duration::from_secs(2));
     let text = std::fs::read_to_string(&blog).unwrap_or_default();
+    // Refused before anything was recorded: still a backup of the same term, no role file.
+    let after = super::replication::replica_status(backup.grpc).await;
     backup.kill9();
     other.kill9();
     let e = refused.expect_err("a backup that cannot pin its pool was promoted");
@@ -402,6 +404,13 @@ async fn a_verbs_backup_that_may_not_pin_the_primarys_pool_says_so_and_is_not_pr
         "{e:?}"
     );
     assert!(still_running, "the refused backup stopped: {text}");
+    assert_eq!((after.role.as_str(), after.term), ("backup", s.term));
+    let mut role = bpool.as_os_str().to_owned();
+    role.push(".role");
+    assert!(
+        !std::path::Path::new(&role).exists(),
+        "the refused promotion recorded a role"
+    );
 }
 
 /// Makes `cmd` start the way an unprivileged user or a container without IPC_LOCK does:
