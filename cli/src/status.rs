@@ -226,6 +226,11 @@ fn backup_node_line(addr: &str, r: &ReplicaStatusResponse) -> String {
 fn copy_note(own: &anyhow::Result<ReplicaStatusResponse>) -> String {
     match own {
         Ok(r) => match r.copy_state.as_str() {
+            "complete" if !r.not_promotable.is_empty() => format!(
+                "; copy complete (made under term {}, replica-set generation {}) but NOT \
+                 promotable: {}",
+                r.copy_term, r.generation, r.not_promotable
+            ),
             "complete" => format!(
                 "; copy complete (made under term {}, replica-set generation {}): promotable",
                 r.copy_term, r.generation
@@ -340,6 +345,12 @@ mod tests {
         assert!(copy_note(&own("complete"))
             .contains("complete (made under term 2, replica-set generation 1): promotable"));
         assert!(copy_note(&own("incomplete")).contains("not promotable"));
+        let pinned = ReplicaStatusResponse {
+            not_promotable: "may pin only 1048576 bytes".into(),
+            ..own("complete").unwrap()
+        };
+        assert!(copy_note(&Ok(pinned))
+            .contains("generation 1) but NOT promotable: may pin only 1048576 bytes"));
         assert!(copy_note(&own("none")).contains("no copy marker"));
         assert_eq!(copy_note(&own("")), "");
         assert!(copy_note(&Err(anyhow::anyhow!("refused"))).contains("unknown: refused"));

@@ -154,24 +154,25 @@ pub fn log_capacity(what: &str, capacity: Option<Capacity>) {
     }
 }
 
-/// Why a verbs NIC of this process could not serve the pool in the file (or device) `pool`
-/// for even one KN, if it could not ([`check_this_process`] on its superblock); logs the
-/// capacity as `what` otherwise.
-pub fn refusal_for_pool(pool: &std::path::Path, what: &str) -> Option<String> {
+/// [`check_this_process`] for the pool in the file (or device) `pool`, read from its
+/// superblock: `Err` says why a verbs NIC of this process could not serve it for even one KN.
+pub fn check_pool(pool: &std::path::Path) -> std::result::Result<Option<Capacity>, String> {
     use dinomo_layout::superblock::SUPERBLOCK_SIZE;
     use std::io::Read;
     let mut head = vec![0u8; SUPERBLOCK_SIZE as usize];
-    let sb = std::fs::File::open(pool)
+    std::fs::File::open(pool)
         .and_then(|mut f| f.read_exact(&mut head))
-        .map_err(|e| format!("its pool {} cannot be read: {e}", pool.display()))
-        .and_then(|()| {
-            Superblock::decode(&head)
-                .map_err(|e| format!("its pool {} holds no superblock: {e}", pool.display()))
-        });
-    match sb.map(|sb| check_this_process(&sb)) {
+        .map_err(|e| format!("its pool {} cannot be read: {e}", pool.display()))?;
+    let sb = Superblock::decode(&head)
+        .map_err(|e| format!("its pool {} holds no superblock: {e}", pool.display()))?;
+    check_this_process(&sb).map_err(|e| e.to_string())
+}
+
+/// [`check_pool`], logging the capacity as `what` ([`log_capacity`]) when it serves some.
+pub fn refusal_for_pool(pool: &std::path::Path, what: &str) -> Option<String> {
+    match check_pool(pool) {
         Err(why) => Some(why),
-        Ok(Err(e)) => Some(e.to_string()),
-        Ok(Ok(c)) => {
+        Ok(c) => {
             log_capacity(what, c);
             None
         }

@@ -250,6 +250,20 @@ impl Backup {
         self
     }
 
+    /// Why a Promote would be refused for the pin budget now (see
+    /// [`Backup::serving_verbs_once_promoted`]), for its status; `None` when it would not be
+    /// (or the backup is not configured for verbs).
+    pub async fn pin_refusal(&self) -> Option<String> {
+        if !self.serves_verbs {
+            return None;
+        }
+        let pool = self.pool_path.clone();
+        tokio::task::spawn_blocking(move || crate::verbs_pins::check_pool(&pool).err())
+            .await
+            .ok()
+            .flatten()
+    }
+
     /// Becomes the backup of `primary` (instance `instance`) for `term` (see the module doc);
     /// with `incremental`, keeps a pool of `pool_bytes` it holds and answers its digests.
     // The attaching primary's identity (term, instance, image, previous start) and the copy

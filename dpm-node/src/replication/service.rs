@@ -89,6 +89,11 @@ impl ReplicaGrpc {
                     Err(e) => (format!("unreadable: {e}"), 0),
                 };
                 let accepted = b.accepted().await;
+                let not_promotable = if copy_state == "complete" {
+                    b.pin_refusal().await.unwrap_or_default()
+                } else {
+                    String::new()
+                };
                 pb::ReplicaStatusResponse {
                     role: "backup".into(),
                     term: accepted.term,
@@ -98,6 +103,7 @@ impl ReplicaGrpc {
                     copy_state,
                     copy_term,
                     generation: accepted.generation,
+                    not_promotable,
                 }
             }
         }

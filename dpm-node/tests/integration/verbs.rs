@@ -350,8 +350,9 @@ async fn a_verbs_node_that_may_not_pin_its_pool_refuses_to_start() {
 
 /// A backup configured for verbs that may not pin the pool its primary copies to it keeps the
 /// copy (it is durability) and warns, once the copy is complete, that it could not serve it
-/// over verbs once promoted; a Promote is refused with the reason (FAILED_PRECONDITION, so a
-/// monitor tries another backup) and it stays a backup, instead of being promoted and then
+/// over verbs once promoted, and its status says it is not promotable; a Promote is refused
+/// with the reason (FAILED_PRECONDITION, so a monitor tries another backup) and it stays a
+/// backup, instead of being promoted and then
 /// refusing to start at every restart. The probe at its start passed: it is one page.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_verbs_backup_that_may_not_pin_the_primarys_pool_says_so_and_is_not_promoted() {
@@ -386,6 +387,13 @@ async fn a_verbs_backup_that_may_not_pin_the_primarys_pool_says_so_and_is_not_pr
         text.contains("once promoted it could not serve it over verbs")
             && text.contains("may pin only 1048576 bytes"),
         "{text}"
+    );
+    // Its status says so before anyone tries (`dinomo status` prints it).
+    let before = super::replication::replica_status(backup.grpc).await;
+    assert_eq!(before.copy_state, "complete");
+    assert!(
+        before.not_promotable.contains("may pin only 1048576 bytes"),
+        "{before:?}"
     );
     primary.kill9();
     let refused = promote(backup.grpc, vec![other.grpc.to_string()], s.term).await;
