@@ -86,10 +86,15 @@ pub(crate) async fn promote(
             anyhow::bail!(
                 "not promoting {backup}: its copy (term {}, replica-set generation {}) is older \
                  than {addr}'s (generation {}): {backup} left the replica set before writes \
-                 {addr} holds were acknowledged. Promote {addr} instead",
+                 {addr} holds were acknowledged. Promote {addr} instead{}",
                 t.copy_term,
                 t.generation,
-                s.generation
+                s.generation,
+                if s.not_promotable.is_empty() {
+                    String::new()
+                } else {
+                    format!(" (once it can be: it says {})", s.not_promotable)
+                }
             );
         }
     }

@@ -124,7 +124,9 @@ pub fn check_this_process(sb: &Superblock) -> Result<Option<Capacity>> {
     let budget = match PinBudget::of_this_process() {
         Ok(b) => b,
         Err(e) => {
-            tracing::warn!(error = %e, "cannot read this process's memlock limit; not checking what it may pin for RDMA");
+            // Once: a backup's status asks on every call.
+            static WARNED: std::sync::Once = std::sync::Once::new();
+            WARNED.call_once(|| tracing::warn!(error = %e, "cannot read this process's memlock limit; not checking what it may pin for RDMA"));
             return Ok(None);
         }
     };

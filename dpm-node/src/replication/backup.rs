@@ -262,6 +262,7 @@ impl Backup {
             .await
             .ok()
             .flatten()
+            .map(|why| cannot_serve_verbs(&why))
     }
 
     /// Becomes the backup of `primary` (instance `instance`) for `term` (see the module doc);
@@ -550,6 +551,15 @@ impl Backup {
     }
 }
 
+/// Why a backup configured for verbs is not promoted when its process could not pin its pool
+/// (`why`): for the Promote refusal and the backup's status alike.
+fn cannot_serve_verbs(why: &str) -> String {
+    format!(
+        "configured for verbs, it could not serve its pool over verbs once promoted: {why} (or \
+         run it with fabric = \"tcp\")"
+    )
+}
+
 /// [`Backup::promote`]'s work, under the backup's state lock.
 fn promote_locked(
     mut st: tokio::sync::OwnedMutexGuard<State>,
@@ -612,10 +622,7 @@ fn promote_locked(
     if serves_verbs {
         if let Some(why) = crate::verbs_pins::refusal_for_pool(pool, "once promoted, this backup") {
             return Err(DpmError::NotPromotable {
-                detail: format!(
-                    "configured for verbs, it could not serve its pool over verbs once \
-                     promoted: {why} (or run it with fabric = \"tcp\")"
-                ),
+                detail: cannot_serve_verbs(&why),
             });
         }
     }
