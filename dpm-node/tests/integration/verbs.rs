@@ -296,7 +296,7 @@ async fn a_verbs_node_that_may_not_pin_its_pool_refuses_to_start() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();
-    let (cfg, _) = super::replication::config(dir.path(), "p", "fabric = \"verbs\"");
+    let (cfg, pool) = super::replication::config(dir.path(), "p", "fabric = \"verbs\"");
     let log = dir.path().join("p.log");
     let e = DpmProcess::try_start_with(&cfg, &log, &[], |c| pinning_limited(c, 1 << 20))
         .map(|mut p| p.kill9())
@@ -313,18 +313,11 @@ async fn a_verbs_node_that_may_not_pin_its_pool_refuses_to_start() {
     );
     // Room for two writing connections (a KN of one shard is one, and one that only READs):
     // the need of the pool the refused start made.
-    let (_, pool) = super::replication::config(dir.path(), "p", "fabric = \"verbs\"");
     let head = std::fs::read(&pool).unwrap();
     let sb = dinomo_layout::superblock::Superblock::decode(&head[..4096]).unwrap();
     let two = 2 * PinNeed::of(&sb, 4096).per_connection(1);
     let log = dir.path().join("p2.log");
-    let mut node = DpmProcess::try_start_with(&cfg, &log, &[], |c| pinning_limited(c, two))
-        .unwrap_or_else(|e| {
-            panic!(
-                "{e}; log: {}",
-                std::fs::read_to_string(&log).unwrap_or_default()
-            )
-        });
+    let mut node = start_pinning_limited(&cfg, &log, two);
     let text = std::fs::read_to_string(&log).unwrap_or_default();
     assert!(
         text.contains("about 0 KNs of 2 shards (1 of one shard)"),
@@ -352,8 +345,7 @@ async fn a_verbs_node_that_may_not_pin_its_pool_refuses_to_start() {
 /// copy (it is durability) and warns, once the copy is complete, that it could not serve it
 /// over verbs once promoted, and its status says it is not promotable; a Promote is refused
 /// with the reason (FAILED_PRECONDITION, so a monitor tries another backup) and it stays a
-/// backup, instead of being promoted and then
-/// refusing to start at every restart. The probe at its start passed: it is one page.
+/// backup, instead of being promoted and then refusing to start at every restart. The probe at its start passed: it is one page.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_verbs_backup_that_may_not_pin_the_primarys_pool_says_so_and_is_not_promoted() {
     use super::replication::{config, promote, wait_in_sync};
@@ -365,13 +357,7 @@ async fn a_verbs_backup_that_may_not_pin_the_primarys_pool_says_so_and_is_not_pr
     let dir = tempfile::tempdir().unwrap();
     let (cb, bpool) = config(dir.path(), "b", "role = \"backup\"\nfabric = \"verbs\"");
     let blog = dir.path().join("b.log");
-    let mut backup = DpmProcess::try_start_with(&cb, &blog, &[], |c| pinning_limited(c, 1 << 20))
-        .unwrap_or_else(|e| {
-            panic!(
-                "{e}; log: {}",
-                std::fs::read_to_string(&blog).unwrap_or_default()
-            )
-        });
+    let mut backup = start_pinning_limited(&cb, &blog, 1 << 20);
     // A promotion names at least one backup: a second one, on tcp and unlimited.
     let (c2, _) = config(dir.path(), "b2", "role = \"backup\"");
     let mut other = DpmProcess::start(&c2, &dir.path().join("b2.log"));
@@ -419,6 +405,22 @@ async fn a_verbs_backup_that_may_not_pin_the_primarys_pool_says_so_and_is_not_pr
         !std::path::Path::new(&role).exists(),
         "the refused promotion recorded a role"
     );
+}
+
+/// Starts a dpm-node from `config` with [`pinning_limited`] to `bytes`, which must start.
+fn start_pinning_limited(
+    config: &std::path::Path,
+    log: &std::path::Path,
+    bytes: u64,
+) -> DpmProcess {
+    DpmProcess::try_start_with(config, log, &[], |c| pinning_limited(c, bytes)).unwrap_or_else(
+        |e| {
+            panic!(
+                "{e}; log: {}",
+                std::fs::read_to_string(log).unwrap_or_default()
+            )
+        },
+    )
 }
 
 /// Makes `cmd` start the way an unprivileged user or a container without IPC_LOCK does:
