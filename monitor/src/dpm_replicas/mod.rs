@@ -319,6 +319,12 @@ pub struct Watcher {
     unserved_reported: bool,
     /// How many times it was logged (tests).
     unserved_reports: u64,
+    /// The backups in sync last logged as saying they cannot be promoted, and whether none
+    /// could be ([`Watcher::report_unpromotable`]); `None`: nothing logged since this monitor
+    /// leads.
+    unpromotable_said: Option<(Vec<usize>, bool)>,
+    /// How many times that was logged (tests).
+    unpromotable_reports: u64,
     /// The member whose pod carries the primary label, under which term, since when: labelled
     /// again when the primary changes, when it restarted (a recreated pod comes back without
     /// the label, and every start takes a new term), after a failed patch, and every
@@ -426,6 +432,8 @@ impl Watcher {
             said: String::new(),
             unserved_reported: false,
             unserved_reports: 0,
+            unpromotable_said: None,
+            unpromotable_reports: 0,
             labelled: None,
             label_failed: None,
             note_read: false,
@@ -474,6 +482,7 @@ impl Watcher {
             self.note = None;
             // A leader reports an episode it finds, even one it reported before a lead change.
             self.unserved_reported = false;
+            self.unpromotable_said = None;
         }
         let note_unread = match leads && !self.note_read {
             true => self.read_note().await.err(),
@@ -496,11 +505,17 @@ impl Watcher {
             .unserved_since
             .map_or(0.0, |t| t.elapsed().as_secs_f64());
         metrics::gauge!("dinomo_monitor_dpm_no_backup_in_sync_seconds").set(unserved);
+        let promotability = plan::promotability(&seen, &self.memory);
+        metrics::gauge!("dinomo_monitor_dpm_promotable_backups")
+            .set(promotability.as_ref().map_or(0.0, |p| p.promotable as f64));
         if !leads {
             metrics::gauge!("dinomo_monitor_dpm_failover_stuck").set(0.0);
             return Outcome::Standby;
         }
         self.report_unserved(&seen);
+        if let Some(p) = promotability {
+            self.report_unpromotable(p);
+        }
         if let (Some(why), Plan::Promote { .. }) = (note_unread, &plan) {
             // Serving, waiting and stuck need no note (a serving primary ends any pin); a
             // promotion does: the last leader may have promoted another backup.
@@ -568,6 +583,45 @@ impl Watcher {
             }
             Some(_) => {}
             None => self.unserved_reported = false,
+        }
+    }
+
+    /// Logs, when it changes, which backups in sync with the observed primary say they cannot
+    /// be promoted (a verbs backup that may not pin its pool), before the primary dies: a
+    /// failover skips them, and with none of the others able to it would find no backup to
+    /// promote (an error then).
+    fn report_unpromotable(&mut self, p: plan::Promotability) {
+        let members: Vec<usize> = p.unpromotable.iter().map(|(m, _)| *m).collect();
+        let now = (members, p.promotable == 0);
+        if self.unpromotable_said.as_ref() == Some(&now) {
+            return;
+        }
+        let first = self.unpromotable_said.is_none();
+        self.unpromotable_said = Some(now);
+        if p.unpromotable.is_empty() {
+            if !first {
+                tracing::info!("dpm replica set: no backup in sync says it cannot be promoted");
+            }
+            return;
+        }
+        self.unpromotable_reports += 1;
+        let reasons: Vec<String> = p
+            .unpromotable
+            .iter()
+            .map(|(m, why)| format!("{}: {why}", self.addresses[*m]))
+            .collect();
+        let reasons = reasons.join("; ");
+        if p.promotable == 0 {
+            tracing::error!(
+                "dpm replica set: no backup in sync could be promoted if the primary died: \
+                 {reasons}. Raise their pin limit (docs/operations.md, \"The verbs fabric\")"
+            );
+        } else {
+            tracing::warn!(
+                "dpm replica set: a backup in sync says it cannot be promoted ({reasons}); a \
+                 failover would promote one of the other {} in sync",
+                p.promotable
+            );
         }
     }
 

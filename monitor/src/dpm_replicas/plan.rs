@@ -42,6 +42,10 @@
 //!   backup answers as a backup of the note's term or older (no Promote reached it).
 //! - A Promote that could not be sent (no connection) is tried on the other backups in sync
 //!   first, and on the same backup again once `failover_after` passed.
+//! - A backup that answers that it would refuse a Promote (`not_promotable`: a verbs backup
+//!   that may not pin its pool) is not asked, unless the plan is pinned to it; with no other
+//!   candidate the plan is stuck, naming each and why ([`promotability`] lets the watcher
+//!   say so while the primary still serves).
 //! - **The term floor**: a primary of a term older than one this watcher saw serve with a
 //!   backup in sync, or than a promotion it made, saw take effect, or waits for (promoted, or
 //!   perhaps promoted: pinned or noted), or than one a member answering as a backup this
@@ -81,6 +85,9 @@ pub struct MemberStatus {
     pub copy_term: u64,
     /// On a primary: its backups, (address, state).
     pub backups: Vec<(String, String)>,
+    /// A backup with a complete copy that says it would refuse a Promote, and why (a verbs
+    /// backup whose process may not pin its pool: `ReplicaStatusResponse.not_promotable`).
+    pub not_promotable: Option<String>,
 }
 
 /// A member's answer this round, or why there was none.
@@ -627,6 +634,10 @@ fn decide(
         .filter_map(|m| seen[m].as_ref().ok().map(|s| (m, s)))
         .filter(|(m, _)| pinned.is_none_or(|only| only == *m) && !mem.refused.contains(m))
         .filter(|(m, _)| !recently_not_reached(*m))
+        // One that says it would refuse a Promote is not asked: its refusal would cost the
+        // outage a round. The one the plan is pinned to is, whatever it says: it may be
+        // promoting itself.
+        .filter(|(m, s)| pinned == Some(*m) || s.not_promotable.is_none())
         .filter(|(_, s)| {
             s.role == Role::Backup
                 && s.copy_complete
@@ -666,6 +677,26 @@ fn decide(
                 false => Plan::Wait(why),
             };
         }
+        let cannot = unpromotable(seen, &last);
+        if !cannot.is_empty() {
+            let names: Vec<&str> = cannot.iter().map(|(m, _)| members[*m].as_str()).collect();
+            let reasons: Vec<String> = cannot
+                .iter()
+                .map(|(m, why)| format!("{}: {why}", members[*m]))
+                .collect();
+            return Plan::Stuck(format!(
+                "primary {} {why} for {} ms; of the backups in sync when it last served, {} \
+                 say they cannot be promoted ({}), and no other answers with a complete copy \
+                 of its term {}: not promoting. Raise their pin limit (docs/operations.md, \
+                 \"The verbs fabric\": every status and Promote reads it anew), bring the \
+                 primary back, or promote a backup by hand (helm/README.md, \"Backups\")",
+                members[last.member],
+                down_for.as_millis(),
+                names.join(", "),
+                reasons.join("; "),
+                last.term
+            ));
+        }
         let refused: Vec<&str> = last
             .in_sync
             .iter()
@@ -703,6 +734,50 @@ fn decide(
         min_term,
         down_for,
     }
+}
+
+/// The backups in sync with `last` that answer with a complete copy of its term but say they
+/// would refuse a Promote, each with why.
+fn unpromotable(seen: &[Seen], last: &Serving) -> Vec<(usize, String)> {
+    last.in_sync
+        .iter()
+        .filter_map(|&m| match &seen[m] {
+            Ok(s) if s.role == Role::Backup && s.copy_complete && s.copy_term == last.term => {
+                s.not_promotable.clone().map(|why| (m, why))
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+/// Whether the backups in sync with the primary last observed serving could take over from it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Promotability {
+    /// Backups in sync that answer with a complete copy of its term and no reason to refuse.
+    pub promotable: usize,
+    /// Those that say they would refuse a Promote, and why.
+    pub unpromotable: Vec<(usize, String)>,
+}
+
+/// Who could be promoted from the observation this watcher holds (`None`: it holds none), as
+/// the members answer this round: for the watcher's gauge and its warning, before the primary
+/// dies, that a failover would find no backup to promote.
+pub fn promotability(seen: &[Seen], mem: &Memory) -> Option<Promotability> {
+    let last = mem.serving.as_ref()?;
+    let promotable = last
+        .in_sync
+        .iter()
+        .filter(|&&m| {
+            matches!(&seen[m], Ok(s) if s.role == Role::Backup
+                && s.copy_complete
+                && s.copy_term == last.term
+                && s.not_promotable.is_none())
+        })
+        .count();
+    Some(Promotability {
+        promotable,
+        unpromotable: unpromotable(seen, last),
+    })
 }
 
 /// Waiting for a backup promoted (or perhaps promoted) to serve: stuck from `stuck_at` on,
@@ -779,6 +854,7 @@ pub(super) fn primary_of(term: u64, backups: &[(&str, &str)]) -> Seen {
             .iter()
             .map(|(a, s)| (a.to_string(), s.to_string()))
             .collect(),
+        not_promotable: None,
     })
 }
 
@@ -800,7 +876,17 @@ mod tests {
             copy_complete: complete,
             copy_term,
             backups: Vec::new(),
+            not_promotable: None,
         })
+    }
+
+    /// A backup in sync with p at term 3 that says it cannot be promoted.
+    fn unpromotable() -> Seen {
+        let mut seen = backup(3, true, 3, 0);
+        if let Ok(s) = &mut seen {
+            s.not_promotable = Some("may pin only 1048576 bytes".into());
+        }
+        seen
     }
 
     fn serving(primary: usize, term: u64, point: bool, add: Vec<usize>) -> Plan {
@@ -1156,6 +1242,60 @@ mod tests {
         mem.refused.push(1);
         let p = plan(&members(), &seen, &mut mem, t0 + AFTER, AFTER);
         assert!(matches!(p, Plan::Promote { member: 2, .. }), "{p:?}");
+    }
+
+    #[test]
+    fn a_backup_that_says_it_cannot_be_promoted_is_not_asked() {
+        // Its Promote would be refused: asking it first would cost the outage a round.
+        let mut mem = Memory::default();
+        let t0 = Instant::now();
+        steady(&mut mem, t0);
+        let seen = [silent(), unpromotable(), backup(3, true, 3, 0)];
+        plan(&members(), &seen, &mut mem, t0, AFTER);
+        let p = plan(&members(), &seen, &mut mem, t0 + AFTER, AFTER);
+        assert!(matches!(p, Plan::Promote { member: 2, .. }), "{p:?}");
+        // None of them can be: stuck, each named with its reason.
+        let seen = [silent(), unpromotable(), unpromotable()];
+        let p = plan(&members(), &seen, &mut mem, t0 + AFTER, AFTER);
+        assert!(
+            matches!(&p, Plan::Stuck(w) if w.contains("b1:1, b2:1")
+                && w.contains("may pin only 1048576 bytes")),
+            "{p:?}"
+        );
+        // A backup the plan is pinned to (its Promote's outcome not known) is still waited
+        // for and asked: whether it promotes itself is not up to its status.
+        mem.promote_only = Some((1, t0 + 10 * AFTER));
+        let seen = [silent(), unpromotable(), backup(3, true, 3, 0)];
+        let p = plan(&members(), &seen, &mut mem, t0 + AFTER, AFTER);
+        assert!(matches!(p, Plan::Promote { member: 1, .. }), "{p:?}");
+    }
+
+    #[test]
+    fn promotability_counts_the_backups_in_sync_that_could_take_over() {
+        let mut mem = Memory::default();
+        assert_eq!(promotability(&[silent(), silent(), silent()], &mem), None);
+        steady(&mut mem, Instant::now());
+        let p = primary_of(3, &[("b1:1", "in-sync"), ("b2:1", "in-sync")]);
+        let seen = [p.clone(), unpromotable(), backup(3, true, 3, 0)];
+        let why = "may pin only 1048576 bytes".to_string();
+        assert_eq!(
+            promotability(&seen, &mem),
+            Some(Promotability {
+                promotable: 1,
+                unpromotable: vec![(1, why.clone())],
+            })
+        );
+        // b2 copying again, or silent: it counts neither way.
+        for b2 in [backup(3, false, 3, 0), silent()] {
+            let seen = [p.clone(), unpromotable(), b2];
+            assert_eq!(
+                promotability(&seen, &mem),
+                Some(Promotability {
+                    promotable: 0,
+                    unpromotable: vec![(1, why.clone())],
+                })
+            );
+        }
     }
 
     #[test]

@@ -84,6 +84,7 @@ impl Replicas for GrpcReplicas {
                     .into_iter()
                     .map(|b| (b.address, b.state))
                     .collect(),
+                not_promotable: Some(s.not_promotable).filter(|why| !why.is_empty()),
             })
         };
         match tokio::time::timeout(timeout, ask).await {

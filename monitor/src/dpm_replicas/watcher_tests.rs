@@ -235,7 +235,17 @@ fn backup(term: u64) -> Seen {
         copy_complete: true,
         copy_term: term,
         backups: Vec::new(),
+        not_promotable: None,
     })
+}
+
+/// A backup holding a complete copy made under `term` that says it would refuse a Promote.
+fn unpromotable(term: u64) -> Seen {
+    let mut seen = backup(term);
+    if let Ok(s) = &mut seen {
+        s.not_promotable = Some("may pin only 1048576 bytes".into());
+    }
+    seen
 }
 
 fn promote_of(backup: &str, others: [&str; 2]) -> Call {
@@ -1079,4 +1089,30 @@ async fn a_watcher_started_afresh_labels_no_primary_below_a_backups_term() {
     w.answers(B1, primary_of(4, &[(B2, "in-sync")]));
     assert_eq!(watcher.round().await, Outcome::Serving { primary: 1 });
     assert_eq!(w.take(), vec![Call::PointAt(B1.into())]);
+}
+
+#[tokio::test]
+async fn a_backup_that_cannot_be_promoted_is_reported_while_the_primary_serves_and_not_asked() {
+    let w = World::new(true);
+    let mut watcher = w.watcher();
+    w.steady();
+    w.answers(B1, unpromotable(3));
+    assert_eq!(watcher.round().await, Outcome::Serving { primary: 0 });
+    assert_eq!(watcher.unpromotable_reports, 1);
+    watcher.round().await;
+    assert_eq!(watcher.unpromotable_reports, 1, "logged once per change");
+    // b2 too: no backup could take over, said before the primary dies.
+    w.answers(B2, unpromotable(3));
+    watcher.round().await;
+    assert_eq!(watcher.unpromotable_reports, 2);
+    // b2's limit raised (each status reads it anew): said again, as a warning.
+    w.answers(B2, backup(3));
+    watcher.round().await;
+    assert_eq!(watcher.unpromotable_reports, 3);
+    // p dies: b2 is promoted in the first failover round; b1 is never asked.
+    w.silent(P);
+    assert!(matches!(watcher.round().await, Outcome::Waiting(_)));
+    tokio::time::sleep(AFTER + Duration::from_millis(20)).await;
+    assert_eq!(watcher.round().await, Outcome::Promoted { member: 2 });
+    assert_eq!(promoted(&w.calls()), vec![B2]);
 }
