@@ -319,11 +319,10 @@ pub struct Watcher {
     unserved_reported: bool,
     /// How many times it was logged (tests).
     unserved_reports: u64,
-    /// The backups in sync last logged as saying they cannot be promoted, and whether none
-    /// could be ([`Watcher::report_unpromotable`]); `None`: nothing logged since this monitor
-    /// leads.
-    unpromotable_said: Option<(Vec<usize>, bool)>,
-    /// How many times that was logged (tests).
+    /// The backups in sync last logged as saying they cannot be promoted, and whether that is
+    /// every backup in sync ([`Watcher::report_unpromotable`]); empty until one is.
+    unpromotable_said: (Vec<usize>, bool),
+    /// How many times a change of it was logged (tests).
     unpromotable_reports: u64,
     /// The member whose pod carries the primary label, under which term, since when: labelled
     /// again when the primary changes, when it restarted (a recreated pod comes back without
@@ -432,7 +431,7 @@ impl Watcher {
             said: String::new(),
             unserved_reported: false,
             unserved_reports: 0,
-            unpromotable_said: None,
+            unpromotable_said: (Vec::new(), false),
             unpromotable_reports: 0,
             labelled: None,
             label_failed: None,
@@ -482,7 +481,7 @@ impl Watcher {
             self.note = None;
             // A leader reports an episode it finds, even one it reported before a lead change.
             self.unserved_reported = false;
-            self.unpromotable_said = None;
+            self.unpromotable_said = (Vec::new(), false);
         }
         let note_unread = match leads && !self.note_read {
             true => self.read_note().await.err(),
@@ -505,16 +504,19 @@ impl Watcher {
             .unserved_since
             .map_or(0.0, |t| t.elapsed().as_secs_f64());
         metrics::gauge!("dinomo_monitor_dpm_no_backup_in_sync_seconds").set(unserved);
+        // -1: no observation to count from (see `no_backup_in_sync_seconds`).
         let promotability = plan::promotability(&seen, &self.memory);
         metrics::gauge!("dinomo_monitor_dpm_promotable_backups")
-            .set(promotability.as_ref().map_or(0.0, |p| p.promotable as f64));
+            .set(promotability.as_ref().map_or(-1.0, |p| p.promotable as f64));
         if !leads {
             metrics::gauge!("dinomo_monitor_dpm_failover_stuck").set(0.0);
             return Outcome::Standby;
         }
         self.report_unserved(&seen);
-        if let Some(p) = promotability {
-            self.report_unpromotable(p);
+        // While the observed primary serves: once it is down, the plan says what a failover
+        // finds.
+        if let (Some(p), None) = (promotability, self.memory.down_since) {
+            self.report_unpromotable(&seen, p);
         }
         if let (Some(why), Plan::Promote { .. }) = (note_unread, &plan) {
             // Serving, waiting and stuck need no note (a serving primary ends any pin); a
@@ -586,20 +588,27 @@ impl Watcher {
         }
     }
 
-    /// Logs, when it changes, which backups in sync with the observed primary say they cannot
+    /// Logs, when it changes, which backups in sync with the serving primary say they cannot
     /// be promoted (a verbs backup that may not pin its pool), before the primary dies: a
-    /// failover skips them, and with none of the others able to it would find no backup to
-    /// promote (an error then).
-    fn report_unpromotable(&mut self, p: plan::Promotability) {
-        let members: Vec<usize> = p.unpromotable.iter().map(|(m, _)| *m).collect();
-        let now = (members, p.promotable == 0);
-        if self.unpromotable_said.as_ref() == Some(&now) {
+    /// failover skips them, and when that is every backup in sync it would find none (an
+    /// error then). A member that does not answer this round keeps its last verdict,
+    /// so one missed status does not log the warning again.
+    fn report_unpromotable(&mut self, seen: &[Seen], p: plan::Promotability) {
+        let (said, _) = &self.unpromotable_said;
+        let mut members: Vec<usize> = p.unpromotable.iter().map(|(m, _)| *m).collect();
+        members.extend(said.iter().filter(|&&m| seen[m].is_err()));
+        members.sort_unstable();
+        // Every backup in sync says so (one silent or copying again may yet be promotable).
+        let none_could = members.len() == p.in_sync;
+        let now = (members, none_could);
+        if self.unpromotable_said == now {
             return;
         }
-        let first = self.unpromotable_said.is_none();
-        self.unpromotable_said = Some(now);
+        let was_said = !self.unpromotable_said.0.is_empty();
+        self.unpromotable_said = now;
         if p.unpromotable.is_empty() {
-            if !first {
+            if was_said && self.unpromotable_said.0.is_empty() {
+                self.unpromotable_reports += 1;
                 tracing::info!("dpm replica set: no backup in sync says it cannot be promoted");
             }
             return;
@@ -611,16 +620,18 @@ impl Watcher {
             .map(|(m, why)| format!("{}: {why}", self.addresses[*m]))
             .collect();
         let reasons = reasons.join("; ");
-        if p.promotable == 0 {
+        if none_could {
             tracing::error!(
-                "dpm replica set: no backup in sync could be promoted if the primary died: \
-                 {reasons}. Raise their pin limit (docs/operations.md, \"The verbs fabric\")"
+                "dpm replica set: every backup in sync says it cannot be promoted, so no \
+                 failover is possible if the primary dies ({reasons}). Raise the pin limit \
+                 (docs/operations.md, \"The verbs fabric\")"
             );
         } else {
             tracing::warn!(
-                "dpm replica set: a backup in sync says it cannot be promoted ({reasons}); a \
-                 failover would promote one of the other {} in sync",
-                p.promotable
+                "dpm replica set: a failover would skip backups in sync that say they cannot \
+                 be promoted ({reasons}); {} of {} in sync can be now",
+                p.promotable,
+                p.in_sync
             );
         }
     }

@@ -617,11 +617,7 @@ fn decide(
             return wait_for_promoted(why, &seen[only], now, stuck_at);
         }
     }
-    // The newest generation any replica was told: a backup removed since the observation is
-    // older than the ones that stayed.
-    let generation = answered()
-        .map(|s| s.generation)
-        .fold(last.generation, u64::max);
+    let generation = newest_generation(seen, &last);
     let recently_not_reached = |m: usize| {
         mem.not_reached
             .iter()
@@ -638,12 +634,7 @@ fn decide(
         // outage a round. The one the plan is pinned to is, whatever it says: it may be
         // promoting itself.
         .filter(|(m, s)| pinned == Some(*m) || s.not_promotable.is_none())
-        .filter(|(_, s)| {
-            s.role == Role::Backup
-                && s.copy_complete
-                && s.copy_term == last.term
-                && s.generation >= generation
-        })
+        .filter(|(_, s)| holds_the_observation(s, &last, generation))
         .max_by_key(|(m, _)| std::cmp::Reverse(*m));
     let Some((member, _)) = candidate else {
         if let Some(only) = pinned {
@@ -677,41 +668,44 @@ fn decide(
                 false => Plan::Wait(why),
             };
         }
-        let cannot = unpromotable(seen, &last);
-        if !cannot.is_empty() {
-            let names: Vec<&str> = cannot.iter().map(|(m, _)| members[*m].as_str()).collect();
-            let reasons: Vec<String> = cannot
-                .iter()
-                .map(|(m, why)| format!("{}: {why}", members[*m]))
-                .collect();
-            return Plan::Stuck(format!(
-                "primary {} {why} for {} ms; of the backups in sync when it last served, {} \
-                 say they cannot be promoted ({}), and no other answers with a complete copy \
-                 of its term {}: not promoting. Raise their pin limit (docs/operations.md, \
-                 \"The verbs fabric\": every status and Promote reads it anew), bring the \
-                 primary back, or promote a backup by hand (helm/README.md, \"Backups\")",
-                members[last.member],
-                down_for.as_millis(),
-                names.join(", "),
-                reasons.join("; "),
-                last.term
-            ));
-        }
         let refused: Vec<&str> = last
             .in_sync
             .iter()
             .filter(|m| mem.refused.contains(m))
             .map(|&m| members[m].as_str())
             .collect();
-        if !refused.is_empty() {
+        let cannot: Vec<String> = unpromotable(seen, &last, generation)
+            .into_iter()
+            .filter(|(m, _)| !mem.refused.contains(m))
+            .map(|(m, why)| format!("{}: {why}", members[m]))
+            .collect();
+        if !refused.is_empty() || !cannot.is_empty() {
+            let mut what = Vec::new();
+            if !refused.is_empty() {
+                what.push(format!(
+                    "{} refused to be promoted (the refusals are logged)",
+                    refused.join(", ")
+                ));
+            }
+            if !cannot.is_empty() {
+                what.push(format!(
+                    "{} cannot be promoted ({}; raise the pin limit: docs/operations.md, \
+                     \"The verbs fabric\"; each status reads it anew)",
+                    match cannot.len() {
+                        1 => "one says it".to_string(),
+                        n => format!("{n} say they"),
+                    },
+                    cannot.join("; ")
+                ));
+            }
             return Plan::Stuck(format!(
-                "primary {} {why} for {} ms; of the backups in sync when it last served, {} \
-                 refused to be promoted and no other answers with a complete copy of its term \
-                 {}: not promoting. The refusals are logged; bring the primary back, or \
-                 promote a backup by hand (helm/README.md, \"Backups\")",
+                "primary {} {why} for {} ms; of the backups in sync when it last served, {}, \
+                 and no other answers with a complete copy of its term {}: not promoting. \
+                 Bring the primary back, or promote a backup by hand (helm/README.md, \
+                 \"Backups\")",
                 members[last.member],
                 down_for.as_millis(),
-                refused.join(", "),
+                what.join("; "),
                 last.term
             ));
         }
@@ -736,13 +730,32 @@ fn decide(
     }
 }
 
-/// The backups in sync with `last` that answer with a complete copy of its term but say they
-/// would refuse a Promote, each with why.
-fn unpromotable(seen: &[Seen], last: &Serving) -> Vec<(usize, String)> {
+/// The newest replica-set generation any member answers with, or `last`'s: a backup removed
+/// since the observation is older than the ones that stayed.
+fn newest_generation(seen: &[Seen], last: &Serving) -> u64 {
+    seen.iter()
+        .filter_map(|s| s.as_ref().ok())
+        .map(|s| s.generation)
+        .fold(last.generation, u64::max)
+}
+
+/// Whether `s` answers as a backup holding every write `last` acknowledged: a complete copy
+/// of its term, of the newest `generation`. (Whether it would accept a Promote is
+/// `not_promotable`.)
+fn holds_the_observation(s: &MemberStatus, last: &Serving, generation: u64) -> bool {
+    s.role == Role::Backup
+        && s.copy_complete
+        && s.copy_term == last.term
+        && s.generation >= generation
+}
+
+/// The backups in sync with `last` that hold the observation ([`holds_the_observation`]) but
+/// say they would refuse a Promote, each with why.
+fn unpromotable(seen: &[Seen], last: &Serving, generation: u64) -> Vec<(usize, String)> {
     last.in_sync
         .iter()
         .filter_map(|&m| match &seen[m] {
-            Ok(s) if s.role == Role::Backup && s.copy_complete && s.copy_term == last.term => {
+            Ok(s) if holds_the_observation(s, last, generation) => {
                 s.not_promotable.clone().map(|why| (m, why))
             }
             _ => None,
@@ -753,7 +766,10 @@ fn unpromotable(seen: &[Seen], last: &Serving) -> Vec<(usize, String)> {
 /// Whether the backups in sync with the primary last observed serving could take over from it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Promotability {
-    /// Backups in sync that answer with a complete copy of its term and no reason to refuse.
+    /// Backups in sync with it when it was observed.
+    pub in_sync: usize,
+    /// Backups in sync that a failover would promote: holding the observation, with no reason
+    /// to refuse, not refused already.
     pub promotable: usize,
     /// Those that say they would refuse a Promote, and why.
     pub unpromotable: Vec<(usize, String)>,
@@ -764,19 +780,20 @@ pub struct Promotability {
 /// dies, that a failover would find no backup to promote.
 pub fn promotability(seen: &[Seen], mem: &Memory) -> Option<Promotability> {
     let last = mem.serving.as_ref()?;
+    let generation = newest_generation(seen, last);
     let promotable = last
         .in_sync
         .iter()
+        .filter(|m| !mem.refused.contains(m))
         .filter(|&&m| {
-            matches!(&seen[m], Ok(s) if s.role == Role::Backup
-                && s.copy_complete
-                && s.copy_term == last.term
+            matches!(&seen[m], Ok(s) if holds_the_observation(s, last, generation)
                 && s.not_promotable.is_none())
         })
         .count();
     Some(Promotability {
+        in_sync: last.in_sync.len(),
         promotable,
-        unpromotable: unpromotable(seen, last),
+        unpromotable: unpromotable(seen, last, generation),
     })
 }
 
@@ -1258,10 +1275,21 @@ mod tests {
         let seen = [silent(), unpromotable(), unpromotable()];
         let p = plan(&members(), &seen, &mut mem, t0 + AFTER, AFTER);
         assert!(
-            matches!(&p, Plan::Stuck(w) if w.contains("b1:1, b2:1")
-                && w.contains("may pin only 1048576 bytes")),
+            matches!(&p, Plan::Stuck(w) if w.contains("2 say they cannot be promoted")
+                && w.contains("b1:1: may pin only 1048576 bytes")
+                && w.contains("b2:1: may pin only 1048576 bytes")),
             "{p:?}"
         );
+        // One refused (for another reason), the other cannot be: both said.
+        mem.refused.push(1);
+        let seen = [silent(), backup(3, true, 3, 0), unpromotable()];
+        let p = plan(&members(), &seen, &mut mem, t0 + AFTER, AFTER);
+        assert!(
+            matches!(&p, Plan::Stuck(w) if w.contains("b1:1 refused to be promoted")
+                && w.contains("one says it cannot be promoted (b2:1: may pin only")),
+            "{p:?}"
+        );
+        mem.refused.clear();
         // A backup the plan is pinned to (its Promote's outcome not known) is still waited
         // for and asked: whether it promotes itself is not up to its status.
         mem.promote_only = Some((1, t0 + 10 * AFTER));
@@ -1281,16 +1309,19 @@ mod tests {
         assert_eq!(
             promotability(&seen, &mem),
             Some(Promotability {
+                in_sync: 2,
                 promotable: 1,
                 unpromotable: vec![(1, why.clone())],
             })
         );
-        // b2 copying again, or silent: it counts neither way.
-        for b2 in [backup(3, false, 3, 0), silent()] {
+        // b2 copying again, silent, or refused already: it counts neither way.
+        mem.refused.push(2);
+        for b2 in [backup(3, false, 3, 0), silent(), backup(3, true, 3, 0)] {
             let seen = [p.clone(), unpromotable(), b2];
             assert_eq!(
                 promotability(&seen, &mem),
                 Some(Promotability {
+                    in_sync: 2,
                     promotable: 0,
                     unpromotable: vec![(1, why.clone())],
                 })

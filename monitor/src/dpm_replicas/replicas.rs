@@ -15,7 +15,9 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use dinomo_proto::dpm::replica_service_client::ReplicaServiceClient;
-use dinomo_proto::dpm::{BackupRequest, PromoteRequest, ReplicaStatusRequest};
+use dinomo_proto::dpm::{
+    BackupRequest, PromoteRequest, ReplicaStatusRequest, ReplicaStatusResponse,
+};
 
 use super::plan::{MemberStatus, Role, Seen};
 
@@ -68,24 +70,7 @@ impl Replicas for GrpcReplicas {
                 .status(ReplicaStatusRequest {})
                 .await?
                 .into_inner();
-            let role = match s.role.as_str() {
-                "primary" => Role::Primary,
-                "backup" => Role::Backup,
-                other => anyhow::bail!("answers with an unknown role {other:?}"),
-            };
-            Ok(MemberStatus {
-                role,
-                term: s.term,
-                generation: s.generation,
-                copy_complete: s.copy_state == "complete",
-                copy_term: s.copy_term,
-                backups: s
-                    .backups
-                    .into_iter()
-                    .map(|b| (b.address, b.state))
-                    .collect(),
-                not_promotable: Some(s.not_promotable).filter(|why| !why.is_empty()),
-            })
+            member_status(s)
         };
         match tokio::time::timeout(timeout, ask).await {
             Ok(r) => r.map_err(|e: anyhow::Error| format!("{e:#}")),
@@ -125,6 +110,29 @@ impl Replicas for GrpcReplicas {
             .map_err(|s| anyhow::anyhow!("{}", s.message()))?;
         Ok(())
     }
+}
+
+/// A Status answer as the plan reads it.
+fn member_status(s: ReplicaStatusResponse) -> anyhow::Result<MemberStatus> {
+    let role = match s.role.as_str() {
+        "primary" => Role::Primary,
+        "backup" => Role::Backup,
+        other => anyhow::bail!("answers with an unknown role {other:?}"),
+    };
+    Ok(MemberStatus {
+        role,
+        term: s.term,
+        generation: s.generation,
+        copy_complete: s.copy_state == "complete",
+        copy_term: s.copy_term,
+        backups: s
+            .backups
+            .into_iter()
+            .map(|b| (b.address, b.state))
+            .collect(),
+        // Empty: nothing to say (proto3's default; an older backup never sets it).
+        not_promotable: Some(s.not_promotable).filter(|why| !why.is_empty()),
+    })
 }
 
 /// What a Promote's error status says. ALREADY_EXISTS (being promoted, or a primary already),
@@ -181,6 +189,35 @@ mod tests {
             let e = promote_error(tonic::Status::new(code, "x"));
             assert!(matches!(e, PromoteError::Unknown(_)), "{code:?}: {e:?}");
         }
+    }
+
+    #[test]
+    fn a_status_is_read_with_its_copy_and_whether_it_may_be_promoted() {
+        let answer = |not_promotable: &str| ReplicaStatusResponse {
+            role: "backup".into(),
+            term: 4,
+            copy_state: "complete".into(),
+            copy_term: 3,
+            generation: 2,
+            not_promotable: not_promotable.into(),
+            ..Default::default()
+        };
+        let s = member_status(answer("")).unwrap();
+        assert_eq!(
+            (s.role, s.term, s.copy_complete, s.copy_term, s.generation),
+            (Role::Backup, 4, true, 3, 2)
+        );
+        assert_eq!(s.not_promotable, None);
+        let s = member_status(answer("may pin only 1048576 bytes")).unwrap();
+        assert_eq!(
+            s.not_promotable.as_deref(),
+            Some("may pin only 1048576 bytes")
+        );
+        let unknown = ReplicaStatusResponse {
+            role: "witness".into(),
+            ..answer("")
+        };
+        assert!(member_status(unknown).is_err());
     }
 
     #[tokio::test]

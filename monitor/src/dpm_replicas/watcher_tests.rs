@@ -1096,22 +1096,47 @@ async fn a_backup_that_cannot_be_promoted_is_reported_while_the_primary_serves_a
     let w = World::new(true);
     let mut watcher = w.watcher();
     w.steady();
-    w.answers(B1, unpromotable(3));
     assert_eq!(watcher.round().await, Outcome::Serving { primary: 0 });
+    assert_eq!(watcher.unpromotable_reports, 0, "nothing to say");
+    w.answers(B1, unpromotable(3));
+    watcher.round().await;
     assert_eq!(watcher.unpromotable_reports, 1);
+    assert_eq!(watcher.unpromotable_said, (vec![1], false), "a warning");
     watcher.round().await;
     assert_eq!(watcher.unpromotable_reports, 1, "logged once per change");
-    // b2 too: no backup could take over, said before the primary dies.
+    // b1 misses a status: it keeps its verdict, nothing is logged again.
+    w.silent(B1);
+    watcher.round().await;
+    w.answers(B1, unpromotable(3));
+    watcher.round().await;
+    assert_eq!(watcher.unpromotable_reports, 1);
+    // b2 too: no failover possible, said before the primary dies (an error).
     w.answers(B2, unpromotable(3));
     watcher.round().await;
     assert_eq!(watcher.unpromotable_reports, 2);
-    // b2's limit raised (each status reads it anew): said again, as a warning.
-    w.answers(B2, backup(3));
+    assert_eq!(watcher.unpromotable_said, (vec![1, 2], true));
+    // A new leader says it again.
+    w.with(|s| s.leads = false);
+    assert_eq!(watcher.round().await, Outcome::Standby);
+    w.with(|s| s.leads = true);
     watcher.round().await;
     assert_eq!(watcher.unpromotable_reports, 3);
-    // p dies: b2 is promoted in the first failover round; b1 is never asked.
+    // Their limits raised (each status reads it anew): said once, and once only.
+    w.steady();
+    watcher.round().await;
+    watcher.round().await;
+    assert_eq!(watcher.unpromotable_reports, 4);
+    assert_eq!(watcher.unpromotable_said, (vec![], false));
+    // b1 again; then p dies: nothing more is logged about it (the plan says what a failover
+    // finds), b2 is promoted in the first failover round, and b1 is never asked.
+    w.answers(B1, unpromotable(3));
+    watcher.round().await;
+    assert_eq!(watcher.unpromotable_reports, 5);
     w.silent(P);
+    w.answers(B2, unpromotable(3));
     assert!(matches!(watcher.round().await, Outcome::Waiting(_)));
+    assert_eq!(watcher.unpromotable_reports, 5);
+    w.answers(B2, backup(3));
     tokio::time::sleep(AFTER + Duration::from_millis(20)).await;
     assert_eq!(watcher.round().await, Outcome::Promoted { member: 2 });
     assert_eq!(promoted(&w.calls()), vec![B2]);
