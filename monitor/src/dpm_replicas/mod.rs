@@ -319,9 +319,10 @@ pub struct Watcher {
     unserved_reported: bool,
     /// How many times it was logged (tests).
     unserved_reports: u64,
-    /// The backups in sync last logged as saying they cannot be promoted, and whether that is
-    /// every backup in sync ([`Watcher::report_unpromotable`]); empty until one is.
-    unpromotable_said: (Vec<usize>, bool),
+    /// The backups in sync last logged as saying they cannot be promoted (each with why), and
+    /// whether that is every backup in sync ([`Watcher::report_unpromotable`]); empty until
+    /// one is.
+    unpromotable_said: (Vec<(usize, String)>, bool),
     /// How many times a change of it was logged (tests).
     unpromotable_reports: u64,
     /// The member whose pod carries the primary label, under which term, since when: labelled
@@ -591,47 +592,56 @@ impl Watcher {
     /// Logs, when it changes, which backups in sync with the serving primary say they cannot
     /// be promoted (a verbs backup that may not pin its pool), before the primary dies: a
     /// failover skips them, and when that is every backup in sync it would find none (an
-    /// error then). A member that does not answer this round keeps its last verdict,
-    /// so one missed status does not log the warning again.
+    /// error then). A member still in sync that does not answer this round keeps its last
+    /// verdict, so one missed status does not log the warning again.
     fn report_unpromotable(&mut self, seen: &[Seen], p: plan::Promotability) {
         let (said, _) = &self.unpromotable_said;
-        let mut members: Vec<usize> = p.unpromotable.iter().map(|(m, _)| *m).collect();
-        members.extend(said.iter().filter(|&&m| seen[m].is_err()));
-        members.sort_unstable();
+        let silent_since: Vec<(usize, String)> = said
+            .iter()
+            .filter(|(m, _)| seen[*m].is_err() && p.in_sync.contains(m))
+            .cloned()
+            .collect();
+        let mut now = p.unpromotable.clone();
+        now.extend(silent_since.iter().cloned());
+        now.sort_unstable();
         // Every backup in sync says so (one silent or copying again may yet be promotable).
-        let none_could = members.len() == p.in_sync;
-        let now = (members, none_could);
-        if self.unpromotable_said == now {
+        let none_could = !now.is_empty() && now.len() == p.in_sync.len();
+        let same = |a: &[(usize, String)], b: &[(usize, String)]| {
+            a.iter().map(|(m, _)| m).eq(b.iter().map(|(m, _)| m))
+        };
+        if same(&now, said) && none_could == self.unpromotable_said.1 {
             return;
         }
-        let was_said = !self.unpromotable_said.0.is_empty();
-        self.unpromotable_said = now;
-        if p.unpromotable.is_empty() {
-            if was_said && self.unpromotable_said.0.is_empty() {
+        let was_said = !said.is_empty();
+        let reasons: Vec<String> = now
+            .iter()
+            .map(|(m, why)| match silent_since.iter().any(|(s, _)| s == m) {
+                true => format!("{}: {why} (said before; no answer now)", self.addresses[*m]),
+                false => format!("{}: {why}", self.addresses[*m]),
+            })
+            .collect();
+        let reasons = reasons.join("; ");
+        self.unpromotable_said = (now, none_could);
+        if self.unpromotable_said.0.is_empty() {
+            if was_said {
                 self.unpromotable_reports += 1;
                 tracing::info!("dpm replica set: no backup in sync says it cannot be promoted");
             }
             return;
         }
         self.unpromotable_reports += 1;
-        let reasons: Vec<String> = p
-            .unpromotable
-            .iter()
-            .map(|(m, why)| format!("{}: {why}", self.addresses[*m]))
-            .collect();
-        let reasons = reasons.join("; ");
         if none_could {
             tracing::error!(
                 "dpm replica set: every backup in sync says it cannot be promoted, so no \
-                 failover is possible if the primary dies ({reasons}). Raise the pin limit \
+                 failover is possible if the primary dies: {reasons}. Raise the pin limit \
                  (docs/operations.md, \"The verbs fabric\")"
             );
         } else {
             tracing::warn!(
                 "dpm replica set: a failover would skip backups in sync that say they cannot \
-                 be promoted ({reasons}); {} of {} in sync can be now",
+                 be promoted: {reasons}. {} of the {} in sync can be promoted now",
                 p.promotable,
-                p.in_sync
+                p.in_sync.len()
             );
         }
     }

@@ -689,8 +689,7 @@ fn decide(
             }
             if !cannot.is_empty() {
                 what.push(format!(
-                    "{} cannot be promoted ({}; raise the pin limit: docs/operations.md, \
-                     \"The verbs fabric\"; each status reads it anew)",
+                    "{} cannot be promoted ({})",
                     match cannot.len() {
                         1 => "one says it".to_string(),
                         n => format!("{n} say they"),
@@ -698,9 +697,17 @@ fn decide(
                     cannot.join("; ")
                 ));
             }
+            let raise = match cannot.is_empty() {
+                true => "",
+                false => {
+                    " Raise the pin limit of those that cannot (docs/operations.md, \"The verbs \
+                     fabric\"; each status reads it anew: one not refused yet is then \
+                     promoted)."
+                }
+            };
             return Plan::Stuck(format!(
                 "primary {} {why} for {} ms; of the backups in sync when it last served, {}, \
-                 and no other answers with a complete copy of its term {}: not promoting. \
+                 and no other answers with a complete copy of its term {}: not promoting.{raise} \
                  Bring the primary back, or promote a backup by hand (helm/README.md, \
                  \"Backups\")",
                 members[last.member],
@@ -767,7 +774,7 @@ fn unpromotable(seen: &[Seen], last: &Serving, generation: u64) -> Vec<(usize, S
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Promotability {
     /// Backups in sync with it when it was observed.
-    pub in_sync: usize,
+    pub in_sync: Vec<usize>,
     /// Backups in sync that a failover would promote: holding the observation, with no reason
     /// to refuse, not refused already.
     pub promotable: usize,
@@ -791,7 +798,7 @@ pub fn promotability(seen: &[Seen], mem: &Memory) -> Option<Promotability> {
         })
         .count();
     Some(Promotability {
-        in_sync: last.in_sync.len(),
+        in_sync: last.in_sync.clone(),
         promotable,
         unpromotable: unpromotable(seen, last, generation),
     })
@@ -1309,24 +1316,42 @@ mod tests {
         assert_eq!(
             promotability(&seen, &mem),
             Some(Promotability {
-                in_sync: 2,
+                in_sync: vec![1, 2],
                 promotable: 1,
                 unpromotable: vec![(1, why.clone())],
             })
         );
         // b2 copying again, silent, or refused already: it counts neither way.
-        mem.refused.push(2);
         for b2 in [backup(3, false, 3, 0), silent(), backup(3, true, 3, 0)] {
+            if b2 == backup(3, true, 3, 0) {
+                mem.refused.push(2);
+            }
             let seen = [p.clone(), unpromotable(), b2];
             assert_eq!(
                 promotability(&seen, &mem),
                 Some(Promotability {
-                    in_sync: 2,
+                    in_sync: vec![1, 2],
                     promotable: 0,
                     unpromotable: vec![(1, why.clone())],
                 })
             );
         }
+        mem.refused.clear();
+        // b1 of an older generation than b2's (removed from the set since): it would not be
+        // promoted whatever its limit, so it is not named.
+        let mut newer = backup(3, true, 3, 1);
+        if let Ok(s) = &mut newer {
+            s.not_promotable = Some(why.clone());
+        }
+        let seen = [p.clone(), unpromotable(), newer];
+        assert_eq!(
+            promotability(&seen, &mem),
+            Some(Promotability {
+                in_sync: vec![1, 2],
+                promotable: 0,
+                unpromotable: vec![(2, why.clone())],
+            })
+        );
     }
 
     #[test]

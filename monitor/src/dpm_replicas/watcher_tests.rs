@@ -1091,6 +1091,35 @@ async fn a_watcher_started_afresh_labels_no_primary_below_a_backups_term() {
     assert_eq!(w.take(), vec![Call::PointAt(B1.into())]);
 }
 
+/// Which backups the watcher last said cannot be promoted, and whether that was all in sync.
+fn said(watcher: &Watcher) -> (Vec<usize>, bool) {
+    let (members, none_could) = &watcher.unpromotable_said;
+    (members.iter().map(|(m, _)| *m).collect(), *none_could)
+}
+
+#[tokio::test]
+async fn a_silent_backup_keeps_its_verdict_only_while_it_is_in_sync() {
+    let w = World::new(true);
+    let mut watcher = w.watcher();
+    w.steady();
+    w.answers(B1, unpromotable(3));
+    watcher.round().await;
+    assert_eq!(said(&watcher), (vec![1], false));
+    // b1 dies and the primary drops it; b2 then says it cannot be promoted either: that is
+    // every backup in sync now (an error), b1 not counted.
+    w.silent(B1);
+    w.answers(P, primary_of(3, &[(B1, "failed"), (B2, "in-sync")]));
+    w.answers(B2, unpromotable(3));
+    watcher.round().await;
+    assert_eq!(said(&watcher), (vec![2], true));
+    // b1 back in sync and silent for a round: still not counted (its verdict was dropped).
+    w.steady();
+    w.silent(B1);
+    w.answers(B2, unpromotable(3));
+    watcher.round().await;
+    assert_eq!(said(&watcher), (vec![2], false));
+}
+
 #[tokio::test]
 async fn a_backup_that_cannot_be_promoted_is_reported_while_the_primary_serves_and_not_asked() {
     let w = World::new(true);
@@ -1101,7 +1130,7 @@ async fn a_backup_that_cannot_be_promoted_is_reported_while_the_primary_serves_a
     w.answers(B1, unpromotable(3));
     watcher.round().await;
     assert_eq!(watcher.unpromotable_reports, 1);
-    assert_eq!(watcher.unpromotable_said, (vec![1], false), "a warning");
+    assert_eq!(said(&watcher), (vec![1], false), "a warning");
     watcher.round().await;
     assert_eq!(watcher.unpromotable_reports, 1, "logged once per change");
     // b1 misses a status: it keeps its verdict, nothing is logged again.
@@ -1114,7 +1143,7 @@ async fn a_backup_that_cannot_be_promoted_is_reported_while_the_primary_serves_a
     w.answers(B2, unpromotable(3));
     watcher.round().await;
     assert_eq!(watcher.unpromotable_reports, 2);
-    assert_eq!(watcher.unpromotable_said, (vec![1, 2], true));
+    assert_eq!(said(&watcher), (vec![1, 2], true), "an error");
     // A new leader says it again.
     w.with(|s| s.leads = false);
     assert_eq!(watcher.round().await, Outcome::Standby);
@@ -1126,7 +1155,7 @@ async fn a_backup_that_cannot_be_promoted_is_reported_while_the_primary_serves_a
     watcher.round().await;
     watcher.round().await;
     assert_eq!(watcher.unpromotable_reports, 4);
-    assert_eq!(watcher.unpromotable_said, (vec![], false));
+    assert_eq!(said(&watcher), (vec![], false));
     // b1 again; then p dies: nothing more is logged about it (the plan says what a failover
     // finds), b2 is promoted in the first failover round, and b1 is never asked.
     w.answers(B1, unpromotable(3));
