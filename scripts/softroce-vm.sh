@@ -8,7 +8,8 @@
 #   scripts/softroce-vm.sh [options] -- COMMAND [ARG...]
 #
 # Options:
-#   --dax            emulate a pmem device (memmap=SIZE!OFFSET), mkfs.ext4 it, mount -o dax at /run/pm
+#   --dax            emulate a pmem device (memmap=SIZE!OFFSET), mkfs.ext4 it, mount -o dax at
+#                    /run/pm; and mount an ext4 without DAX (a loop device) at /run/ext4
 #   --devdax         emulate the pmem device but configure it as device-DAX: /dev/dax0.0 (no
 #                    filesystem; needs ndctl, which the script installs)
 #   --pmem MB        size of the pmem device with --dax or --devdax (default 256)
@@ -20,10 +21,14 @@
 #
 # Inside the VM: TMPDIR=/run/tmp and /dev/shm (writable tmpfs; everything else is the host's
 # root, read only), DINOMO_VM=1, RDMA device rxe0 on eth0 (10.0.2.15/24), the working directory is the
-# caller's, with --dax /run/pm is ext4 -o dax on /dev/pmem0 (MAP_SYNC works), with --devdax
+# caller's, with --dax /run/pm is ext4 -o dax on /dev/pmem0 (MAP_SYNC works) and /run/ext4 is
+# a 256 MiB ext4 without DAX on a loop device (an ordinary disk's page cache), with --devdax
 # /dev/dax0.0 is a device-DAX character device (mmap it in 2 MiB multiples). RDMA memory
 # registration works on device-DAX mappings but not on fsdax files (long-term pins of fsdax
-# pages are refused with EOPNOTSUPP on this kernel).
+# pages are refused with EOPNOTSUPP on 6.1; from 6.5, pins for writing of page-cache file
+# pages, as on /run/ext4, are refused too, with EFAULT).
+# SOFTROCE_VM_KERNEL=<package> boots another kernel apt can download, e.g. bookworm-backports'
+# linux-image-6.12.95+deb12-amd64 (add bookworm-backports to apt's sources first).
 #
 # Everything comes from Debian: the kernel is the one linux-image-amd64 depends on (it has
 # rdma_rxe and nd_pmem as modules), fetched with apt-get download and unpacked into the cache
@@ -83,7 +88,9 @@ mkdir -p "$cache"
 
 # --- Kernel ----------------------------------------------------------------------------------
 kernel_pkg() { apt-cache depends linux-image-amd64 2>/dev/null | awk '/Depends: linux-image-[0-9]/ {print $2; exit}'; }
-kpkg=$(kernel_pkg)
+# SOFTROCE_VM_KERNEL names another kernel package (one apt can download: e.g. a backports
+# kernel, to run the tests against a newer kernel's rules on pinning).
+kpkg=${SOFTROCE_VM_KERNEL:-$(kernel_pkg)}
 if [ -z "$kpkg" ]; then
   as_root apt-get update -qq
   kpkg=$(kernel_pkg)
@@ -101,7 +108,7 @@ if [ ! -f "$kroot/root/boot/vmlinuz-$kver" ]; then
 fi
 
 # --- Initramfs: busybox, modules, and an init that sets up rxe0 (and pmem) --------------------
-mods="crc32_generic crc32c_generic virtio_pci virtio_net 9p 9pnet_virtio rdma_rxe ib_uverbs nd_pmem nd_e820 ext4 dax_pmem device_dax"
+mods="crc32_generic crc32c_generic virtio_pci virtio_net 9p 9pnet_virtio rdma_rxe ib_uverbs nd_pmem nd_e820 ext4 dax_pmem device_dax loop"
 read -r -d '' INIT <<'INIT' || true
 #!/bin/busybox sh
 /bin/busybox --install -s /bin
@@ -129,6 +136,14 @@ elif echo "$cmdline" | grep -q softroce_dax=1; then
     chmod 1777 /host/run/pm
   else
     echo "softroce-vm(guest): could not set up DAX pmem at /run/pm"; dmesg | grep -i -E 'pmem|nd_|dax' | tail -20
+  fi
+  # Beside it, an ordinary disk filesystem (ext4 in the page cache, on a loop device): the
+  # kind whose file pages kernels from 6.5 on do not let RDMA pin for writing.
+  if chroot /host /sbin/mkfs.ext4 -q -F /run/ext4.img 256M \
+     && mkdir -p /host/run/ext4 && mount -t ext4 -o loop /host/run/ext4.img /host/run/ext4; then
+    chmod 1777 /host/run/ext4
+  else
+    echo "softroce-vm(guest): could not set up the page-cache ext4 at /run/ext4"; dmesg | tail -5
   fi
 fi
 chroot /host /usr/bin/env TMPDIR=/run/tmp DINOMO_VM=1 /bin/sh "$runfile"
@@ -159,8 +174,11 @@ if [ ! -f "$initrd" ]; then
     echo "$base" >>"$order"
   done
   rmdir "$noconf"
+  # A module built into this kernel (virtio_pci from 6.12 on) needs no file.
+  builtin=$kroot/root/lib/modules/$kver/modules.builtin
   for m in $mods libnvdimm; do
-    grep -q -x "$m.ko" "$order" || { log "module $m is missing from the initramfs"; exit 1; }
+    grep -q -x "$m.ko" "$order" || grep -q "/$m.ko\$" "$builtin" 2>/dev/null ||
+      { log "module $m is missing from the initramfs"; exit 1; }
   done
   printf '%s\n' "$INIT" >"$ird/init" && chmod +x "$ird/init"
   (cd "$ird" && find . | cpio -o -H newc 2>/dev/null | gzip -1 >"$initrd.tmp") && mv "$initrd.tmp" "$initrd"

@@ -21,11 +21,12 @@
 # e.g. to add the dpm-node's DAX tests (tests/dax.rs) and one unit test of its library:
 #   scripts/vm-tests.sh dinomo-dpm-node:dax 'dinomo-dpm-node:lib:pool::tests::reopen --exact'
 #
-# Inside the VM every binary runs with --nocapture and TMPDIR=/run/tmp, DINOMO_VM=1 and
-# DINOMO_PM_DIR=/run/pm set. Tests that need the VM should skip (printing why) when those are
+# Inside the VM every binary runs with --nocapture and TMPDIR=/run/tmp, DINOMO_VM=1,
+# DINOMO_VM_TESTS=1, DINOMO_PM_DIR=/run/pm (ext4 with DAX) and DINOMO_PAGE_CACHE_DIR=/run/ext4
+# (ext4 without) set. Tests that need the VM should skip (printing why) when those are
 # absent, and fail when DINOMO_VM=1 but the device or directory is missing (fabric/tests/verbs.rs
 # shows the pattern). Environment: VM_TESTS_TIMEOUT (seconds per binary, default 300),
-# SOFTROCE_VM_CACHE (the VM's cache, see softroce-vm.sh).
+# SOFTROCE_VM_CACHE (the VM's cache) and SOFTROCE_VM_KERNEL (another kernel): see softroce-vm.sh.
 set -euo pipefail
 
 here=$(cd "$(dirname "$0")" && pwd)
@@ -118,10 +119,11 @@ t_build=$(date +%s)
 inner=$work/inner.sh
 cat >"$inner" <<'EOF'
 #!/bin/sh
-export DINOMO_PM_DIR=/run/pm RUST_BACKTRACE=1
+export DINOMO_VM_TESTS=1 DINOMO_PM_DIR=/run/pm DINOMO_PAGE_CACHE_DIR=/run/ext4 RUST_BACKTRACE=1
 fails=0
 echo "VMTEST-INFO kernel=$(uname -r) cpus=$(nproc) rdma=$(ls /sys/class/infiniband 2>/dev/null | tr '\n' ' ')"
 mount | grep -q " /run/pm .*dax" || echo "VMTEST-INFO no DAX mount at /run/pm"
+mount | grep -q " /run/ext4 " || echo "VMTEST-INFO no page-cache ext4 at /run/ext4"
 EOF
 i=0
 for spec in "${specs[@]}"; do

@@ -135,6 +135,35 @@ impl Nic {
         let capacity = crate::verbs_pins::check_this_process(dpm.pool().superblock())
             .map_err(|e| DpmError::Config(format!("fabric = \"verbs\": {e}")))?;
         crate::verbs_pins::log_capacity("this process", capacity);
+        // From Linux 6.5 on the kernel refuses RDMA's long-term pins of file pages that it
+        // tracks dirty (a pool file on an ordinary disk filesystem): every KN's write window
+        // would fail to register. The kernel decides per mapping, and the pool is one: its
+        // first page (the superblock), registered for writes as a window is, finds that now.
+        let checked = {
+            let (device, region) = (dpm.config.rdma_device.clone(), region.clone());
+            let page = dinomo_layout::superblock::SUPERBLOCK_SIZE;
+            tokio::task::spawn_blocking(move || {
+                dinomo_fabric::verbs::check_registration(device.as_deref(), &region, page)
+            })
+            .await
+            .map_err(|e| DpmError::Io(std::io::Error::other(e)))?
+        };
+        if let Err(e) = checked {
+            // EFAULT is that refusal; any other error says what it is by itself.
+            let hint = match e.to_string().contains("(os error 14)") {
+                true => {
+                    ". Linux 6.5 and later do not let RDMA pin, for writing, the pages of a \
+                     file on an ordinary disk filesystem (ext4 or xfs without DAX); put the \
+                     pool on a device-DAX device (/dev/daxX.Y) for persistent memory, or on \
+                     tmpfs (which does not survive a reboot)"
+                }
+                false => "",
+            };
+            return Err(DpmError::Config(format!(
+                "fabric = \"verbs\" cannot serve {}: {e}{hint}",
+                region.path().display()
+            )));
+        }
         let nic = VerbsNic::start_on(
             dpm.config.rdma_device.as_deref(),
             dpm.config.fabric_listen,
@@ -499,8 +528,10 @@ fn registrable(
     config: &DpmConfig,
     region: Arc<dinomo_fabric::PmRegion>,
 ) -> std::result::Result<(), String> {
-    let device = dinomo_fabric::verbs::check_registration(config.rdma_device.as_deref(), &region)
-        .map_err(|e| format!("{e}"))?;
+    let whole = region.len();
+    let device =
+        dinomo_fabric::verbs::check_registration(config.rdma_device.as_deref(), &region, whole)
+            .map_err(|e| format!("{e}"))?;
     tracing::info!(device, "checked: this backup's RDMA device registers pool files beside its pool (it serves verbs once promoted)");
     Ok(())
 }

@@ -147,14 +147,19 @@ pub use caller::VerbsFabric;
 pub use device::device_names;
 pub use nic::VerbsNic;
 
-/// Registers all of `region` for remote writes on the RDMA device `device` (`None`:
-/// `DINOMO_RDMA_DEVICE`, else the first), as the NIC does for every KN that connects, and
-/// releases it; returns the device's name. For a node that must be able to serve verbs later
-/// (a backup, once promoted) to find out now what would stop it then: no such device, a
-/// locked-memory limit below the region's size, or a kernel that does not let RDMA pin pages
-/// of the region's file (files on DAX filesystems; on recent kernels, files on filesystems
-/// that track dirty pages).
-pub fn check_registration(device: Option<&str>, region: &Arc<PmRegion>) -> Result<String> {
+/// Registers the first `bytes` of `region` (all of it, at most) for remote writes on the RDMA
+/// device `device` (`None`: `DINOMO_RDMA_DEVICE`, else the first), as the NIC does for every
+/// KN that connects, and releases them; returns the device's name. For a node to find out now
+/// what would stop it from serving KNs later: no such device, a locked-memory limit below
+/// `bytes`, or a kernel that does not let RDMA pin pages of the region's file (files on DAX
+/// filesystems; from Linux 6.5 on, files of filesystems that track dirty pages, such as ext4
+/// without DAX: one page finds that).
+pub fn check_registration(
+    device: Option<&str>,
+    region: &Arc<PmRegion>,
+    bytes: u64,
+) -> Result<String> {
+    let bytes = bytes.min(region.len());
     let opening = |e: FabricError| FabricError::Config(format!("opening the RDMA device: {e}"));
     let dev = device::Device::open(device).map_err(opening)?;
     let pd = dev.alloc_pd().map_err(opening)?;
@@ -162,15 +167,14 @@ pub fn check_registration(device: Option<&str>, region: &Arc<PmRegion>) -> Resul
         &pd,
         region,
         0,
-        region.len(),
+        bytes,
         sideway::ibverbs::AccessFlags::RemoteWrite,
     )
     .map_err(|e| {
         FabricError::Config(format!(
-            "the RDMA device {} cannot register {} ({} bytes) for remote writes: {e}",
+            "the RDMA device {} cannot register {} ({bytes} bytes) for remote writes: {e}",
             dev.name,
             region.path().display(),
-            region.len()
         ))
     })?;
     Ok(dev.name)
